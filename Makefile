@@ -1,0 +1,37 @@
+# Two commands matter: `make run` (tokengate on embedded defaults) and `make test` (everything).
+VENV := .venv
+BIN := $(VENV)/bin
+CONFIG ?=
+
+.PHONY: setup run test lint typecheck unit demo bench clean
+
+setup:
+	bash scripts/bootstrap.sh
+
+run: setup
+	$(BIN)/tokengate serve $(if $(CONFIG),--config $(CONFIG),)
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: setup
+	$(BIN)/mypy
+
+unit: setup
+	$(BIN)/pytest -q
+
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/pytest -q
+
+demo: setup
+	$(BIN)/tokengate demo
+
+bench: setup
+	$(BIN)/python loadtest/bench_overhead.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

@@ -1,0 +1,193 @@
+"""The budget-store contract: data that crosses the seam and the protocol both stores implement.
+
+A *pool* is a named token budget. A request's *demand* names every pool it must hold tokens
+in (its tenant's pool, the backend pool its class routes to, optionally a class pool) and is
+granted all-or-nothing. A granted demand is a *lease*; it is held until released exactly once,
+or until it expires without heartbeats and is reaped.
+
+Pool names are namespaced by kind so a tenant and a backend pool can share a name:
+``tenant:<name>``, ``backend:<name>``, ``class:<name>`` (see :func:`tenant_pool` etc.).
+Tier ceilings apply to shared pools only; a tenant's own pool is private to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+def tenant_pool(tenant: str) -> str:
+    return f"tenant:{tenant}"
+
+
+def backend_pool(pool: str) -> str:
+    return f"backend:{pool}"
+
+
+def class_pool(klass: str) -> str:
+    return f"class:{klass}"
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    name: str
+    capacity: int
+    # Shared pools (backend and class pools) enforce tier ceilings and backfill/starvation rules;
+    # a tenant's private pool does not, and a ticket blocked only by its private pool never
+    # holds capacity elsewhere.
+    shared: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class TierSpec:
+    name: str
+    rank: int  # lower rank is served first
+    ceiling: float = 1.0  # share of a shared pool's capacity this tier may fill, 0 < ceiling <= 1
+    max_queue_wait_s: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class TenantSpec:
+    name: str
+    weight: float = 1.0  # fair-share weight (service is divided by it)
+    max_queue_len: int = 64  # waiting tickets per tenant before 429
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySpec:
+    # Virtual Token Counter weights (Sheng et al., OSDI 2024): service = wp*prefill + wd*decode.
+    prefill_weight: float = 1.0
+    decode_weight: float = 2.0
+    # How long a ticket blocked on a shared pool may be passed by smaller ones (backfill) before
+    # capacity is held for it so it cannot starve.
+    backfill_limit_s: float = 2.0
+    lease_ttl_s: float = 10.0
+    # Bound on tickets examined per grant pass (keeps one pass O(limit), also in Lua).
+    max_scan: int = 256
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetLayout:
+    """Everything a store needs to know about pools, tiers and tenants. Replaced as a whole."""
+
+    pools: Mapping[str, PoolSpec]
+    tiers: Mapping[str, TierSpec]
+    tenants: Mapping[str, TenantSpec]
+    policy: PolicySpec = field(default_factory=PolicySpec)
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    tenant: str
+    tier: str
+    pools: tuple[str, ...]  # every pool to acquire from, all or nothing
+    prefill: int
+    decode: int
+
+    @property
+    def cost(self) -> int:
+        return self.prefill + self.decode
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    id: str
+    demand: Demand
+    granted_at: float  # store clock (seconds)
+    queued_s: float  # time spent waiting as a ticket
+
+
+@dataclass(frozen=True, slots=True)
+class PoolState:
+    name: str
+    capacity: int
+    in_flight: int
+    shared: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSnapshot:
+    pools: Mapping[str, PoolState]
+    queue_depth: Mapping[str, int]  # tier -> waiting tickets
+    tenant_queue_depth: Mapping[str, int]
+    virtual_service: Mapping[str, float]  # tenant -> VTC counter
+    leases: int
+
+
+# ---- errors: each maps to one HTTP status in the gateway ----
+
+
+class AdmissionError(Exception):
+    """Base of every refusal; ``status`` is the HTTP status the gateway answers with."""
+
+    status = 429
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+class NeverFits(AdmissionError):
+    """The cost exceeds what a pool can ever grant (capacity, or the tier's ceiling of it)."""
+
+    status = 413
+
+    def __init__(self, message: str, pool: str, cost: int, limit: int) -> None:
+        super().__init__(message)
+        self.pool = pool
+        self.cost = cost
+        self.limit = limit
+
+
+class QueueFull(AdmissionError):
+    status = 429
+
+
+class QueueTimeout(AdmissionError):
+    status = 429
+
+
+class UnknownTenantOrTier(AdmissionError):
+    status = 400
+
+
+class StoreUnavailable(AdmissionError):
+    status = 503
+
+
+@runtime_checkable
+class BudgetStore(Protocol):
+    """Cluster-wide (redis) or process-local (memory) token pools with one wait queue.
+
+    Contract (both stores pass the same suite in tests/budgets):
+    - ``acquire`` grants the demand from every named pool atomically, now or after waiting in
+      rank order (tier, then fair share, then arrival). It raises NeverFits at once when the cost
+      can never fit, QueueFull when the tenant's queue is full, QueueTimeout after
+      ``max_wait_s``. If the awaiting task is cancelled the ticket is withdrawn, and a grant that
+      raced the cancellation is released: nothing leaks.
+    - ``release`` is idempotent by lease id: True the first time, False afterwards.
+      ``actual_decode`` (the real output tokens, when known) corrects the tenant's fair-share
+      counter for the difference from the reserved decode.
+    - ``heartbeat`` extends live leases; leases not renewed within ``lease_ttl_s`` are reaped
+      (by ``reap_expired`` and by the store's own background task) and their tokens returned.
+    """
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def apply_layout(self, layout: BudgetLayout) -> None: ...
+
+    async def acquire(self, demand: Demand, max_wait_s: float) -> Lease: ...
+
+    async def release(self, lease_id: str, actual_decode: int | None = None) -> bool: ...
+
+    async def heartbeat(self, lease_ids: Sequence[str]) -> None: ...
+
+    async def reap_expired(self) -> int: ...
+
+    async def snapshot(self) -> StoreSnapshot: ...
+
+    async def healthy(self) -> bool: ...
