@@ -1,1 +1,47 @@
+"""Token pools: the store contract, the grant policy and the in-memory store."""
 
+from budgets.memory import MemoryStore
+from budgets.types import (
+    AdmissionError,
+    BudgetLayout,
+    BudgetStore,
+    Demand,
+    Lease,
+    NeverFits,
+    PolicySpec,
+    PoolSpec,
+    PoolState,
+    QueueFull,
+    QueueTimeout,
+    StoreSnapshot,
+    StoreUnavailable,
+    TenantSpec,
+    TierSpec,
+    UnknownTenantOrTier,
+    backend_pool,
+    class_pool,
+    tenant_pool,
+)
+
+__all__ = [
+    "AdmissionError",
+    "BudgetLayout",
+    "BudgetStore",
+    "Demand",
+    "Lease",
+    "MemoryStore",
+    "NeverFits",
+    "PolicySpec",
+    "PoolSpec",
+    "PoolState",
+    "QueueFull",
+    "QueueTimeout",
+    "StoreSnapshot",
+    "StoreUnavailable",
+    "TenantSpec",
+    "TierSpec",
+    "UnknownTenantOrTier",
+    "backend_pool",
+    "class_pool",
+    "tenant_pool",
+]

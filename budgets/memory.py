@@ -1,0 +1,266 @@
+"""The embedded, process-local BudgetStore: budgets.policy plus futures for waiters and a reaper.
+
+Everything that touches the state runs synchronously on the event loop thread, between awaits, so a
+grant pass is atomic without locks. Two clocks are involved on purpose: the injectable ``clock``
+drives every decision (ticket age for backfill, lease expiry, release rates), while ``max_wait_s``
+and the reaper's period are real event-loop time (they are about how long a caller waits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from budgets import policy
+from budgets.retry import ReleaseRate, retry_after
+from budgets.types import (
+    BudgetLayout,
+    Demand,
+    Lease,
+    PoolState,
+    QueueFull,
+    QueueTimeout,
+    StoreSnapshot,
+    StoreUnavailable,
+)
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Live:
+    lease: Lease
+    expires_at: float
+
+
+class MemoryStore:
+    def __init__(
+        self,
+        layout: BudgetLayout,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        reap_interval_s: float | None = None,
+    ) -> None:
+        self._clock = clock
+        self._state = policy.PolicyState(layout)
+        self._leases: dict[str, _Live] = {}
+        self._waiters: dict[int, asyncio.Future[Lease]] = {}
+        self._rates: dict[str, ReleaseRate] = {}
+        # Default: a quarter of the TTL, so an abandoned lease lives at most ~1.25 TTL.
+        self._reap_interval_s = reap_interval_s
+        self._reaper: asyncio.Task[None] | None = None
+        self._started = False
+        self._closed = False
+        # A random prefix per store keeps ids unique across restarts and replicas; the counter
+        # keeps minting cheap.
+        self._id_prefix = secrets.token_hex(6)
+        self._id_counter = itertools.count(1)
+
+    # ---- lifecycle ----
+
+    async def start(self) -> None:
+        if self._closed:
+            raise StoreUnavailable("store is closed")
+        if self._reaper is None:
+            self._reaper = asyncio.get_running_loop().create_task(self._reap_forever(), name="budget-reaper")
+        self._started = True
+
+    async def close(self) -> None:
+        self._closed = True
+        self._started = False
+        reaper, self._reaper = self._reaper, None
+        if reaper is not None:
+            reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reaper
+        waiters, self._waiters = self._waiters, {}
+        for seq, fut in waiters.items():
+            policy.withdraw(self._state, seq)
+            if not fut.done():
+                fut.set_exception(StoreUnavailable("shutting down"))
+
+    async def healthy(self) -> bool:
+        return self._started and not self._closed
+
+    async def apply_layout(self, layout: BudgetLayout) -> None:
+        self._state.layout = layout
+        for ticket, err in policy.drop_invalid(self._state):
+            fut = self._waiters.pop(ticket.seq, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(err)
+        self._grant(self._clock())
+
+    # ---- acquire / release ----
+
+    async def acquire(self, demand: Demand, max_wait_s: float) -> Lease:
+        if self._closed:
+            raise StoreUnavailable("shutting down")
+        state = self._state
+        policy.check_demand(state.layout, demand)
+        now = self._clock()
+        if policy.grant_immediately(state, demand):
+            return self._mint(demand, now, now)
+        tenant = state.layout.tenants[demand.tenant]
+        queued = state.tenant_waiting.get(demand.tenant, 0)
+        if queued >= tenant.max_queue_len:
+            raise QueueFull(
+                f"tenant {demand.tenant} already has {queued} requests waiting (max_queue_len "
+                f"{tenant.max_queue_len})",
+                retry_after_s=retry_after(state, demand, self._rates, now),
+            )
+        ticket = policy.enqueue(state, demand, now)
+        mine = self._grant(now, own=ticket.seq)
+        if mine is not None:
+            return mine
+        wait_s = min(max_wait_s, state.layout.tiers[demand.tier].max_queue_wait_s)
+        if wait_s > 0:
+            fut: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
+            self._waiters[ticket.seq] = fut
+            try:
+                await asyncio.wait((fut,), timeout=wait_s)
+            except asyncio.CancelledError:
+                self._abandon(ticket.seq, fut)
+                raise
+            if fut.done():
+                return fut.result()
+            del self._waiters[ticket.seq]
+        now = self._clock()
+        self._withdraw(ticket.seq, now)
+        raise QueueTimeout(
+            f"waited {wait_s:.3g}s for {demand.cost} tokens in tier {demand.tier} without a grant",
+            retry_after_s=retry_after(state, demand, self._rates, now),
+        )
+
+    async def release(self, lease_id: str, actual_decode: int | None = None) -> bool:
+        live = self._leases.pop(lease_id, None)
+        if live is None:
+            return False
+        now = self._clock()
+        self._return(live.lease.demand, actual_decode, now)
+        self._grant(now)
+        return True
+
+    async def heartbeat(self, lease_ids: Sequence[str]) -> None:
+        expires_at = self._clock() + self._state.layout.policy.lease_ttl_s
+        for lease_id in lease_ids:
+            live = self._leases.get(lease_id)
+            if live is not None:
+                live.expires_at = expires_at
+
+    async def reap_expired(self) -> int:
+        """Return expired leases' tokens to their pools; the number of leases reaped."""
+        return self._reap()
+
+    async def snapshot(self) -> StoreSnapshot:
+        state = self._state
+        layout = state.layout
+        pools = {
+            name: PoolState(name, spec.capacity, state.in_flight.get(name, 0), spec.shared)
+            for name, spec in layout.pools.items()
+        }
+        # Pools removed by a layout change while leases still hold tokens in them: capacity 0.
+        for name, used in state.in_flight.items():
+            if name not in pools:
+                pools[name] = PoolState(name, 0, used, True)
+        queue_depth = dict.fromkeys(layout.tiers, 0)
+        for ticket in state.waiting.values():
+            queue_depth[ticket.demand.tier] = queue_depth.get(ticket.demand.tier, 0) + 1
+        tenant_depth = dict.fromkeys(layout.tenants, 0)
+        tenant_depth.update(state.tenant_waiting)
+        return StoreSnapshot(
+            pools=pools,
+            queue_depth=queue_depth,
+            tenant_queue_depth=tenant_depth,
+            virtual_service=dict(state.counters),
+            leases=len(self._leases),
+        )
+
+    # ---- internals (synchronous: each runs atomically on the loop) ----
+
+    def _mint(self, demand: Demand, now: float, enqueued_at: float) -> Lease:
+        lease = Lease(
+            id=f"{self._id_prefix}-{next(self._id_counter):x}",
+            demand=demand,
+            granted_at=now,
+            queued_s=now - enqueued_at,
+        )
+        self._leases[lease.id] = _Live(lease, now + self._state.layout.policy.lease_ttl_s)
+        return lease
+
+    def _grant(self, now: float, own: int | None = None) -> Lease | None:
+        """Run a grant pass and hand each grant to its waiter; returns ``own``'s lease if granted."""
+        mine: Lease | None = None
+        orphaned = False
+        for ticket in policy.grant_pass(self._state, now):
+            lease = self._mint(ticket.demand, now, ticket.enqueued_at)
+            if ticket.seq == own:
+                mine = lease
+                continue
+            fut = self._waiters.pop(ticket.seq, None)
+            if fut is None or fut.done():
+                # Nobody can take it any more: give it straight back, then pass again.
+                self._drop_lease(lease.id, now)
+                orphaned = True
+            else:
+                fut.set_result(lease)
+        if orphaned:
+            self._grant(now)
+        return mine
+
+    def _drop_lease(self, lease_id: str, now: float) -> None:
+        live = self._leases.pop(lease_id, None)
+        if live is not None:
+            self._return(live.lease.demand, None, now)
+
+    def _return(self, demand: Demand, actual_decode: int | None, now: float) -> None:
+        policy.release(self._state, demand, actual_decode)
+        cost = demand.cost
+        for name in demand.pools:
+            meter = self._rates.get(name)
+            if meter is None:
+                meter = self._rates[name] = ReleaseRate()
+            meter.add(cost, now)
+
+    def _withdraw(self, seq: int, now: float) -> None:
+        # A withdrawn ticket may have been holding pools for itself: others may now be granted.
+        if policy.withdraw(self._state, seq) is not None:
+            self._grant(now)
+
+    def _abandon(self, seq: int, fut: asyncio.Future[Lease]) -> None:
+        """The waiter was cancelled: withdraw its ticket, or give back a grant that raced it."""
+        self._waiters.pop(seq, None)
+        now = self._clock()
+        if fut.done():
+            if not fut.cancelled() and fut.exception() is None:
+                self._drop_lease(fut.result().id, now)
+                self._grant(now)
+        else:
+            fut.cancel()
+            self._withdraw(seq, now)
+
+    def _reap(self) -> int:
+        now = self._clock()
+        expired = [lease_id for lease_id, live in self._leases.items() if live.expires_at <= now]
+        for lease_id in expired:
+            self._drop_lease(lease_id, now)
+        if expired:
+            self._grant(now)
+        return len(expired)
+
+    async def _reap_forever(self) -> None:
+        while True:
+            interval = self._reap_interval_s
+            if interval is None:
+                interval = max(0.05, self._state.layout.policy.lease_ttl_s / 4)
+            await asyncio.sleep(interval)
+            try:
+                self._reap()
+            except Exception:
+                # A dead reaper would leak every abandoned lease from now on: log and keep going.
+                _log.exception("budget reaper failed")

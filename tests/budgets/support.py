@@ -1,0 +1,103 @@
+"""Shared helpers for the budgets tests: a drivable clock, layout builders, polling."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable
+
+from budgets.types import (
+    BudgetLayout,
+    BudgetStore,
+    Demand,
+    PolicySpec,
+    PoolSpec,
+    TenantSpec,
+    TierSpec,
+)
+
+
+class FakeClock:
+    """A clock the test advances by hand; stores read it for ages, expiries and rates."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+TIERS = {
+    "critical": TierSpec("critical", rank=0, ceiling=1.0, max_queue_wait_s=30.0),
+    "standard": TierSpec("standard", rank=1, ceiling=0.9, max_queue_wait_s=60.0),
+    "batch": TierSpec("batch", rank=2, ceiling=0.7, max_queue_wait_s=600.0),
+}
+# One tier with no ceiling, for tests about fairness and backfill only.
+FLAT = {"std": TierSpec("std", rank=0, ceiling=1.0, max_queue_wait_s=30.0)}
+
+
+def shared(name: str, capacity: int) -> PoolSpec:
+    return PoolSpec(name, capacity, shared=True)
+
+
+def private(name: str, capacity: int) -> PoolSpec:
+    return PoolSpec(name, capacity, shared=False)
+
+
+def layout(
+    pools: Iterable[PoolSpec],
+    tenants: Iterable[str | TenantSpec],
+    tiers: dict[str, TierSpec] | None = None,
+    **policy: float,
+) -> BudgetLayout:
+    specs = [t if isinstance(t, TenantSpec) else TenantSpec(t) for t in tenants]
+    return BudgetLayout(
+        pools={p.name: p for p in pools},
+        tiers=dict(TIERS if tiers is None else tiers),
+        tenants={t.name: t for t in specs},
+        policy=PolicySpec(**policy),  # type: ignore[arg-type]
+    )
+
+
+def demand(tenant: str, cost: int, *pools: str, tier: str = "critical", decode: int = 0) -> Demand:
+    return Demand(tenant=tenant, tier=tier, pools=pools, prefill=cost - decode, decode=decode)
+
+
+async def eventually(predicate: Callable[[], bool | Awaitable[bool]], timeout_s: float = 2.0) -> None:
+    """Poll until ``predicate`` holds: stores may hand grants over asynchronously (pub/sub)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        result = predicate()
+        if not isinstance(result, bool):
+            result = await result
+        if result:
+            return
+        if loop.time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.001)
+
+
+async def in_flight(store: BudgetStore, pool: str) -> int:
+    return (await store.snapshot()).pools[pool].in_flight
+
+
+async def waiting(store: BudgetStore) -> int:
+    return sum((await store.snapshot()).queue_depth.values())
+
+
+async def wait_queued(store: BudgetStore, n: int) -> None:
+    async def check() -> bool:
+        return await waiting(store) == n
+
+    await eventually(check)
+
+
+async def assert_idle(store: BudgetStore) -> None:
+    """Nothing leaked: every pool at zero, no lease, no ticket."""
+    snap = await store.snapshot()
+    assert {name: p.in_flight for name, p in snap.pools.items() if p.in_flight} == {}
+    assert snap.leases == 0
+    assert sum(snap.queue_depth.values()) == 0

@@ -1,0 +1,143 @@
+"""Store contract: lease expiry, heartbeats, the background reaper and live layout changes."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from budgets.types import NeverFits, TierSpec, UnknownTenantOrTier
+from tests.budgets.conftest import StoreFactory
+from tests.budgets.support import (
+    FakeClock,
+    assert_idle,
+    demand,
+    eventually,
+    in_flight,
+    layout,
+    shared,
+    wait_queued,
+    waiting,
+)
+
+P = "backend:p"
+Q = "backend:q"
+
+
+async def test_expired_leases_are_reaped(store_factory: StoreFactory, clock: FakeClock) -> None:
+    store = await store_factory(layout([shared(P, 100)], ["a"], lease_ttl_s=5.0))
+    lease = await store.acquire(demand("a", 40, P), 1)
+    clock.advance(4.9)
+    assert await store.reap_expired() == 0
+    clock.advance(0.2)
+    assert await store.reap_expired() == 1
+    assert await store.release(lease.id) is False  # already reaped
+    await assert_idle(store)
+
+
+async def test_heartbeat_keeps_a_lease_alive(store_factory: StoreFactory, clock: FakeClock) -> None:
+    store = await store_factory(layout([shared(P, 100)], ["a"], lease_ttl_s=5.0))
+    alive = await store.acquire(demand("a", 10, P), 1)
+    dead = await store.acquire(demand("a", 20, P), 1)
+    for _ in range(3):
+        clock.advance(4.0)
+        await store.heartbeat([alive.id, "unknown-lease"])
+    assert await store.reap_expired() == 1
+    assert await in_flight(store, P) == 10
+    assert await store.release(dead.id) is False
+    assert await store.release(alive.id) is True
+    await assert_idle(store)
+
+
+async def test_reaping_grants_waiters(store_factory: StoreFactory, clock: FakeClock) -> None:
+    store = await store_factory(layout([shared(P, 100)], ["a", "b"], lease_ttl_s=5.0))
+    await store.acquire(demand("b", 100, P), 1)  # its owner "crashes": never released
+    task = asyncio.create_task(store.acquire(demand("a", 60, P), 10))
+    await wait_queued(store, 1)
+    clock.advance(5.0)
+    await store.heartbeat([])  # nothing renewed
+    assert await store.reap_expired() == 1
+    lease = await asyncio.wait_for(task, 2)
+    assert await in_flight(store, P) == 60
+    await store.release(lease.id)
+    await assert_idle(store)
+
+
+async def test_background_reaper_runs_between_start_and_close(
+    store_factory: StoreFactory, clock: FakeClock
+) -> None:
+    store = await store_factory(layout([shared(P, 100)], ["a"], lease_ttl_s=0.2))
+    await store.acquire(demand("a", 30, P), 1)
+    clock.advance(1.0)
+
+    async def drained() -> bool:
+        return await in_flight(store, P) == 0
+
+    await eventually(drained, timeout_s=3.0)
+    await assert_idle(store)
+
+
+async def test_apply_layout_grows_capacity_and_grants_waiters(store_factory: StoreFactory) -> None:
+    before = layout([shared(P, 100)], ["a", "b"])
+    store = await store_factory(before)
+    held = await store.acquire(demand("b", 60, P), 1)
+    task = asyncio.create_task(store.acquire(demand("a", 60, P), 10))
+    await wait_queued(store, 1)
+    await store.apply_layout(layout([shared(P, 200)], ["a", "b"]))
+    lease = await asyncio.wait_for(task, 2)
+    snap = await store.snapshot()
+    assert (snap.pools[P].capacity, snap.pools[P].in_flight) == (200, 120)  # the old lease stays
+    for x in (held, lease):
+        assert await store.release(x.id)
+    await assert_idle(store)
+
+
+async def test_apply_layout_fails_waiters_that_can_never_fit(store_factory: StoreFactory) -> None:
+    store = await store_factory(layout([shared(P, 100), shared(Q, 100)], ["a", "b"]))
+    held = await store.acquire(demand("b", 90, P), 1)
+    big = asyncio.create_task(store.acquire(demand("a", 80, P), 10))
+    await wait_queued(store, 1)
+    small = asyncio.create_task(store.acquire(demand("b", 20, P), 10))
+    await wait_queued(store, 2)
+    # Shrink P below the big ticket's cost (but below what is in flight, too): leases stay.
+    await store.apply_layout(layout([shared(P, 50), shared(Q, 100)], ["a", "b"]))
+    with pytest.raises(NeverFits) as info:
+        await big
+    assert (info.value.cost, info.value.limit) == (80, 50)
+    assert await waiting(store) == 1
+    assert await in_flight(store, P) == 90
+    await store.release(held.id)
+    lease = await asyncio.wait_for(small, 2)
+    await store.release(lease.id)
+    await assert_idle(store)
+
+
+async def test_apply_layout_changes_tier_ceilings_and_drops_unknown_tenants(
+    store_factory: StoreFactory,
+) -> None:
+    store = await store_factory(layout([shared(P, 100)], ["a", "b"]))
+    held = await store.acquire(demand("b", 100, P), 1)
+    a_task = asyncio.create_task(store.acquire(demand("a", 50, P, tier="batch"), 10))
+    await wait_queued(store, 1)
+    b_task = asyncio.create_task(store.acquire(demand("b", 40, P, tier="batch"), 10))
+    await wait_queued(store, 2)
+    tiers = {"critical": TierSpec("critical", 0), "batch": TierSpec("batch", 2, ceiling=0.45)}
+    await store.apply_layout(layout([shared(P, 100)], ["b"], tiers=tiers))
+    with pytest.raises(UnknownTenantOrTier):
+        await a_task
+    assert await waiting(store) == 1
+    await store.release(held.id)
+    lease = await asyncio.wait_for(b_task, 2)
+    await store.release(lease.id)
+    await assert_idle(store)
+
+
+async def test_removed_pool_keeps_its_leases_until_released(store_factory: StoreFactory) -> None:
+    base = layout([shared(P, 100), shared(Q, 100)], ["a"])
+    store = await store_factory(base)
+    lease = await store.acquire(demand("a", 30, P, Q), 1)
+    await store.apply_layout(dataclasses.replace(base, pools={Q: shared(Q, 100)}))
+    assert await in_flight(store, Q) == 30
+    assert await store.release(lease.id)
+    await assert_idle(store)
