@@ -122,6 +122,33 @@ class EmitPolicy:
     stop_ids: tuple[int, ...]
 
 
+def sample_tokens(
+    logits: torch.Tensor, seqs: Sequence[SeqStep], *, emit: EmitPolicy, executor_seed: int
+) -> list[int]:
+    """One token per row of float32 ``logits`` (rows match ``seqs``; modified in place).
+
+    Greedy rows share one argmax; each sampled row gets its own seeded generator. A single
+    device sync at the end (the ``tolist``).
+    """
+    if emit.limit is not None and emit.limit < logits.shape[-1]:
+        stop = torch.tensor(emit.stop_ids, dtype=torch.long, device=logits.device)
+        keep = logits[:, stop]
+        logits[:, emit.limit :] = -math.inf
+        logits[:, stop] = keep
+    picks = logits.argmax(dim=-1)
+    for row, s in enumerate(seqs):
+        temp, top_p = s.sampling.temperature, s.sampling.top_p
+        if temp > 0.0 and top_p > 0.0:
+            gen = torch.Generator(device=logits.device)
+            gen.manual_seed(sample_seed(s, executor_seed))
+            picks[row : row + 1] = sample_row(logits[row], temp, top_p, gen)
+    tokens = [int(t) for t in picks.tolist()]
+    if emit.eos_token_id is not None and emit.stop_ids:
+        stops = set(emit.stop_ids)
+        tokens = [emit.eos_token_id if t in stops else t for t in tokens]
+    return tokens
+
+
 class TorchExecutor:
     """Satisfies ``backends.engine.types.Executor``; ``execute`` blocks (run it in a worker thread)."""
 
@@ -159,7 +186,6 @@ class TorchExecutor:
             device=self.device,
         )
         self._cos, self._sin = rope_tables(config, max_model_len, self.device)
-        self._stop_ids = torch.tensor(emit.stop_ids, dtype=torch.long, device=self.device)
 
     def _layout(self, seqs: Sequence[SeqStep]) -> StepLayout:
         for s in seqs:
@@ -186,25 +212,7 @@ class TorchExecutor:
         return compute_logits(self.weights, self.config, hidden.index_select(0, layout.sample_rows))
 
     def sample(self, logits: torch.Tensor, seqs: Sequence[SeqStep]) -> list[int]:
-        """One token per row of ``logits`` (rows match ``seqs``); a single device sync at the end."""
-        emit = self._emit
-        if emit.limit is not None and emit.limit < logits.shape[-1]:
-            keep = logits[:, self._stop_ids] if emit.stop_ids else None
-            logits[:, emit.limit :] = -math.inf
-            if keep is not None:
-                logits[:, self._stop_ids] = keep
-        picks = logits.argmax(dim=-1)
-        for row, s in enumerate(seqs):
-            temp, top_p = s.sampling.temperature, s.sampling.top_p
-            if temp > 0.0 and top_p > 0.0:
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed(sample_seed(s, self.seed))
-                picks[row : row + 1] = sample_row(logits[row], temp, top_p, gen)
-        tokens = [int(t) for t in picks.tolist()]
-        if emit.eos_token_id is not None and emit.stop_ids:
-            stops = set(emit.stop_ids)
-            tokens = [emit.eos_token_id if t in stops else t for t in tokens]
-        return tokens
+        return sample_tokens(logits, seqs, emit=self._emit, executor_seed=self.seed)
 
     def execute(self, plan: StepPlan) -> StepResult:
         if not plan.seqs:
