@@ -8,7 +8,7 @@ loop keeps serving HTTP meanwhile; only ``execute`` leaves the loop thread, so t
 state is never touched concurrently (an abort during a step frees blocks that no one can reuse
 before the step ends, and the late token is dropped).
 
-``generate`` is an async iterator of ``RequestOutput`` deltas; outputs a slow consumer has not
+``generate`` queues a request and returns an async iterator of ``RequestOutput`` deltas; outputs a slow consumer has not
 read yet are merged, so a stalled client costs memory per request, not per token. Leaving the
 iterator early (cancellation, client disconnect, ``aclose``) aborts the request at once.
 """
@@ -97,13 +97,18 @@ class AsyncEngine:
         self._streams.pop(request_id, None)
         return self.engine.abort(request_id)
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Queue ``request`` now (raising ValueError at once if it can never run) and return its
+        output stream. Iterate it to the end or close it: leaving it early aborts the request."""
         if not self.running:
             raise EngineDeadError("engine is not running")
+        self.engine.add_request(request)
         stream = _Stream()
-        self.engine.add_request(request)  # raises ValueError before anything is yielded
         self._streams[request.request_id] = stream
         self._wake.set()
+        return self._iterate(request.request_id, stream)
+
+    async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:
@@ -112,9 +117,9 @@ class AsyncEngine:
                 yield out
         finally:
             if not finished:
-                self.abort(request.request_id)
+                self.abort(request_id)
             else:
-                self._streams.pop(request.request_id, None)
+                self._streams.pop(request_id, None)
 
     async def _loop(self) -> None:
         engine = self.engine

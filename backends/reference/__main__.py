@@ -1,0 +1,5 @@
+import sys
+
+from backends.reference.cli import main
+
+sys.exit(main())
