@@ -258,10 +258,16 @@ def _tiktoken_cache_dir() -> str | None:
     return d or None
 
 
-def _tiktoken_constructors() -> Mapping[str, Callable[[], object]]:
-    if tiktoken.registry.ENCODING_CONSTRUCTORS is None:
-        tiktoken.registry._find_constructors()
-    return tiktoken.registry.ENCODING_CONSTRUCTORS or {}
+def _tiktoken_constructors() -> Mapping[str, Callable[[], object] | None]:
+    """Encoding name -> constructor; the constructor's module tells whether it downloads."""
+    registry = tiktoken.registry
+    if getattr(registry, "ENCODING_CONSTRUCTORS", None) is None and hasattr(registry, "_find_constructors"):
+        registry._find_constructors()
+    found = getattr(registry, "ENCODING_CONSTRUCTORS", None)
+    if found:
+        return dict(found)
+    # tiktoken's internals moved: fall back to the public name list (constructors unknown).
+    return dict.fromkeys(tiktoken.list_encoding_names())
 
 
 def _require_cached(name: str) -> None:

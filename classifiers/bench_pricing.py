@@ -1,0 +1,93 @@
+"""Time pricing of a ~28,000-token chat prompt (run: ``python -m classifiers.bench_pricing``).
+
+Two numbers: *cold* prices a prompt the tokenizer has never seen (every chunk really encoded),
+*warm* re-prices the same body (chunk counts come from the memo, as for a repeated system
+prompt or a chat history). `measure` returns them for the gateway's benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from typing import Any
+
+from classifiers.pricing import Pricer
+from classifiers.tokenizers import TokenizerRegistry, default_tokenizer
+
+_WORDS = (
+    "the of and to in is that for it as with was on be by this are or from at an which have not but "
+    "model token budget request prompt latency queue tenant decode prefill cache engine batch stream "
+    "reasoning context window sequence schedule priority fairness capacity backend gateway admission"
+).split()
+
+
+def _prompt(rng: random.Random, tokens: int) -> str:
+    """Prose-like text of about `tokens` cl100k tokens, different for every seed."""
+    words: list[str] = []
+    while len(words) < tokens * 9 // 10:
+        sentence = [rng.choice(_WORDS) for _ in range(rng.randint(6, 18))]
+        sentence[0] = sentence[0].capitalize()
+        words.extend(sentence)
+        words[-1] += rng.choice([".", ".", ",", "?", f" {rng.randint(1, 9999)}."])
+    return " ".join(words)
+
+
+def _body(text: str) -> dict[str, Any]:
+    return {
+        "model": "bench",
+        "max_tokens": 1024,
+        "messages": [
+            {"role": "system", "content": "You are a careful assistant. Think step by step."},
+            {"role": "user", "content": text},
+        ],
+    }
+
+
+def measure(tokens: int = 28_000, rounds: int = 20) -> dict[str, float]:
+    """Median milliseconds per `price_chat` call, cold and warm, plus the prompt size priced."""
+    pricer = Pricer(TokenizerRegistry())
+    rng = random.Random(28_000)
+    bodies = [_body(_prompt(rng, tokens)) for _ in range(rounds)]
+    limits: dict[str, Any] = {"default_max_tokens": 512, "max_tokens_limit": None, "context_length": 200_000}
+    pricer.price_chat(_body("warm up the encoder"), **limits)
+    cold = []
+    prefill = 0
+    for body in bodies:
+        t0 = time.perf_counter()
+        prefill = pricer.price_chat(body, **limits).prefill
+        cold.append(time.perf_counter() - t0)
+    warm = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        pricer.price_chat(bodies[0], **limits)
+        warm.append(time.perf_counter() - t0)
+    encoding = default_tokenizer().encoding
+    text = bodies[-1]["messages"][1]["content"]
+    t0 = time.perf_counter()
+    encoding.encode_ordinary(text)
+    plain = time.perf_counter() - t0
+    return {
+        "prompt_tokens": float(prefill),
+        "cold_ms": statistics.median(cold) * 1000,
+        "warm_ms": statistics.median(warm) * 1000,
+        "plain_tiktoken_ms": plain * 1000,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tokens", type=int, default=28_000)
+    parser.add_argument("--rounds", type=int, default=20)
+    args = parser.parse_args(argv)
+    r = measure(args.tokens, args.rounds)
+    print(
+        f"price_chat, {r['prompt_tokens']:.0f}-token prompt: cold {r['cold_ms']:.2f} ms, "
+        f"warm {r['warm_ms']:.3f} ms (median of {args.rounds}); "
+        f"one plain encode_ordinary: {r['plain_tiktoken_ms']:.2f} ms"
+    )
+
+
+if __name__ == "__main__":
+    main()
