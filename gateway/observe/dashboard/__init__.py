@@ -1,0 +1,1 @@
+"""Static files of the built-in /dashboard page (a package so they ship as package data)."""

@@ -1,0 +1,216 @@
+"""Plain-words findings from a ``/stats`` document: what is wrong and what to change.
+
+Pure functions over the JSON (a dict), so the server (``/stats`` "findings", the dashboard) and
+``tokengate doctor`` (reading a remote gateway) say exactly the same thing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+LEVELS = ("ok", "info", "warn", "crit")
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    level: str  # ok | info | warn | crit
+    topic: str  # slo | hol | kv | split | queue | store
+    text: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"level": self.level, "topic": self.topic, "text": self.text}
+
+
+def fmt_s(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v * 1000:.0f} ms" if v < 1 else f"{v:.2f} s"
+
+
+def diagnose(stats: Mapping[str, Any]) -> list[Finding]:
+    out: list[Finding] = []
+    out += _store(stats)
+    out += _slos(stats)
+    out += _hol(stats)
+    out += _backends(stats)
+    out += _pools(stats)
+    out += _split(stats)
+    out.sort(key=lambda f: -LEVELS.index(f.level))
+    return out
+
+
+def _store(stats: Mapping[str, Any]) -> list[Finding]:
+    err = stats.get("store_error")
+    if not err:
+        return []
+    return [
+        Finding(
+            "crit",
+            "store",
+            f"the budget store is not answering ({err}): admissions fail closed (503) or fall back to "
+            "the local budget, depending on store.fail_mode. Check Redis.",
+        )
+    ]
+
+
+def _slos(stats: Mapping[str, Any]) -> list[Finding]:
+    out = []
+    for c in stats.get("classes", []):
+        slo = c.get("slo") or {}
+        recent = c.get("recent") or {}
+        for sig, key, words in (
+            ("ttft", "ttft_p99_s", "p99 time to first token"),
+            ("queue_wait", "queue_wait_p99_s", "p99 queue wait"),
+        ):
+            limit = slo.get(key)
+            p99 = (recent.get(sig) or {}).get("p99")
+            if limit is None or p99 is None:
+                continue
+            if p99 > limit:
+                hint = (
+                    "requests wait at the gateway: the class's pool or its tenants' budgets are full"
+                    if sig == "queue_wait"
+                    else "see the head-of-line and KV findings for the cause"
+                )
+                out.append(
+                    Finding(
+                        "crit",
+                        "slo",
+                        f"class {c['name']}: {words} {fmt_s(p99)} is over its SLO of {fmt_s(limit)} ({hint}).",
+                    )
+                )
+    return out
+
+
+def _hol(stats: Mapping[str, Any]) -> list[Finding]:
+    hol = stats.get("hol") or {}
+    thr = float(hol.get("threshold", 0.7))
+    need = int(hol.get("min_windows", 6))
+    pairs = hol.get("pairs") or []
+    scored = [
+        p
+        for p in pairs
+        if p.get("windows", 0) >= need and (p.get("r_p99") is not None or p.get("r_inflight") is not None)
+    ]
+    hot = [p for p in scored if float(p.get("correlation", 0.0)) >= thr]
+    out = []
+    for p in hot:
+        out.append(
+            Finding(
+                "crit",
+                "hol",
+                f"head-of-line blocking: class {p['victim']}'s p99 TTFT follows class {p['aggressor']} "
+                f"(r={p['correlation']:.2f} over {p['windows']} windows; now {fmt_s(p.get('victim_p99_ttft_s'))}). "
+                f"Long prefills of {p['aggressor']} stall {p['victim']}'s decodes on a shared backend: route "
+                f"class {p['aggressor']} to its own pool (GET /insights?format=yaml has the edit) or turn on "
+                "chunked prefill on the backends.",
+            )
+        )
+    if not hot:
+        if scored:
+            best = max(scored, key=lambda p: float(p.get("correlation", 0.0)))
+            out.append(
+                Finding(
+                    "ok",
+                    "hol",
+                    f"no head-of-line fingerprint (strongest: {best['victim']} vs {best['aggressor']}, "
+                    f"r={best['correlation']:.2f} < {thr:.2f}).",
+                )
+            )
+        else:
+            out.append(
+                Finding(
+                    "info",
+                    "hol",
+                    f"head-of-line fingerprint: not enough data yet (needs {need} windows with traffic in "
+                    "a short and a longer class).",
+                )
+            )
+    return out
+
+
+def _backends(stats: Mapping[str, Any]) -> list[Finding]:
+    out = []
+    for b in stats.get("backends", []):
+        name = f"backend {b['backend']} (pool {b['pool']})"
+        kv = b.get("kv_usage")
+        if b.get("stale"):
+            out.append(
+                Finding(
+                    "crit",
+                    "kv",
+                    f"{name}: its metrics are stale ({b.get('reason')}); routing treats it as saturated. "
+                    "Check that the engine is alive and its /metrics answers.",
+                )
+            )
+        elif b.get("saturated"):
+            out.append(
+                Finding(
+                    "crit",
+                    "kv",
+                    f"{name}: {b.get('reason')}. The engine will preempt (recompute) requests; routing avoids "
+                    "it. Lower the pool's capacity_tokens to what the KV cache really holds, or add a backend.",
+                )
+            )
+        elif kv is not None and float(kv) >= 0.8:
+            out.append(
+                Finding(
+                    "warn",
+                    "kv",
+                    f"{name}: KV cache at {float(kv):.0%}. Close to preemption; consider lowering capacity_tokens.",
+                )
+            )
+        elif (b.get("preemptions_per_s") or 0) > 0:
+            out.append(
+                Finding(
+                    "warn",
+                    "kv",
+                    f"{name}: {b['preemptions_per_s']:.2f} preemptions/s; the engine is short of KV cache.",
+                )
+            )
+    if stats.get("backends") and not out:
+        out.append(Finding("ok", "kv", "KV pressure: every scraped backend has room."))
+    return out
+
+
+def _pools(stats: Mapping[str, Any]) -> list[Finding]:
+    out = []
+    queues = stats.get("queues") or {}
+    waiting = sum(int(v) for v in queues.values())
+    for p in stats.get("pools", []):
+        u = p.get("utilisation")
+        if u is not None and u >= 0.95:
+            out.append(
+                Finding(
+                    "warn",
+                    "queue",
+                    f"{p['kind']} pool {p['name']} is full ({u:.0%} of {p['capacity']} tokens in flight)"
+                    + (f"; {waiting} request(s) queued at the gateway." if waiting else "."),
+                )
+            )
+    return out
+
+
+def _split(stats: Mapping[str, Any]) -> list[Finding]:
+    out = []
+    for s in stats.get("shape", []):
+        adv = int(s.get("advice", 0))
+        if adv == 0:
+            continue
+        plan = s.get("plan") or {}
+        how = ""
+        if plan.get("moved_classes"):
+            how = f" Move class(es) {', '.join(plan['moved_classes'])} to a new pool {plan['new_pool']}."
+        elif plan.get("cut_cost"):
+            how = f" Send requests costing >= {plan['cut_cost']} tokens to a new pool {plan['new_pool']}."
+        out.append(
+            Finding(
+                "crit" if adv == 2 else "warn",
+                "split",
+                f"pool {s['pool']}: largest/median request cost is {s['ratio']:.0f}x ({s['advice_words']})."
+                f"{how} GET /insights?format=yaml prints the config edit.",
+            )
+        )
+    return out

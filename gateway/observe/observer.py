@@ -1,0 +1,177 @@
+"""The one object the gateway talks to: a cheap hook on the request path plus background work.
+
+Request path (each call is a few dict/deque operations, no locks, no I/O)::
+
+    obs.on_admit(klass, pool, cost)              # lease granted, request goes to a backend
+    obs.on_done(klass, cost, queue_wait_s=..., ttft_s=..., backend_s=..., e2e_s=..., ok=...)
+    obs.on_rejected(klass, queue_wait_s=...)     # refused or timed out in the queue (never admitted)
+
+Background (``start``/``close`` in the app lifespan): a ticker closes windows and recomputes the
+HOL pairs and shape readings once per window; the scraper polls backends' ``/metrics``.
+``collector()`` exports all of it into the app's own CollectorRegistry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from gateway.observe.hol import HolPair, hol_pairs
+from gateway.observe.scrape import BackendLoadCollector, BackendLoads, BackendScraper, ScrapeTarget
+from gateway.observe.settings import ObserveSettings
+from gateway.observe.shape import ShapeReading, ShapeTracker
+from gateway.observe.windows import ClassWindows
+
+
+class Observer:
+    def __init__(
+        self,
+        settings: ObserveSettings | None = None,
+        targets: Sequence[ScrapeTarget] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = s = settings or ObserveSettings()
+        self.clock = clock
+        self.started_at = clock()
+        self.windows = ClassWindows(s.window_s, s.windows, clock=clock)
+        self.shape = ShapeTracker(s.shape)
+        self.loads = BackendLoads(targets, s.scrape, clock=clock)
+        self.scraper = BackendScraper(self.loads)
+        self._pairs: list[HolPair] = []
+        self._readings: list[ShapeReading] = []
+        self._task: asyncio.Task[None] | None = None
+        self._seen_closed = -1
+
+    # ---- the request-path hook ----
+
+    def on_admit(self, klass: str, pool: str, cost: int) -> None:
+        self.windows.admitted(klass, cost)
+        self.shape.record(pool, klass, cost)
+
+    def on_done(
+        self,
+        klass: str,
+        cost: int,
+        *,
+        queue_wait_s: float | None = None,
+        ttft_s: float | None = None,
+        backend_s: float | None = None,
+        e2e_s: float | None = None,
+        ok: bool = True,
+    ) -> None:
+        w = self.windows
+        w.released(klass, cost)
+        w.record(klass, queue_wait_s=queue_wait_s, ttft_s=ttft_s, backend_s=backend_s, e2e_s=e2e_s, ok=ok)
+
+    def on_rejected(self, klass: str, *, queue_wait_s: float | None = None) -> None:
+        self.windows.record(klass, queue_wait_s=queue_wait_s, ok=False)
+
+    # ---- derived state (recomputed by the ticker, never on the request path) ----
+
+    def refresh(self) -> None:
+        """Close ended windows and recompute what depends on them (once per window)."""
+        self.windows.roll()
+        if self.windows.windows_closed == self._seen_closed:
+            return
+        self._seen_closed = self.windows.windows_closed
+        h = self.settings.hol
+        self._pairs = hol_pairs(self.windows, h.lookback_windows, h.min_windows)
+        self._readings = self.shape.readings()
+
+    def hol(self) -> list[HolPair]:
+        return self._pairs
+
+    def shape_readings(self) -> list[ShapeReading]:
+        return self._readings
+
+    # ---- lifecycle ----
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._tick(), name="tokengate-observe-ticker")
+        await self.scraper.start()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await self.scraper.close()
+
+    async def _tick(self) -> None:
+        period = min(1.0, self.settings.window_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            self.refresh()
+
+    # ---- Prometheus ----
+
+    def collectors(self) -> list[Collector]:
+        return [ObserverCollector(self), BackendLoadCollector(self.loads)]
+
+
+class ObserverCollector(Collector):
+    """``tokengate_hol_*``, ``tokengate_class_*`` and ``tokengate_pool_shape_*`` gauges."""
+
+    def __init__(self, obs: Observer) -> None:
+        self.obs = obs
+
+    def describe(self) -> Sequence[Any]:
+        return self._families(False)
+
+    def collect(self) -> Iterator[Any]:
+        return iter(self._families(True))
+
+    def _families(self, fill: bool) -> list[Any]:
+        obs = self.obs
+        corr = GaugeMetricFamily(
+            "tokengate_hol_correlation",
+            "Head-of-line fingerprint: Pearson r of the victim class's per-window p99 TTFT with the "
+            "aggressor class's p99 TTFT or in-flight tokens (the stronger), this replica",
+            labels=["victim", "aggressor"],
+        )
+        thr = GaugeMetricFamily(
+            "tokengate_hol_threshold", "Configured HOL correlation threshold (alerting reference)"
+        )
+        inflight = GaugeMetricFamily(
+            "tokengate_class_inflight_tokens", "Tokens in flight per request class", labels=["class"]
+        )
+        slo = GaugeMetricFamily(
+            "tokengate_class_slo_seconds",
+            "Configured per-class p99 SLO (signal: ttft | queue_wait)",
+            labels=["class", "signal"],
+        )
+        ratio = GaugeMetricFamily(
+            "tokengate_pool_shape_ratio",
+            "Largest / median request cost over the pool's recent requests",
+            labels=["pool"],
+        )
+        advice = GaugeMetricFamily(
+            "tokengate_pool_split_advice",
+            "0 fine, 1 plan a split (ratio >= split_at), 2 two services in one pool (>= two_services_at)",
+            labels=["pool"],
+        )
+        if fill:
+            obs.refresh()
+            for p in obs.hol():
+                corr.add_metric([p.victim, p.aggressor], p.score)
+            thr.add_metric([], obs.settings.hol.threshold)
+            for k, v in obs.windows.inflight_all().items():
+                inflight.add_metric([k], float(v))
+            for k, s in obs.settings.slos.items():
+                if s.ttft_p99_s is not None:
+                    slo.add_metric([k, "ttft"], s.ttft_p99_s)
+                if s.queue_wait_p99_s is not None:
+                    slo.add_metric([k, "queue_wait"], s.queue_wait_p99_s)
+            for r in obs.shape_readings():
+                if r.ratio is not None:
+                    ratio.add_metric([r.pool], r.ratio)
+                advice.add_metric([r.pool], float(r.advice))
+        return [corr, thr, inflight, slo, ratio, advice]

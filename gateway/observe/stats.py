@@ -1,0 +1,256 @@
+"""``GET /stats`` (JSON for the dashboard and ``tokengate doctor``), ``GET /insights`` (split advice
+as a concrete config edit) and the ``/dashboard`` page.
+
+The endpoints read an :class:`Observer` plus two narrow callables the gateway supplies: the
+budget store's snapshot (pools, queues, tenants) and a view of the configured class rules and
+pools in config-file shape (for the split YAML). Either may be absent; the JSON says so.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from budgets.types import StoreSnapshot
+from gateway.observe.diagnose import diagnose
+from gateway.observe.observer import Observer
+from gateway.observe.shape import split_plan
+from gateway.observe.windows import Quantiles
+
+STATS_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigView:
+    """Class rules and pools exactly as a config file would spell them (plain mappings)."""
+
+    classes: Sequence[Mapping[str, Any]] = ()
+    pools: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class StatsSources:
+    observer: Observer
+    snapshot: Callable[[], Awaitable[StoreSnapshot]] | None = None
+    config_view: Callable[[], ConfigView] | None = None
+    wall: Callable[[], float] = time.time
+
+
+def _q(q: Quantiles) -> dict[str, float | None]:
+    return {"p50": _r(q.p50), "p99": _r(q.p99)}
+
+
+def _r(v: float | None, nd: int = 4) -> float | None:
+    return None if v is None else round(v, nd)
+
+
+def _classes(obs: Observer) -> list[dict[str, Any]]:
+    now = obs.clock()
+    inflight = obs.windows.inflight_all()
+    out = []
+    names = sorted(set(obs.windows.classes()) | set(obs.settings.slos))
+    for name in names:
+        slo = obs.settings.slos.get(name)
+        series = [
+            {
+                "t": round(w.end - now, 3),
+                "n": w.count,
+                "errors": w.errors,
+                "ttft_p50": _r(w.ttft.p50),
+                "ttft_p99": _r(w.ttft.p99),
+                "queue_wait_p99": _r(w.queue_wait.p99),
+                "backend_p99": _r(w.backend.p99),
+                "e2e_p99": _r(w.e2e.p99),
+                "inflight_avg": round(w.inflight_tokens_avg, 1),
+            }
+            for w in obs.windows.history(name)
+        ]
+        recent = obs.windows.recent(name)
+        out.append(
+            {
+                "name": name,
+                "slo": {
+                    "ttft_p99_s": slo.ttft_p99_s if slo else None,
+                    "queue_wait_p99_s": slo.queue_wait_p99_s if slo else None,
+                },
+                "inflight_tokens": inflight.get(name, 0),
+                "recent": {sig: _q(q) for sig, q in recent.items()},
+                "series": series,
+            }
+        )
+    return out
+
+
+def _store(snap: StoreSnapshot | None) -> dict[str, Any]:
+    if snap is None:
+        return {"pools": [], "queues": {}, "tenants": [], "leases": None}
+    pools, tenants = [], {}
+    for st in snap.pools.values():
+        kind, _, name = st.name.partition(":")
+        if not name:
+            kind, name = "pool", st.name
+        entry = {
+            "name": name,
+            "kind": kind,
+            "capacity": st.capacity,
+            "in_flight": st.in_flight,
+            "utilisation": round(st.in_flight / st.capacity, 4) if st.capacity else None,
+        }
+        if kind == "tenant":
+            tenants[name] = entry
+        else:
+            pools.append(entry)
+    names = set(tenants) | set(snap.tenant_queue_depth) | set(snap.virtual_service)
+    tenant_rows = []
+    for t in sorted(names):
+        p = tenants.get(t, {})
+        tenant_rows.append(
+            {
+                "name": t,
+                "in_flight": p.get("in_flight", 0),
+                "capacity": p.get("capacity"),
+                "queued": snap.tenant_queue_depth.get(t, 0),
+                "virtual_service": round(snap.virtual_service.get(t, 0.0), 1),
+            }
+        )
+    pools.sort(key=lambda e: (e["kind"], e["name"]))
+    return {"pools": pools, "queues": dict(snap.queue_depth), "tenants": tenant_rows, "leases": snap.leases}
+
+
+def _shape(src: StatsSources) -> list[dict[str, Any]]:
+    obs = src.observer
+    view = src.config_view() if src.config_view is not None else None
+    out = []
+    for r in obs.shape_readings():
+        d = r.as_dict()
+        d["plan"] = None
+        if r.advice > 0 and view is not None:
+            plan = split_plan(r.pool, obs.shape.samples(r.pool), view.classes, view.pools)
+            d["plan"] = plan.as_dict() if plan is not None else None
+        out.append(d)
+    return out
+
+
+async def build_stats(src: StatsSources) -> dict[str, Any]:
+    obs = src.observer
+    obs.refresh()
+    snap: StoreSnapshot | None = None
+    store_error = None
+    if src.snapshot is not None:
+        try:
+            snap = await src.snapshot()
+        except Exception as e:  # the page must still render when the store is down
+            store_error = f"{type(e).__name__}: {e}"
+    s = obs.settings
+    stats: dict[str, Any] = {
+        "version": STATS_VERSION,
+        "time": src.wall(),
+        "uptime_s": round(obs.clock() - obs.started_at, 1),
+        "window_s": s.window_s,
+        "classes": _classes(obs),
+        **_store(snap),
+        "store_error": store_error,
+        "backends": [ld.as_dict() for ld in obs.loads],
+        "hol": {
+            "threshold": s.hol.threshold,
+            "lookback_windows": s.hol.lookback_windows,
+            "min_windows": s.hol.min_windows,
+            "pairs": [p.as_dict() for p in obs.hol()],
+        },
+        "shape": _shape(src),
+        "shape_thresholds": {"split_at": s.shape.split_at, "two_services_at": s.shape.two_services_at},
+    }
+    stats["findings"] = [f.as_dict() for f in diagnose(stats)]
+    return stats
+
+
+def insights_yaml(src: StatsSources) -> str:
+    """Every pool's split advice as YAML comments + the config edit, one document per pool."""
+    obs = src.observer
+    obs.refresh()
+    view = src.config_view() if src.config_view is not None else ConfigView()
+    docs = []
+    for r in obs.shape_readings():
+        if r.advice == 0:
+            continue
+        plan = split_plan(r.pool, obs.shape.samples(r.pool), view.classes, view.pools)
+        if plan is not None:
+            docs.append(plan.to_yaml(r))
+    if not docs:
+        rs = obs.shape_readings()
+        lines = [
+            f"# pool {r.pool!r}: largest/median = {r.ratio:.1f}x over {r.requests} requests ({r.advice_words})"
+            for r in rs
+            if r.ratio is not None
+        ]
+        return "\n".join(["# tokengate: no pool needs a split", *lines]) + "\n"
+    return "---\n".join(docs)
+
+
+def _json(data: Any, status: int = 200) -> Response:
+    return Response(
+        orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY),
+        status_code=status,
+        media_type="application/json",
+        headers={"cache-control": "no-store"},
+    )
+
+
+def _dashboard_files() -> dict[str, tuple[bytes, str]]:
+    base = resources.files("gateway.observe.dashboard")
+    types = {".html": "text/html; charset=utf-8", ".js": "text/javascript", ".css": "text/css"}
+    out: dict[str, tuple[bytes, str]] = {}
+    for name in ("index.html", "app.js", "app.css"):
+        out[name] = (base.joinpath(name).read_bytes(), types[name[name.rfind(".") :]])
+    return out
+
+
+def observe_routes(src: StatsSources) -> list[BaseRoute]:
+    """``/stats``, ``/insights`` and ``/dashboard`` (+ its two assets) as Starlette routes."""
+    files = _dashboard_files()
+
+    async def stats(request: Request) -> Response:
+        return _json(await build_stats(src))
+
+    async def insights(request: Request) -> Response:
+        text = insights_yaml(src)
+        want_yaml = request.query_params.get("format") == "yaml" or "yaml" in request.headers.get(
+            "accept", ""
+        )
+        if want_yaml:
+            return Response(text, media_type="application/yaml", headers={"cache-control": "no-store"})
+        st = await build_stats(src)
+        return _json({"shape": st["shape"], "hol": st["hol"], "findings": st["findings"], "yaml": text})
+
+    async def page(request: Request) -> Response:
+        name = request.path_params.get("name", "index.html")
+        hit = files.get(name)
+        if hit is None:
+            return _json(
+                {
+                    "error": {
+                        "message": f"no such file: {name}",
+                        "type": "not_found",
+                        "param": None,
+                        "code": None,
+                    }
+                },
+                404,
+            )
+        body, ctype = hit
+        return Response(body, media_type=ctype, headers={"cache-control": "no-cache"})
+
+    return [
+        Route("/stats", stats, methods=["GET"]),
+        Route("/insights", insights, methods=["GET"]),
+        Route("/dashboard", page, methods=["GET"]),
+        Route("/dashboard/{name}", page, methods=["GET"]),
+    ]

@@ -1,0 +1,257 @@
+"""Rolling fixed-length windows of per-class latency and in-flight tokens.
+
+Prometheus histograms answer "what was p99 over the last 5 minutes" cluster-wide; the HOL
+fingerprint needs a *series* of p99s per class, window by window, inside the gateway, so it can
+correlate classes without a Prometheus server. Recording is O(1) (an append, a counter update);
+percentiles are computed once per class when a window closes.
+
+Each window keeps at most ``max_samples`` values per signal (reservoir sampling beyond that), so
+memory stays bounded at any request rate.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+SIGNALS = ("ttft", "queue_wait", "backend", "e2e")
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile of an already sorted sequence (q in 0..1)."""
+    n = len(sorted_values)
+    if n == 0:
+        return None
+    return sorted_values[max(0, min(n - 1, math.ceil(q * n) - 1))]
+
+
+@dataclass(frozen=True, slots=True)
+class Quantiles:
+    p50: float | None
+    p99: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class ClassWindow:
+    """One class in one closed window."""
+
+    start: float
+    end: float
+    count: int  # completed requests
+    errors: int
+    ttft: Quantiles
+    queue_wait: Quantiles
+    backend: Quantiles
+    e2e: Quantiles
+    inflight_tokens_avg: float  # time-weighted over the window
+    inflight_tokens_max: int
+    admitted: int
+    admitted_cost_sum: int
+
+
+class _Reservoir:
+    __slots__ = ("cap", "seen", "values")
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.values: list[float] = []
+        self.seen = 0
+
+    def add(self, v: float, rng: random.Random) -> None:
+        self.seen += 1
+        if len(self.values) < self.cap:
+            self.values.append(v)
+        else:
+            j = rng.randrange(self.seen)
+            if j < self.cap:
+                self.values[j] = v
+
+    def quantiles(self) -> Quantiles:
+        if not self.values:
+            return Quantiles(None, None)
+        s = sorted(self.values)
+        return Quantiles(percentile(s, 0.50), percentile(s, 0.99))
+
+
+class _ClassState:
+    __slots__ = (
+        "admitted",
+        "area",
+        "cost_sum",
+        "count",
+        "errors",
+        "history",
+        "inflight",
+        "last_t",
+        "peak",
+        "recent",
+        "samples",
+    )
+
+    def __init__(self, now: float, keep: int, cap: int) -> None:
+        self.samples = {s: _Reservoir(cap) for s in SIGNALS}
+        # The last ``cap`` values per signal regardless of windows: the "right now" summary.
+        self.recent: dict[str, deque[float]] = {s: deque(maxlen=cap) for s in SIGNALS}
+        self.count = 0
+        self.errors = 0
+        self.admitted = 0
+        self.cost_sum = 0
+        self.inflight = 0
+        self.area = 0.0  # token-seconds of in-flight since the window started
+        self.last_t = now
+        self.peak = 0
+        self.history: deque[ClassWindow] = deque(maxlen=keep)
+
+
+class ClassWindows:
+    """Per-class windows of ``window_s`` seconds; the last ``keep`` closed ones are kept."""
+
+    def __init__(
+        self,
+        window_s: float = 10.0,
+        keep: int = 30,
+        max_samples: int = 2048,
+        clock: Callable[[], float] = time.monotonic,
+        seed: int = 0,
+    ) -> None:
+        self.window_s = window_s
+        self.keep = keep
+        self.max_samples = max_samples
+        self.clock = clock
+        self._rng = random.Random(seed)
+        self._classes: dict[str, _ClassState] = {}
+        now = clock()
+        self._start = now
+        self._end = now + window_s
+        self.windows_closed = 0
+
+    # ---- request path (cheap) ----
+
+    def admitted(self, klass: str, cost: int) -> None:
+        now = self._tick()
+        st = self._state(klass, now)
+        st.area += st.inflight * (now - st.last_t)
+        st.last_t = now
+        st.inflight += cost
+        if st.inflight > st.peak:
+            st.peak = st.inflight
+        st.admitted += 1
+        st.cost_sum += cost
+
+    def released(self, klass: str, cost: int) -> None:
+        now = self._tick()
+        st = self._state(klass, now)
+        st.area += st.inflight * (now - st.last_t)
+        st.last_t = now
+        st.inflight = max(0, st.inflight - cost)
+
+    def record(
+        self,
+        klass: str,
+        *,
+        queue_wait_s: float | None = None,
+        ttft_s: float | None = None,
+        backend_s: float | None = None,
+        e2e_s: float | None = None,
+        ok: bool = True,
+    ) -> None:
+        now = self._tick()
+        st = self._state(klass, now)
+        rng = self._rng
+        for sig, v in (
+            ("queue_wait", queue_wait_s),
+            ("ttft", ttft_s),
+            ("backend", backend_s),
+            ("e2e", e2e_s),
+        ):
+            if v is not None:
+                st.samples[sig].add(v, rng)
+                st.recent[sig].append(v)
+        st.count += 1
+        if not ok:
+            st.errors += 1
+
+    # ---- readers ----
+
+    def roll(self) -> int:
+        """Close every window that has ended; returns how many closed. Called by a ticker too,
+        so idle periods still produce (empty) windows and in-flight time keeps accruing."""
+        now = self.clock()
+        closed = 0
+        while now >= self._end:
+            self._close(self._end)
+            closed += 1
+        return closed
+
+    def classes(self) -> list[str]:
+        return sorted(self._classes)
+
+    def history(self, klass: str) -> list[ClassWindow]:
+        st = self._classes.get(klass)
+        return [] if st is None else list(st.history)
+
+    def inflight(self, klass: str) -> int:
+        st = self._classes.get(klass)
+        return 0 if st is None else st.inflight
+
+    def inflight_all(self) -> dict[str, int]:
+        return {k: st.inflight for k, st in self._classes.items()}
+
+    def current_counts(self) -> dict[str, int]:
+        return {k: st.count for k, st in self._classes.items()}
+
+    def recent(self, klass: str) -> dict[str, Quantiles]:
+        """p50/p99 per signal over the class's last ``max_samples`` completions."""
+        st = self._classes.get(klass)
+        out: dict[str, Quantiles] = {}
+        for sig in SIGNALS:
+            vals = sorted(st.recent[sig]) if st is not None else []
+            out[sig] = Quantiles(percentile(vals, 0.50), percentile(vals, 0.99))
+        return out
+
+    # ---- internals ----
+
+    def _tick(self) -> float:
+        now = self.clock()
+        while now >= self._end:
+            self._close(self._end)
+        return now
+
+    def _state(self, klass: str, now: float) -> _ClassState:
+        st = self._classes.get(klass)
+        if st is None:
+            st = _ClassState(self._start, self.keep, self.max_samples)
+            self._classes[klass] = st
+        return st
+
+    def _close(self, boundary: float) -> None:
+        start = self._start
+        for st in self._classes.values():
+            st.area += st.inflight * (boundary - st.last_t)
+            w = ClassWindow(
+                start=start,
+                end=boundary,
+                count=st.count,
+                errors=st.errors,
+                ttft=st.samples["ttft"].quantiles(),
+                queue_wait=st.samples["queue_wait"].quantiles(),
+                backend=st.samples["backend"].quantiles(),
+                e2e=st.samples["e2e"].quantiles(),
+                inflight_tokens_avg=st.area / self.window_s,
+                inflight_tokens_max=st.peak,
+                admitted=st.admitted,
+                admitted_cost_sum=st.cost_sum,
+            )
+            st.history.append(w)
+            st.samples = {s: _Reservoir(self.max_samples) for s in SIGNALS}
+            st.count = st.errors = st.admitted = st.cost_sum = 0
+            st.area = 0.0
+            st.last_t = boundary
+            st.peak = st.inflight
+        self._start = boundary
+        self._end = boundary + self.window_s
+        self.windows_closed += 1

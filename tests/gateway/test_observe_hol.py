@@ -1,0 +1,131 @@
+"""Rolling class windows and the head-of-line correlation, on a fake clock."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from gateway.observe.hol import hol_pairs, pearson
+from gateway.observe.windows import ClassWindows, percentile
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_pearson_basics() -> None:
+    assert pearson([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0)
+    assert pearson([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert pearson([1, 2, 3], [5, 5, 5]) is None  # constant series: undefined, not 0 or NaN
+    assert pearson([1], [1]) is None
+    r = pearson([1, 2, 3, 4], [1, 3, 2, 4])
+    assert r is not None and 0 < r < 1
+
+
+def test_percentile_nearest_rank() -> None:
+    xs = sorted(float(i) for i in range(1, 101))
+    assert percentile(xs, 0.99) == 99.0
+    assert percentile(xs, 0.5) == 50.0
+    assert percentile([], 0.5) is None
+    assert percentile([7.0], 0.99) == 7.0
+
+
+def test_windows_close_on_time_and_weight_inflight_by_time() -> None:
+    clock = Clock()
+    w = ClassWindows(window_s=10, keep=5, clock=clock)
+    w.admitted("long", 1000)  # t=0
+    clock.t = 5
+    w.released("long", 1000)  # 1000 tokens for half the window
+    for i in range(100):
+        w.record("short", ttft_s=0.01 * (i + 1), queue_wait_s=0.001, backend_s=0.5, e2e_s=0.6)
+    clock.t = 10
+    assert w.roll() == 1
+    (lw,) = w.history("long")
+    assert lw.inflight_tokens_avg == pytest.approx(500.0)
+    assert lw.inflight_tokens_max == 1000
+    assert lw.admitted == 1 and lw.admitted_cost_sum == 1000
+    (sw,) = w.history("short")
+    assert sw.count == 100
+    assert sw.ttft.p99 == pytest.approx(0.99) and sw.ttft.p50 == pytest.approx(0.5)
+    assert sw.backend.p99 == 0.5
+    # idle time still produces windows, and a request still in flight keeps accruing
+    w.admitted("long", 200)
+    clock.t = 35
+    assert w.roll() == 2
+    hist = w.history("long")
+    assert [x.inflight_tokens_avg for x in hist[-2:]] == [pytest.approx(200.0), pytest.approx(200.0)]
+    assert w.inflight("long") == 200
+    assert len(w.history("short")) == 3 and w.history("short")[-1].ttft.p99 is None
+
+
+def test_window_samples_are_bounded() -> None:
+    clock = Clock()
+    w = ClassWindows(window_s=10, keep=3, max_samples=64, clock=clock)
+    for i in range(10_000):
+        w.record("c", ttft_s=float(i))
+    clock.t = 10
+    w.roll()
+    (cw,) = w.history("c")
+    assert cw.count == 10_000
+    assert cw.ttft.p99 is not None and cw.ttft.p99 > 5000  # a uniform sample keeps the tail's scale
+    assert w.recent("c")["ttft"].p99 is not None
+
+
+def _simulate(coupled: bool, windows: int = 16, seed: int = 1) -> ClassWindows:
+    """Short traffic every window; a long class on in alternate bursts. When coupled (shared
+    backend, no chunked prefill) the short TTFT rises while long requests are in flight."""
+    rng = random.Random(seed)
+    clock = Clock()
+    w = ClassWindows(window_s=10, keep=30, clock=clock)
+    for k in range(windows):
+        base = k * 10.0
+        active = (k // 2) % 2 == 1
+        if active:
+            clock.t = base + 0.1
+            w.admitted("long", 30_000)
+        for i in range(50):
+            clock.t = base + 0.2 + i * 0.15
+            w.admitted("short", 300)
+            slow = 0.8 if (active and coupled) else 0.0
+            w.released("short", 300)
+            w.record("short", ttft_s=0.05 + slow * rng.random() + 0.01 * rng.random())
+        if active:
+            clock.t = base + 9.9
+            w.released("long", 30_000)
+            w.record("long", ttft_s=1.0 + 0.2 * rng.random())
+    clock.t = windows * 10.0
+    w.roll()
+    return w
+
+
+def test_hol_fingerprint_high_when_coupled_low_when_isolated() -> None:
+    coupled = hol_pairs(_simulate(True), lookback=12, min_windows=6)
+    assert [(p.victim, p.aggressor) for p in coupled] == [("short", "long")]  # larger cost = aggressor
+    (p,) = coupled
+    assert p.r_inflight is not None and p.r_inflight > 0.8
+    assert p.score > 0.8 and p.windows == 12
+    (q,) = hol_pairs(_simulate(False), lookback=12, min_windows=6)
+    assert q.score < 0.5
+
+
+def test_hol_needs_min_windows() -> None:
+    (p,) = hol_pairs(_simulate(True, windows=4), lookback=12, min_windows=6)
+    assert p.r_inflight is None and p.r_p99 is None and p.score == 0.0
+    d = p.as_dict()
+    assert d["correlation"] == 0.0 and d["windows"] == 4
+
+
+def test_hol_no_pairs_with_one_class() -> None:
+    clock = Clock()
+    w = ClassWindows(window_s=1, clock=clock)
+    w.admitted("only", 10)
+    clock.t = 5
+    w.roll()
+    assert hol_pairs(w) == []
+    assert not math.isnan(w.history("only")[-1].inflight_tokens_avg)
