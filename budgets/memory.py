@@ -106,18 +106,21 @@ class MemoryStore:
         now = self._clock()
         if policy.grant_immediately(state, demand):
             return self._mint(demand, now, now)
-        tenant = state.layout.tenants[demand.tenant]
-        queued = state.tenant_waiting.get(demand.tenant, 0)
-        if queued >= tenant.max_queue_len:
-            raise QueueFull(
-                f"tenant {demand.tenant} already has {queued} requests waiting (max_queue_len "
-                f"{tenant.max_queue_len})",
-                retry_after_s=retry_after(state, demand, self._rates, now),
-            )
+        # Enqueue and run a pass even when the tenant's queue is full: a demand the pass grants at
+        # once (say a higher tier than the tenant's queued work) never waits, so it is not refused.
         ticket = policy.enqueue(state, demand, now)
         mine = self._grant(now, own=ticket.seq)
         if mine is not None:
             return mine
+        tenant = state.layout.tenants[demand.tenant]
+        ahead = state.tenant_waiting.get(demand.tenant, 0) - 1
+        if ahead >= tenant.max_queue_len:
+            self._withdraw(ticket.seq, now)
+            raise QueueFull(
+                f"tenant {demand.tenant} already has {ahead} requests waiting (max_queue_len "
+                f"{tenant.max_queue_len})",
+                retry_after_s=retry_after(state, demand, self._rates, now),
+            )
         wait_s = min(max_wait_s, state.layout.tiers[demand.tier].max_queue_wait_s)
         if wait_s > 0:
             fut: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()

@@ -215,8 +215,9 @@ def lift(state: PolicyState, tenant: str) -> None:
 
 def _charge(state: PolicyState, demand: Demand) -> None:
     cost = demand.cost
-    for name in demand.pools:
-        state.in_flight[name] = state.in_flight.get(name, 0) + cost
+    if cost:  # in_flight holds only pools with tokens in flight
+        for name in demand.pools:
+            state.in_flight[name] = state.in_flight.get(name, 0) + cost
     tenant = demand.tenant
     state.counters[tenant] = state.counters.get(tenant, 0.0) + service(state.layout, demand)
     state.leases_by_tenant[tenant] = state.leases_by_tenant.get(tenant, 0) + 1

@@ -230,7 +230,7 @@ async def test_blocked_higher_tier_is_not_overtaken_by_lower_tiers(store_factory
 
 async def test_queue_full_with_retry_after(store_factory: StoreFactory) -> None:
     tenants = [TenantSpec("a", max_queue_len=2), TenantSpec("b")]
-    store = await store_factory(layout([shared(P, 100)], tenants))
+    store = await store_factory(layout([shared(P, 100), shared(Q, 100)], tenants))
     blocker = await store.acquire(demand("b", 100, P), 1)
     w = Waiters(store)
     await w.add("a", demand("a", 10, P))
@@ -240,6 +240,10 @@ async def test_queue_full_with_retry_after(store_factory: StoreFactory) -> None:
     assert info.value.status == 429
     retry = info.value.retry_after_s
     assert retry is not None and 1.0 <= retry <= 30.0  # critical's max_queue_wait_s
+    assert await waiting(store) == 2
+    # A full queue refuses only what would have to wait: this is granted at once.
+    other = await store.acquire(demand("a", 10, Q, tier="standard"), 5)
+    await store.release(other.id)
     await store.release(blocker.id)
     await w.next_grants(2)
     for _, lease in w.granted:

@@ -1,0 +1,172 @@
+"""Property tests of budgets.policy over random operation sequences (hypothesis)."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from budgets import policy
+from budgets.policy import PolicyState
+from budgets.types import Demand, NeverFits, TenantSpec
+from tests.budgets.support import layout, private, shared
+
+TENANTS = ("a", "b", "c")
+TIER_NAMES = ("critical", "standard", "batch")
+POOL_CHOICES = (("backend:p",), ("backend:q",), ("backend:p", "backend:q"))
+POOLS = [
+    shared("backend:p", 60),
+    shared("backend:q", 40),
+    private("tenant:a", 30),
+    private("tenant:b", 50),
+]
+
+enqueue_op = st.tuples(
+    st.just("enq"),
+    st.sampled_from(TENANTS),
+    st.sampled_from(TIER_NAMES),
+    st.sampled_from(POOL_CHOICES),
+    st.integers(0, 30),
+    st.integers(0, 20),
+)
+release_op = st.tuples(st.just("rel"), st.integers(0, 50), st.one_of(st.none(), st.integers(0, 30)))
+withdraw_op = st.tuples(st.just("wd"), st.integers(0, 50))
+tick_op = st.tuples(st.just("tick"), st.sampled_from([0.1, 0.5, 1.5]))
+ops_strategy = st.lists(st.one_of(enqueue_op, enqueue_op, release_op, withdraw_op, tick_op), max_size=60)
+
+
+class Model:
+    """Drives a PolicyState the way a store does and checks invariants after every step."""
+
+    def __init__(self, max_scan: int) -> None:
+        tenants = [TenantSpec("a", weight=1.0), TenantSpec("b", weight=2.0), TenantSpec("c", weight=0.5)]
+        self.state = PolicyState(layout(POOLS, tenants, backfill_limit_s=1.0, max_scan=max_scan))
+        self.leases: list[Demand] = []
+        self.now = 0.0
+
+    def demand(self, tenant: str, tier: str, pools: tuple[str, ...], prefill: int, decode: int) -> Demand:
+        own = (f"tenant:{tenant}",) if tenant in ("a", "b") else ()
+        return Demand(tenant, tier, pools + own, prefill, decode)
+
+    def check_grants(self, before: dict[str, int], grants: list[Demand]) -> None:
+        """Each grant, replayed in order, stayed within capacity and its tier's ceiling."""
+        lay = self.state.layout
+        running = dict(before)
+        for d in grants:
+            tier = lay.tiers[d.tier]
+            for name in d.pools:
+                running[name] = running.get(name, 0) + d.cost
+                assert running[name] <= policy.pool_limit(lay.pools[name], tier)
+        assert {k: v for k, v in running.items() if v} == self.state.in_flight
+
+    def run_pass(self) -> None:
+        before = dict(self.state.in_flight)
+        counters = dict(self.state.counters)
+        pending = len(self.state.waiting)
+        tickets = policy.grant_pass(self.state, self.now)
+        grants = [t.demand for t in tickets]
+        self.check_grants(before, grants)
+        self.leases.extend(grants)
+        for tenant, value in counters.items():  # grants only ever raise counters
+            assert self.state.counters[tenant] >= value
+        if pending <= self.state.layout.policy.max_scan and not any(self.state.in_flight.values()):
+            # Nothing in flight after a full pass: nothing can have been blocked, so nothing waits.
+            assert not self.state.waiting
+
+    def enqueue(self, d: Demand) -> None:
+        try:
+            policy.check_demand(self.state.layout, d)
+        except NeverFits:
+            return
+        if not self.state.waiting:
+            # The fast path must decide exactly what enqueue + grant pass decides.
+            twin = copy.deepcopy(self.state)
+            policy.enqueue(twin, d, self.now)
+            twin_grants = policy.grant_pass(twin, self.now)
+            before = dict(self.state.in_flight)
+            fast = policy.grant_immediately(self.state, d)
+            assert fast == bool(twin_grants)
+            if fast:
+                assert self.state.counters == twin.counters
+                self.check_grants(before, [d])
+                self.leases.append(d)
+                return
+        policy.enqueue(self.state, d, self.now)
+        self.run_pass()
+
+    def step(self, op: tuple) -> None:  # type: ignore[type-arg]
+        kind = op[0]
+        if kind == "enq":
+            self.enqueue(self.demand(*op[1:]))
+        elif kind == "rel" and self.leases:
+            d = self.leases.pop(op[1] % len(self.leases))
+            counters = dict(self.state.counters)
+            policy.release(self.state, d, op[2])
+            if op[2] is None:
+                assert self.state.counters == counters
+            assert all(v >= 0 for v in self.state.counters.values())
+            self.run_pass()
+        elif kind == "wd" and self.state.waiting:
+            seq = sorted(self.state.waiting)[op[1] % len(self.state.waiting)]
+            assert policy.withdraw(self.state, seq) is not None
+            self.run_pass()
+        elif kind == "tick":
+            self.now += op[1]
+            self.run_pass()
+        self.check_consistency()
+
+    def check_consistency(self) -> None:
+        s = self.state
+        expected: Counter[str] = Counter()
+        for d in self.leases:
+            for name in d.pools:
+                expected[name] += d.cost
+        assert {k: v for k, v in expected.items() if v} == s.in_flight
+        for name, used in s.in_flight.items():
+            assert used <= s.layout.pools[name].capacity
+        assert dict(Counter(d.tenant for d in self.leases)) == s.leases_by_tenant
+        queued = [t for fifo in s.queues.values() for t in fifo]
+        assert sorted(t.seq for t in queued) == sorted(s.waiting)
+        assert all(fifo and list(fifo) == sorted(fifo, key=lambda t: t.seq) for fifo in s.queues.values())
+        assert dict(Counter(t.demand.tenant for t in queued)) == s.tenant_waiting
+        assert all(tenant in s.counters for tenant in s.tenant_waiting)
+
+    def drain(self) -> None:
+        """Owners release everything: every waiting ticket is eventually granted, then all is zero."""
+        rounds = 0
+        while self.state.waiting:
+            rounds += 1
+            assert rounds <= 200
+            for d in self.leases:
+                policy.release(self.state, d, None)
+            self.leases.clear()
+            self.run_pass()
+            self.check_consistency()
+        for d in self.leases:
+            policy.release(self.state, d, None)
+        self.leases.clear()
+        assert self.state.in_flight == {} and self.state.leases_by_tenant == {}
+        assert self.state.queues == {} and self.state.tenant_waiting == {}
+
+
+@settings(max_examples=250, deadline=None)
+@given(ops=ops_strategy, max_scan=st.sampled_from([1, 2, 5, 256]))
+def test_invariants_hold_for_any_operation_sequence(ops: list[tuple], max_scan: int) -> None:  # type: ignore[type-arg]
+    model = Model(max_scan)
+    for op in ops:
+        model.step(op)
+    model.drain()
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops=ops_strategy)
+def test_grant_pass_is_deterministic(ops: list[tuple]) -> None:  # type: ignore[type-arg]
+    model = Model(256)
+    for op in ops:
+        model.step(op)
+    twin = copy.deepcopy(model.state)
+    a = [t.seq for t in policy.grant_pass(model.state, model.now + 3)]
+    b = [t.seq for t in policy.grant_pass(twin, model.now + 3)]
+    assert a == b and model.state.counters == twin.counters
