@@ -342,11 +342,11 @@ def compute_logits(w: LlamaWeights, cfg: LlamaConfig, hidden: torch.Tensor) -> t
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Plain causal self-attention of one whole sequence: q [T, Hq, D], k/v [T, Hkv, D]."""
     group = q.shape[1] // k.shape[1]
-    # KV heads expanded explicitly (rather than enable_gqa) so any SDPA backend can take it.
-    kx = k.repeat_interleave(group, dim=1).transpose(0, 1)
-    vx = v.repeat_interleave(group, dim=1).transpose(0, 1)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), kx, vx, is_causal=True)
-    return out.transpose(0, 1)
+    # 4-D inputs with KV heads expanded explicitly, so a fused SDPA kernel can take them.
+    kx = k.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+    vx = v.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), kx, vx, is_causal=True)
+    return out[0].transpose(0, 1)
 
 
 def reference_forward(

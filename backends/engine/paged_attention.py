@@ -193,21 +193,32 @@ def paged_attention(
         out.index_copy_(0, layout.single_rows, o.reshape(b, num_heads, head_dim))
 
     for span in layout.chunks:
-        qc = q[span.row_start : span.row_end].transpose(0, 1)  # [Hq, L, D]
+        qc = q[span.row_start : span.row_end]
         if span.block_ids is None:
             kc, vc = k[span.row_start : span.row_end], v[span.row_start : span.row_end]
-            mask = None
         else:
             kc = _gather_blocks(k_cache, span.block_ids)[: span.kv_len]
             vc = _gather_blocks(v_cache, span.block_ids)[: span.kv_len]
-            mask = span.mask
-        # Explicitly expanded KV heads: SDPA's enable_gqa is not taken by every fused backend,
-        # and the unfused fallback would materialise a [heads, L, S] score matrix.
-        kx = kc.repeat_interleave(group, dim=1).transpose(0, 1)
-        vx = vc.repeat_interleave(group, dim=1).transpose(0, 1)
-        if mask is None:
-            o = F.scaled_dot_product_attention(qc, kx, vx, is_causal=True)
-        else:
-            o = F.scaled_dot_product_attention(qc, kx, vx, attn_mask=mask)
-        out[span.row_start : span.row_end] = o.transpose(0, 1)
+        out[span.row_start : span.row_end] = chunk_attention(qc, kc, vc, span.mask)
     return out
+
+
+def chunk_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """One sequence's chunk: q [L, Hq, D] against k/v [S, Hkv, D] (S >= L, the chunk is the tail).
+
+    ``mask`` None means S == L and plain causal attention (flash-eligible).
+    """
+    group = q.shape[1] // k.shape[1]
+    # Explicitly expanded KV heads: SDPA's enable_gqa is not taken by every fused backend, and the
+    # unfused fallback would materialise a [heads, L, S] score matrix. Inputs are 4-D because the
+    # fused CUDA kernels reject 3-D ones.
+    qx = q.transpose(0, 1).unsqueeze(0)
+    kx = k.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+    vx = v.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+    if mask is None:
+        o = F.scaled_dot_product_attention(qx, kx, vx, is_causal=True)
+    else:
+        o = F.scaled_dot_product_attention(qx, kx, vx, attn_mask=mask)
+    return o[0].transpose(0, 1)
