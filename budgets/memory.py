@@ -40,6 +40,13 @@ class _Live:
 
 
 class MemoryStore:
+    """BudgetStore for one process. ``start()`` runs the lease reaper until ``close()``.
+
+    ``reap_interval_s`` defaults to a quarter of the layout's lease TTL (at least 50 ms), so an
+    abandoned lease is returned at most ~1.25 TTL after its last heartbeat. Requests may wait at
+    most ``min(max_wait_s, tier.max_queue_wait_s)``.
+    """
+
     def __init__(
         self,
         layout: BudgetLayout,
@@ -52,7 +59,6 @@ class MemoryStore:
         self._leases: dict[str, _Live] = {}
         self._waiters: dict[int, asyncio.Future[Lease]] = {}
         self._rates: dict[str, ReleaseRate] = {}
-        # Default: a quarter of the TTL, so an abandoned lease lives at most ~1.25 TTL.
         self._reap_interval_s = reap_interval_s
         self._reaper: asyncio.Task[None] | None = None
         self._started = False

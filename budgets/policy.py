@@ -81,6 +81,23 @@ What that means:
 - Bounded work: at most ``max_scan`` tickets are examined per pass (granted or not).
 - Fast path (``grant_immediately``): when no ticket is waiting at all, a demand that fits is
   granted at once (lift, then charge). This is exactly what enqueue + grant pass would decide.
+
+Driving the policy (every store, in this order; ``now`` = the store clock at that moment)
+------------------------------------------------------------------------------------------
+- ``acquire(demand, max_wait_s)``:
+  1. ``check_demand``: UnknownTenantOrTier / NeverFits (ValueError for negative or duplicate pools).
+  2. ``grant_immediately`` -> granted.
+  3. ``enqueue`` (lift if the tenant was not backlogged), then a grant pass; if it granted the new
+     ticket -> granted (a full tenant queue does not refuse a demand that never has to wait).
+  4. If the tenant already had ``>= max_queue_len`` waiting tickets before this one: withdraw it,
+     grant pass, QueueFull.
+  5. Wait at most ``min(max_wait_s, tier.max_queue_wait_s)``; then withdraw, grant pass, QueueTimeout.
+- Every withdrawal (timeout, cancellation) is followed by a grant pass: the ticket may have been
+  holding pools.
+- ``release``: ``release`` (with the VTC correction), then a grant pass. Reaping: ``release`` of
+  each expired lease without correction, then one grant pass.
+- ``apply_layout``: replace the layout (leases and counters stay), ``drop_invalid`` (those waiters
+  fail with the returned error), then a grant pass.
 """
 
 from __future__ import annotations

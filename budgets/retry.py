@@ -7,10 +7,11 @@ pool of the demand::
     needed = tokens waiting on the pool in this tier or better + cost - free
     wait   = 0 if needed <= 0 else needed / rate(pool)          (infinite when rate is 0)
 
-The estimate is the worst pool's wait, clamped to ``[1, max(1, tier.max_queue_wait_s)]``: a client
-should never be told to retry sooner than a second, and no sooner-than-never estimate is better than
-"the longest this tier would have queued anyway". A pool that released nothing recently has a rate
-near zero, so the answer is the upper clamp: that is the honest answer when nothing is moving.
+The estimate is the worst pool's wait, clamped to ``[1, max(1, tier.max_queue_wait_s)]``: sooner
+than a second only invites a retry storm, and beyond the tier's own queue wait the estimate says
+nothing useful. A pool that released nothing recently has a rate near zero, so the answer is the
+upper clamp: that is the honest answer when nothing is moving. Tokens "ahead" ignore fair-share
+order (a tenant may be served before some of them), so the estimate errs on the long side.
 """
 
 from __future__ import annotations
