@@ -1,0 +1,205 @@
+"""Backend pools: which backends serve a model, and which one gets the next request.
+
+Each backend has a capacity in tokens (its KV cache) and a gateway-local count of tokens in
+flight on it; routing picks, within the class's pool, the healthy backend serving the model
+with the most free tokens. Health is a passive circuit breaker (consecutive connect failures
+open it for a cooldown) plus an active probe (:mod:`backends.health`) that closes it again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    connect_s: float = 2.0
+    # Longest silence between two reads of the upstream answer (not the whole answer: a long
+    # stream is fine as long as tokens keep coming).
+    read_s: float = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSpec:
+    url: str  # base URL without /v1, e.g. http://127.0.0.1:8001
+    capacity_tokens: int
+    models: tuple[str, ...] = ()  # empty = serves every model (the gateway forwards the name)
+    api_key: str | None = None
+    accepts_priority: bool = False
+    timeouts: Timeouts = Timeouts()
+    name: str = ""  # defaults to the URL; used in metrics and logs
+
+
+@dataclass(frozen=True, slots=True)
+class BackendPoolSpec:
+    name: str
+    backends: tuple[BackendSpec, ...]
+
+    @property
+    def capacity_tokens(self) -> int:
+        return sum(b.capacity_tokens for b in self.backends)
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerSettings:
+    failure_threshold: int = 3  # consecutive connect failures that open the breaker
+    cooldown_s: float = 5.0  # the breaker stays open at least this long
+
+
+@dataclass(slots=True, eq=False)
+class Backend:
+    """One backend's live state. Mutated only from the event loop thread."""
+
+    spec: BackendSpec
+    pool: str
+    breaker: BreakerSettings = BreakerSettings()
+    in_flight_tokens: int = 0
+    in_flight_requests: int = 0
+    healthy: bool = True
+    consecutive_failures: int = 0
+    down_since: float = 0.0
+    discovered_models: tuple[str, ...] = ()
+    _models: frozenset[str] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        self._models = frozenset(self.spec.models)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name or self.spec.url
+
+    @property
+    def free_tokens(self) -> int:
+        return self.spec.capacity_tokens - self.in_flight_tokens
+
+    def serves(self, model: str) -> bool:
+        return not self._models or model in self._models
+
+    def record_success(self) -> None:
+        self.consecutive_failures = 0
+
+    def record_connect_failure(self, now: float | None = None) -> bool:
+        """Count a failure to reach the backend; True when this opened the breaker."""
+        self.consecutive_failures += 1
+        if self.healthy and self.consecutive_failures >= self.breaker.failure_threshold:
+            self.healthy = False
+            self.down_since = time.monotonic() if now is None else now
+            return True
+        return False
+
+    def probe_succeeded(self, now: float | None = None) -> bool:
+        """An active health probe answered; True when this closed the breaker."""
+        now = time.monotonic() if now is None else now
+        if self.healthy:
+            self.consecutive_failures = 0
+            return False
+        if now - self.down_since < self.breaker.cooldown_s:
+            return False
+        self.healthy = True
+        self.consecutive_failures = 0
+        return True
+
+    def probe_failed(self, now: float | None = None) -> bool:
+        return self.record_connect_failure(now)
+
+
+class BackendPool:
+    def __init__(self, spec: BackendPoolSpec, breaker: BreakerSettings) -> None:
+        self.name = spec.name
+        self.capacity_tokens = spec.capacity_tokens
+        self.backends: tuple[Backend, ...] = tuple(Backend(b, spec.name, breaker) for b in spec.backends)
+
+    def serves(self, model: str) -> bool:
+        return any(b.serves(model) for b in self.backends)
+
+    def has_healthy(self, model: str) -> bool:
+        return any(b.healthy and b.serves(model) for b in self.backends)
+
+    def pick(self, model: str | None) -> Backend | None:
+        """The healthy backend serving ``model`` (None: any) with the most free tokens (first on ties)."""
+        best: Backend | None = None
+        best_free = 0
+        for b in self.backends:
+            if b.healthy and (model is None or b.serves(model)):
+                free = b.free_tokens
+                if best is None or free > best_free:
+                    best, best_free = b, free
+        return best
+
+
+class NoBackend(Exception):
+    """No backend can take the request; ``unknown_model`` distinguishes 404 from 503."""
+
+    def __init__(self, message: str, *, unknown_model: bool) -> None:
+        super().__init__(message)
+        self.message = message
+        self.unknown_model = unknown_model
+
+
+class Router:
+    def __init__(
+        self, pools: Sequence[BackendPoolSpec], breaker: BreakerSettings = BreakerSettings()
+    ) -> None:
+        if not pools:
+            raise ValueError("at least one backend pool is required")
+        self.pools: dict[str, BackendPool] = {p.name: BackendPool(p, breaker) for p in pools}
+        self._serves_all = any(not b.spec.models for p in self.pools.values() for b in p.backends)
+        self._configured_models = frozenset(m for p in pools for b in p.backends for m in b.models)
+
+    @property
+    def backends(self) -> Iterable[Backend]:
+        for p in self.pools.values():
+            yield from p.backends
+
+    def known_model(self, model: str) -> bool:
+        return self._serves_all or model in self._configured_models
+
+    def served_models(self) -> list[str]:
+        """Configured models plus what model-agnostic backends reported, in config order."""
+        seen: dict[str, None] = {}
+        for b in self.backends:
+            for m in b.spec.models or b.discovered_models:
+                seen.setdefault(m, None)
+        return list(seen)
+
+    def home_pool(self, model: str) -> str | None:
+        """The first pool (config order) with a backend serving ``model``."""
+        for p in self.pools.values():
+            if p.serves(model):
+                return p.name
+        return None
+
+    def choose_pool(self, model: str, primary: str | None, overflow: str | None) -> str:
+        """The pool a request goes to: ``primary`` unless it has no healthy backend for the model.
+
+        ``primary`` None means no class rule chose one: the model's home pool.
+        """
+        if not self.known_model(model):
+            served = ", ".join(self.served_models()) or "(none)"
+            raise NoBackend(
+                f"The model {model!r} does not exist or is not served here; served models: {served}",
+                unknown_model=True,
+            )
+        if primary is None:
+            primary = self.home_pool(model)
+            if primary is None:  # pragma: no cover - known_model guarantees a home
+                raise NoBackend(f"The model {model!r} is not served by any pool", unknown_model=True)
+        pool = self.pools[primary]
+        if pool.has_healthy(model):
+            return primary
+        if overflow is not None and self.pools[overflow].has_healthy(model):
+            return overflow
+        if not pool.serves(model) and (overflow is None or not self.pools[overflow].serves(model)):
+            served_by = [p.name for p in self.pools.values() if p.serves(model)]
+            raise NoBackend(
+                f"The model {model!r} is served by pool(s) {', '.join(served_by)}, but this request's class "
+                f"routes to pool {primary!r}; change the class rules or the pool's models",
+                unknown_model=True,
+            )
+        raise NoBackend(
+            f"No healthy backend serves model {model!r} in pool {primary!r}"
+            + (f" or overflow pool {overflow!r}" if overflow else ""),
+            unknown_model=False,
+        )

@@ -1,0 +1,71 @@
+"""One structured access-log line per request (JSON on logger ``tokengate.access``).
+
+The record is filled along the request's path and dumped once with orjson at the end; when
+the logger is disabled nothing is formatted. Keys never appear in it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import orjson
+
+access_log = logging.getLogger("tokengate.access")
+
+
+@dataclass(slots=True)
+class Record:
+    method: str
+    path: str
+    start: float  # perf_counter at arrival
+    tenant: str = "-"
+    tier: str = "-"
+    klass: str = "unclassified"
+    pool: str | None = None
+    backend: str | None = None
+    stream: bool = False
+    prefill: int = 0
+    decode: int = 0
+    status: int = 0
+    outcome: str = "ok"
+    queue_s: float | None = None
+    ttft_s: float | None = None
+    backend_s: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    error: str | None = None
+
+    def emit(self, end: float) -> None:
+        if not access_log.isEnabledFor(logging.INFO):
+            return
+        access_log.info(
+            orjson.dumps(
+                {
+                    "method": self.method,
+                    "path": self.path,
+                    "status": self.status,
+                    "outcome": self.outcome,
+                    "tenant": self.tenant,
+                    "class": self.klass,
+                    "tier": self.tier,
+                    "pool": self.pool,
+                    "backend": self.backend,
+                    "stream": self.stream,
+                    "cost": self.prefill + self.decode,
+                    "prefill": self.prefill,
+                    "decode": self.decode,
+                    "queue_ms": _ms(self.queue_s),
+                    "ttft_ms": _ms(self.ttft_s),
+                    "backend_ms": _ms(self.backend_s),
+                    "total_ms": _ms(end - self.start),
+                    "prompt_tokens": self.prompt_tokens,
+                    "completion_tokens": self.completion_tokens,
+                    "error": self.error,
+                }
+            ).decode()
+        )
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000.0, 2)

@@ -1,0 +1,299 @@
+"""The gateway ASGI app: hot OpenAI routes as raw ASGI, everything else through Starlette.
+
+``build_app(config)`` returns a :class:`Gateway`, an ASGI callable with its own lifespan: at
+start-up it opens the shared aiohttp session, starts the store, the lease heartbeat and the
+health checker; at shutdown it drains (stop admitting, finish in-flight up to the drain timeout,
+then cancel) and releases whatever is left.
+
+The OpenAI routes bypass Starlette's routing and Request/Response objects because they are the
+hot path (one dict lookup instead of a regex scan per route); ops routes (/metrics, /healthz,
+/readyz) and any later admin API are ordinary Starlette routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import orjson
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from backends.health import HealthChecker, HealthSettings
+from backends.pools import BreakerSettings, Router
+from backends.upstream import make_session
+from budgets.types import BudgetStore
+from classifiers import Classifier, Pricer, PricingSettings, TokenizerRegistry, parse_rules
+from gateway.auth import Authenticator
+from gateway.config import GatewayConfig
+from gateway.errors import ApiError, error_body
+from gateway.layout import build_layout
+from gateway.leases import LeaseKeeper
+from gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from gateway.modeltable import ModelTable
+from gateway.proxy import (
+    CHAT,
+    COMPLETION,
+    EMBEDDING,
+    HOME_POOL,
+    PASSTHROUGH,
+    QUEUED,
+    Flight,
+    Proxy,
+    Receive,
+    Scope,
+    Send,
+)
+from gateway.stores import build_store
+
+log = logging.getLogger("tokengate")
+
+_ROUTES = {
+    "/v1/chat/completions": CHAT,
+    "/v1/completions": COMPLETION,
+    "/v1/embeddings": EMBEDDING,
+}
+
+
+class Gateway:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        *,
+        store: BudgetStore | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        if not config.pools:
+            raise ValueError(
+                "no backend pools configured: configure `pools`, or run `tokengate serve`, which starts "
+                "the embedded reference backend when there are none"
+            )
+        self.config = config
+        self.auth = Authenticator(config)
+        self.tenants = config.tenants or ((self.auth.open_tenant,) if self.auth.open_tenant else ())
+        rules = parse_rules(list(config.classes))
+        self.classifier = Classifier(rules, HOME_POOL) if rules else None
+        self.router = Router(
+            config.pools,
+            BreakerSettings(
+                failure_threshold=config.health.failure_threshold, cooldown_s=config.health.cooldown_s
+            ),
+        )
+        self.models = ModelTable(config.models)
+        self.pricer = Pricer(
+            TokenizerRegistry(models=self.models.tokenizer_specs()),
+            PricingSettings(**config.pricing.settings),
+        )
+        self.layout = build_layout(config, rules, self.tenants)
+        self.store: BudgetStore = store or build_store(
+            config.store.kind, config.store.options, self.layout, clock
+        )
+        self.metrics = GatewayMetrics(
+            tenants=[t.name for t in self.tenants], top_tenants=config.metrics.top_tenants
+        )
+        self.keeper = LeaseKeeper(self.store, config.leases.ttl_s)
+        h = config.health
+        self.health = HealthChecker(
+            list(self.router.backends),
+            HealthSettings(
+                interval_s=h.interval_s,
+                unhealthy_interval_s=h.unhealthy_interval_s,
+                probe_timeout_s=h.probe_timeout_s,
+            ),
+        )
+        self.flights: set[Flight] = set()
+        self.draining = False
+        self._drained = False
+        self.session: aiohttp.ClientSession | None = None
+        self._proxy: Proxy | None = None
+        self._discovery: asyncio.Task[None] | None = None
+        self._models_body: bytes | None = None
+        self.ops = Starlette(
+            routes=[
+                Route("/metrics", self._metrics, methods=["GET"]),
+                Route("/healthz", self._healthz, methods=["GET"]),
+                Route("/readyz", self._readyz, methods=["GET"]),
+            ],
+            exception_handlers={HTTPException: self._http_error},
+        )
+
+    # ---- lifecycle ----
+
+    async def startup(self) -> None:
+        self.session = make_session(
+            max_connections=self.config.upstream.max_connections, keepalive_s=self.config.upstream.keepalive_s
+        )
+        await self.store.start()
+        self.keeper.start()
+        await self.health.start()
+        # Off the hot path and best effort: /v1/models lists what model-agnostic backends serve.
+        self._discovery = asyncio.create_task(self.health.discover_models(), name="tokengate-discovery")
+        self._proxy = Proxy(self, self.session)
+
+    async def shutdown(self) -> None:
+        await self.drain(self.config.drain_timeout_s)
+        if self._discovery is not None:
+            self._discovery.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._discovery
+        leaked = await self.keeper.close()
+        if leaked:
+            log.warning("released %d leases still held at shutdown", leaked)
+        await self.health.close()
+        if self.session is not None:
+            await self.session.close()
+        await self.store.close()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop admitting (503), fail queued requests, let in-flight ones finish up to ``timeout_s``,
+        then cancel the rest (their ``finally`` blocks release their leases). Idempotent."""
+        if self._drained:
+            return
+        self._drained = True
+        self.draining = True
+        self.metrics.draining.set(1)
+        for f in list(self.flights):
+            if f.phase <= QUEUED:
+                f.cancel("draining")
+        deadline = time.monotonic() + timeout_s
+        # Polling during a drain costs nothing that matters; an Event would cost every request.
+        while self.flights and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        if self.flights:
+            log.warning("drain timeout: cancelling %d in-flight requests", len(self.flights))
+            for f in list(self.flights):
+                f.cancel("shutdown")
+            end = time.monotonic() + 5.0
+            while self.flights and time.monotonic() < end:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+
+    # ---- ASGI ----
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            path = scope["path"]
+            kind = _ROUTES.get(path)
+            if kind is not None:
+                assert self._proxy is not None, "the app's lifespan has not run"
+                await self._proxy.handle(scope, receive, send, kind)
+            elif path.startswith("/v1/"):
+                if path == "/v1/models":
+                    await self._list_models(scope, send)
+                else:
+                    assert self._proxy is not None, "the app's lifespan has not run"
+                    await self._proxy.handle(scope, receive, send, PASSTHROUGH)
+            else:
+                await self.ops(scope, receive, send)
+        elif scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+        else:
+            await self.ops(scope, receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as exc:
+                    log.exception("start-up failed")
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                try:
+                    await self.shutdown()
+                except Exception as exc:
+                    log.exception("shutdown failed")
+                    await send({"type": "lifespan.shutdown.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _list_models(self, scope: Scope, send: Send) -> None:
+        try:
+            if scope["method"] != "GET":
+                raise ApiError(405, "Use GET /v1/models", code="method_not_allowed")
+            key = None
+            for name, value in scope["headers"]:
+                if name == b"authorization":
+                    scheme, _, rest = value.decode("latin-1").partition(" ")
+                    key = rest.strip() if scheme.lower() == "bearer" else None
+                    break
+                if name in (b"api-key", b"x-api-key"):
+                    key = value.decode("latin-1").strip()
+            self.auth.authenticate(key)
+            body = orjson.dumps(
+                {
+                    "object": "list",
+                    "data": [
+                        {"id": m, "object": "model", "created": 0, "owned_by": "tokengate"}
+                        for m in self.router.served_models()
+                    ],
+                }
+            )
+            status, headers = 200, [(b"content-type", b"application/json")]
+        except ApiError as exc:
+            status, headers, body = exc.status, exc.headers(), exc.body()
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    # ---- ops routes (Starlette) ----
+
+    async def _metrics(self, request: Request) -> Response:
+        snapshot = await self.store.snapshot()
+        self.metrics.in_flight_requests.set(len(self.flights))
+        self.metrics.update_state(snapshot, self.router.backends, [t.name for t in self.config.tiers])
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def _healthz(self, request: Request) -> Response:
+        return Response(b'{"status":"ok"}', media_type="application/json")
+
+    async def _readyz(self, request: Request) -> Response:
+        problems = []
+        if self.draining:
+            problems.append("draining")
+        try:
+            if not await self.store.healthy():
+                problems.append("budget store unhealthy")
+        except Exception as exc:
+            problems.append(f"budget store error: {exc}")
+        if not any(b.healthy for b in self.router.backends):
+            problems.append("no healthy backend")
+        if problems:
+            return Response(
+                orjson.dumps({"status": "not ready", "problems": problems}),
+                status_code=503,
+                media_type="application/json",
+            )
+        return Response(b'{"status":"ready"}', media_type="application/json")
+
+    async def _http_error(self, request: Request, exc: Any) -> Response:
+        status = getattr(exc, "status_code", 500)
+        if status == 404:
+            message = f"Unknown route {request.method} {request.url.path}"
+            code = "unknown_route"
+        elif status == 405:
+            message = f"Method {request.method} not allowed on {request.url.path}"
+            code = "method_not_allowed"
+        else:
+            message, code = str(getattr(exc, "detail", "error")), None
+        err = ApiError(status, message, code=code)
+        return Response(
+            error_body(err.message, err.type, None, code), status_code=status, media_type="application/json"
+        )
+
+
+def build_app(
+    config: GatewayConfig, *, store: BudgetStore | None = None, clock: Callable[[], float] | None = None
+) -> Gateway:
+    return Gateway(config, store=store, clock=clock)

@@ -1,0 +1,121 @@
+"""The ``tokengate`` command: ``serve`` (the gateway), and lazily-imported ``backend``, ``demo``,
+``loadtest`` and ``doctor`` subcommands from their own packages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from types import ModuleType
+
+# subcommand -> (module with add_arguments/run, help)
+_DELEGATES = {
+    "backend": ("backends.reference.cli", "run the reference backend (simulated or torch executor)"),
+    "demo": ("loadtest.demo", "the noisy-neighbour story end to end"),
+    "loadtest": ("loadtest.cli", "run a load-test scenario against targets"),
+    "doctor": ("gateway.doctor", "diagnose a running gateway from its /stats"),
+}
+
+
+def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("serve", help="run the gateway", description="Run the tokengate gateway.")
+    p.add_argument("--config", metavar="FILE", help="YAML config (default: embedded defaults)")
+    p.add_argument("--host", help="listen address (default: listen.host, 127.0.0.1)")
+    p.add_argument("--port", type=int, help="listen port (default: listen.port, 8080)")
+    p.add_argument(
+        "--workers", type=int, help="worker processes (default: workers, 1; >1 needs store.kind=redis)"
+    )
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one JSON line per request on stdout (logger tokengate.access)",
+    )
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from gateway.config_loader import ConfigError, check_workers, load_config
+
+    try:
+        config = load_config(args.config)
+        workers = args.workers if args.workers is not None else config.workers
+        if workers < 1:
+            raise ConfigError(f"--workers: expected a positive integer, got {workers}")
+        check_workers(config, workers)
+        if workers > 1 and not config.pools:
+            raise ConfigError(
+                f"--workers {workers} needs configured pools: the embedded backend runs in one process only"
+            )
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    host = args.host or config.listen.host
+    port = args.port if args.port is not None else config.listen.port
+
+    from gateway.serve import serve, serve_workers, setup_logging
+
+    setup_logging(args.log_level, args.access_log)
+    if workers > 1:
+        return serve_workers(args.config, host=host, port=port, workers=workers, log_level=args.log_level)
+    try:
+        return serve(config, host=host, port=port, log_level=args.log_level)
+    except (OSError, ValueError) as exc:
+        print(f"tokengate serve: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _load(module: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        # Only "the module itself is missing" is "not available"; a broken import inside it is a bug.
+        if exc.name and module.startswith(exc.name):
+            return None
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser_for(argv)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if args.command == "serve":
+        return _run_serve(args)
+    module, _ = _DELEGATES[args.command]
+    mod = _load(module)
+    if mod is None:
+        print(
+            f"tokengate {args.command}: not available in this installation ({module} is missing)",
+            file=sys.stderr,
+        )
+        return 2
+    return int(mod.run(args))
+
+
+def build_parser_for(argv: list[str]) -> argparse.ArgumentParser:
+    """The parser, importing only the delegate module that ``argv`` asks for (imports are lazy)."""
+    parser = argparse.ArgumentParser(
+        prog="tokengate", description="Token-budget admission gateway for LLM inference"
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_serve(sub)
+    wanted = argv[0] if argv else None
+    for name, (module, help_text) in _DELEGATES.items():
+        p = sub.add_parser(name, help=help_text, description=help_text, add_help=True)
+        if name == wanted:
+            mod = _load(module)
+            if mod is not None:
+                mod.add_arguments(p)
+            else:
+                p.add_argument("rest", nargs=argparse.REMAINDER)
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())

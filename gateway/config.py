@@ -1,0 +1,173 @@
+"""The gateway's configuration: frozen dataclasses, one per YAML section.
+
+Every key is optional; ``GatewayConfig()`` is the embedded default (memory store, three tiers,
+one open tenant, no pools -> ``tokengate serve`` starts the simulated reference backend
+in-process and points a pool ``default`` at it). Parsing and validation live in
+:mod:`gateway.config_loader`; nothing here reads files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from backends.pools import BackendPoolSpec, BackendSpec, Timeouts
+
+DEFAULT_CONTEXT_LENGTH = 32768
+DEFAULT_TOKENIZER = "cl100k_base"
+OPEN_TENANT = "default"
+
+
+@dataclass(frozen=True, slots=True)
+class ListenConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    kind: str = "memory"  # memory | redis (redis arrives in a later issue)
+    # Everything else of the section, kept verbatim for the store that understands it.
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class TierConfig:
+    name: str
+    rank: int
+    ceiling: float = 1.0
+    max_queue_wait_s: float = 60.0
+
+
+DEFAULT_TIERS: tuple[TierConfig, ...] = (
+    TierConfig("critical", 0, 1.0, 30.0),
+    TierConfig("standard", 1, 0.9, 60.0),
+    TierConfig("batch", 2, 0.7, 600.0),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class FairnessConfig:
+    prefill_weight: float = 1.0
+    decode_weight: float = 2.0
+    backfill_limit_s: float = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class LeasesConfig:
+    ttl_s: float = 10.0
+
+
+# The backend-side shapes are defined with the routing code (gateway imports backends, never
+# the reverse) and used directly as the config sections.
+TimeoutsConfig = Timeouts
+BackendConfig = BackendSpec
+PoolConfig = BackendPoolSpec
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    pattern: str  # fnmatch glob over the request's model name
+    tokenizer: str | None = None  # spec for classifiers.TokenizerRegistry
+    context_length: int = DEFAULT_CONTEXT_LENGTH
+
+
+@dataclass(frozen=True, slots=True)
+class PricingConfig:
+    default_max_tokens: int = 1024
+    # Fields of classifiers.PricingSettings (per_message_tokens, image_tokens, ...), validated
+    # against that dataclass on load.
+    settings: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantConfig:
+    name: str
+    keys: tuple[str, ...] = ()  # plain keys or "sha256:<hex>"
+    budget_tokens: int | None = None  # None = bounded only by the backend pools
+    weight: float = 1.0
+    tier: str = "standard"  # highest tier this tenant may use
+    default_max_tokens: int | None = None  # None = pricing.default_max_tokens
+    max_max_tokens: int | None = None  # larger per-choice requests are a 400
+    max_queue_len: int = 64
+
+
+@dataclass(frozen=True, slots=True)
+class LimitsConfig:
+    max_body_bytes: int = 4 * 1024 * 1024
+    passthrough_cost_tokens: int = 16
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsConfig:
+    top_tenants: int = 20
+
+
+@dataclass(frozen=True, slots=True)
+class HealthConfig:
+    interval_s: float = 5.0  # active probe period for healthy backends
+    unhealthy_interval_s: float = 1.0  # probe period for backends marked down
+    failure_threshold: int = 3  # consecutive connect failures that open the breaker
+    cooldown_s: float = 5.0  # minimum time a backend stays down once marked
+    probe_timeout_s: float = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamConfig:
+    max_connections: int = 1024
+    # Below uvicorn's (and so vLLM's) 5 s keep-alive so we never reuse a socket the backend is
+    # about to close.
+    keepalive_s: float = 4.0
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddedBackendConfig:
+    host: str = "127.0.0.1"
+    port: int = 8001  # 0 = a free port
+    capacity_tokens: int | None = None  # None = derived from the backend's KV cache size
+    # Passed to backends.reference.server.BackendSettings (validated against its fields).
+    settings: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    listen: ListenConfig = ListenConfig()
+    workers: int = 1
+    store: StoreConfig = StoreConfig()
+    tiers: tuple[TierConfig, ...] = DEFAULT_TIERS
+    fairness: FairnessConfig = FairnessConfig()
+    leases: LeasesConfig = LeasesConfig()
+    # Raw class rules; parsed by classifiers.ClassRule.from_dict on load (validated there) and
+    # again when the app is built.
+    classes: tuple[Mapping[str, Any], ...] = ()
+    pools: tuple[PoolConfig, ...] = ()
+    models: tuple[ModelConfig, ...] = ()
+    pricing: PricingConfig = PricingConfig()
+    tenants: tuple[TenantConfig, ...] = ()
+    limits: LimitsConfig = LimitsConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    health: HealthConfig = HealthConfig()
+    upstream: UpstreamConfig = UpstreamConfig()
+    embedded_backend: EmbeddedBackendConfig = EmbeddedBackendConfig()
+    drain_timeout_s: float = 30.0
+    # Inject max_tokens = the reserved per-choice decode when the client set neither max_tokens
+    # nor max_completion_tokens, so the backend cannot run past what was reserved.
+    enforce_max_tokens: bool = True
+
+    @property
+    def open_mode(self) -> bool:
+        """No tenants configured: one open tenant accepts any key or none."""
+        return not self.tenants
+
+    def tier(self, name: str) -> TierConfig | None:
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        return None
+
+    def pool(self, name: str) -> PoolConfig | None:
+        for p in self.pools:
+            if p.name == name:
+                return p
+        return None

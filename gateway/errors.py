@@ -1,0 +1,84 @@
+"""Every failure leaves the gateway in OpenAI's error shape.
+
+``{"error": {"message", "type", "param", "code"}}`` with the matching HTTP status; 429 and 503
+carry ``Retry-After`` in whole seconds, rounded up.
+"""
+
+from __future__ import annotations
+
+import math
+
+import orjson
+
+from budgets.types import AdmissionError, NeverFits, QueueFull, QueueTimeout, StoreUnavailable
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    499: "client_closed_request",
+    500: "server_error",
+    502: "upstream_error",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
+
+
+class ApiError(Exception):
+    """An error answer; raise it anywhere on the request path."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        type: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.type = type or _TYPES.get(status, "server_error")
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> bytes:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        h = [(b"content-type", b"application/json")]
+        if self.retry_after_s is not None:
+            h.append((b"retry-after", str(retry_after_seconds(self.retry_after_s)).encode()))
+        return h
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": type, "param": param, "code": code}})
+
+
+def retry_after_seconds(seconds: float) -> int:
+    """HTTP Retry-After is whole seconds; round up so a client never retries too early."""
+    return max(1, math.ceil(seconds))
+
+
+def from_admission(exc: AdmissionError) -> ApiError:
+    """Map a budget-store refusal onto its HTTP answer."""
+    if isinstance(exc, NeverFits):
+        return ApiError(413, exc.message, code="cost_exceeds_capacity")
+    if isinstance(exc, QueueFull):
+        return ApiError(429, exc.message, code="queue_full", retry_after_s=exc.retry_after_s or 1.0)
+    if isinstance(exc, QueueTimeout):
+        return ApiError(429, exc.message, code="queue_timeout", retry_after_s=exc.retry_after_s or 1.0)
+    if isinstance(exc, StoreUnavailable):
+        return ApiError(503, exc.message, code="store_unavailable", retry_after_s=exc.retry_after_s or 1.0)
+    retry = exc.retry_after_s if exc.status in (429, 503) else None
+    if exc.status == 429 and retry is None:
+        retry = 1.0
+    return ApiError(exc.status, exc.message, code="admission_refused", retry_after_s=retry)

@@ -1,0 +1,196 @@
+"""The gateway's Prometheus metrics (``tokengate_*``), one class, one registry per app.
+
+Observing sits on the hot path, so label children are bound once per (class, tenant, tier) and
+cached; per-pool and per-tier gauges are filled from a store snapshot at scrape time only.
+Tenant label cardinality is bounded: the first ``top_tenants`` configured tenants keep their
+name, every other tenant is ``other``. Time histograms carry class and tier, not tenant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from backends.pools import Backend
+from budgets.types import StoreSnapshot
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
+_RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0, 1.01, 1.05, 1.1, 1.25, 1.5, 2.0, 4.0)
+
+OUTCOMES = (
+    "ok",  # 2xx from the backend, relayed
+    "backend_4xx",  # the backend refused the request; relayed as is
+    "upstream_error",  # 502/504: connect failure, timeout, backend 5xx, broken stream
+    "rejected",  # refused before reaching a backend: 400/401/404/413/429/503
+    "client_disconnect",  # the client went away (queued, waiting or mid-stream)
+    "shutdown",  # cancelled by the drain deadline
+    "internal_error",
+)
+
+
+@dataclass(slots=True)
+class Bound:
+    """Pre-bound label children for one (class, tenant, tier)."""
+
+    outcomes: dict[str, Counter]
+    queue_wait: Histogram
+    ttft: Histogram
+    backend: Histogram
+    e2e: Histogram
+    prompt_ratio: Histogram
+    output_ratio: Histogram
+    prompt_est: Counter
+    prompt_act: Counter
+    output_est: Counter
+    output_act: Counter
+
+
+class GatewayMetrics:
+    def __init__(self, *, tenants: Sequence[str] = (), top_tenants: int = 20) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._named_tenants = frozenset(list(tenants)[:top_tenants])
+        self._bound: dict[tuple[str, str, str], Bound] = {}
+        r = self.registry
+        self.requests = Counter(
+            "tokengate_requests",
+            "Requests by class, tenant, tier and outcome",
+            ("class", "tenant", "tier", "outcome"),
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "tokengate_queue_wait_seconds",
+            "Time waiting for admission",
+            ("class", "tier"),
+            buckets=_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "tokengate_ttft_seconds",
+            "Streaming: arrival at the gateway to the first relayed byte (queue wait included)",
+            ("class", "tier"),
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.backend_time = Histogram(
+            "tokengate_backend_seconds",
+            "Time on the backend: request sent to answer complete",
+            ("class", "tier"),
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "tokengate_request_duration_seconds",
+            "End to end inside the gateway: arrival to last byte sent",
+            ("class", "tier"),
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.estimate_ratio = Histogram(
+            "tokengate_token_estimate_ratio",
+            "Actual / estimated tokens per request (prompt: prefill estimate; output: reserved decode)",
+            ("class", "kind"),
+            buckets=_RATIO_BUCKETS,
+            registry=r,
+        )
+        self.tokens_estimated = Counter(
+            "tokengate_tokens_estimated", "Tokens estimated at admission", ("class", "kind"), registry=r
+        )
+        self.tokens_actual = Counter(
+            "tokengate_tokens_actual", "Tokens the backend reported in usage", ("class", "kind"), registry=r
+        )
+        self.pool_in_flight = Gauge(
+            "tokengate_pool_in_flight_tokens", "Tokens held by granted leases", ("pool", "kind"), registry=r
+        )
+        self.pool_capacity = Gauge(
+            "tokengate_pool_capacity_tokens", "Pool capacity", ("pool", "kind"), registry=r
+        )
+        self.queue_depth = Gauge(
+            "tokengate_queue_depth", "Tickets waiting for admission", ("tier",), registry=r
+        )
+        self.leases = Gauge("tokengate_leases", "Live leases in the store", registry=r)
+        self.backend_in_flight = Gauge(
+            "tokengate_backend_in_flight_tokens",
+            "Tokens this gateway has in flight on a backend",
+            ("pool", "backend"),
+            registry=r,
+        )
+        self.backend_capacity = Gauge(
+            "tokengate_backend_capacity_tokens", "Backend capacity", ("pool", "backend"), registry=r
+        )
+        self.backend_healthy = Gauge(
+            "tokengate_backend_healthy",
+            "1 while the backend's breaker is closed",
+            ("pool", "backend"),
+            registry=r,
+        )
+        self.in_flight_requests = Gauge(
+            "tokengate_requests_in_flight", "Requests inside the gateway now", registry=r
+        )
+        self.draining = Gauge("tokengate_draining", "1 while the gateway is draining", registry=r)
+
+    def tenant_label(self, tenant: str) -> str:
+        return tenant if tenant in self._named_tenants else "other"
+
+    def bind(self, klass: str, tenant: str, tier: str) -> Bound:
+        key = (klass, tenant, tier)
+        b = self._bound.get(key)
+        if b is None:
+            b = self._make(klass, self.tenant_label(tenant), tier)
+            self._bound[key] = b
+        return b
+
+    def _make(self, klass: str, tenant: str, tier: str) -> Bound:
+        return Bound(
+            outcomes={o: self.requests.labels(klass, tenant, tier, o) for o in OUTCOMES},
+            queue_wait=self.queue_wait.labels(klass, tier),
+            ttft=self.ttft.labels(klass, tier),
+            backend=self.backend_time.labels(klass, tier),
+            e2e=self.e2e.labels(klass, tier),
+            prompt_ratio=self.estimate_ratio.labels(klass, "prompt"),
+            output_ratio=self.estimate_ratio.labels(klass, "output"),
+            prompt_est=self.tokens_estimated.labels(klass, "prompt"),
+            prompt_act=self.tokens_actual.labels(klass, "prompt"),
+            output_est=self.tokens_estimated.labels(klass, "output"),
+            output_act=self.tokens_actual.labels(klass, "output"),
+        )
+
+    @staticmethod
+    def observe_usage(
+        b: Bound, *, est_prompt: int, est_output: int, prompt: int | None, output: int | None
+    ) -> None:
+        if prompt is not None:
+            b.prompt_est.inc(est_prompt)
+            b.prompt_act.inc(prompt)
+            if est_prompt > 0:
+                b.prompt_ratio.observe(prompt / est_prompt)
+        if output is not None:
+            b.output_est.inc(est_output)
+            b.output_act.inc(output)
+            if est_output > 0:
+                b.output_ratio.observe(output / est_output)
+
+    def update_state(
+        self, snapshot: StoreSnapshot, backends: Iterable[Backend], tiers: Iterable[str]
+    ) -> None:
+        """Refresh the gauges that mirror live state (called at scrape time)."""
+        for name, pool in snapshot.pools.items():
+            kind, _, short = name.partition(":")
+            if not short:
+                kind, short = "pool", name
+            self.pool_in_flight.labels(short, kind).set(pool.in_flight)
+            self.pool_capacity.labels(short, kind).set(pool.capacity)
+        for tier in tiers:
+            self.queue_depth.labels(tier).set(snapshot.queue_depth.get(tier, 0))
+        self.leases.set(snapshot.leases)
+        for b in backends:
+            self.backend_in_flight.labels(b.pool, b.name).set(b.in_flight_tokens)
+            self.backend_capacity.labels(b.pool, b.name).set(b.spec.capacity_tokens)
+            self.backend_healthy.labels(b.pool, b.name).set(1 if b.healthy else 0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,358 @@
+"""Shared fixtures: free ports, a controllable stub OpenAI backend and a running gateway, all
+over real sockets (uvicorn inside the test's event loop).
+
+The stub backend is raw ASGI so it is cheap and fully under the test's control. Per request,
+behaviour comes from headers the gateway forwards untouched:
+
+* ``x-stub-delay``: seconds to wait before answering (non-streaming) or before the first chunk;
+* ``x-stub-status``: answer with this HTTP status and an OpenAI-style error body;
+* ``x-stub-chunks`` / ``x-stub-interval``: number of content chunks in a stream and the pause
+  between them;
+* ``x-stub-drop``: close the connection without answering.
+
+It records every request (headers, parsed body), the exact bytes of every stream it sent, and
+when a client went away before the answer was complete (``cancelled``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import pytest
+import uvicorn
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Served:
+    url: str
+    server: uvicorn.Server
+    task: asyncio.Task[None]
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(self.task, timeout=10)
+
+
+async def serve_asgi(app: Any, *, port: int | None = None, graceful_s: float = 1.0) -> Served:
+    """Serve ``app`` on 127.0.0.1 in the running loop; returns once it accepts connections."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port or 0))
+    actual = sock.getsockname()[1]
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        http="httptools",
+        timeout_graceful_shutdown=graceful_s,
+    )
+    server = uvicorn.Server(config)
+    # Tests run inside pytest's loop: let pytest keep its own signal handlers.
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if task.done():
+            task.result()
+            raise RuntimeError("server exited during start-up")
+        if time.monotonic() > deadline:
+            raise RuntimeError("server did not start")
+        await asyncio.sleep(0.005)
+    return Served(url=f"http://127.0.0.1:{actual}", server=server, task=task)
+
+
+# ---- stub OpenAI backend ----
+
+
+@dataclass
+class StubRequest:
+    path: str
+    method: str
+    headers: dict[str, str]
+    body: Any
+    raw: bytes
+    received_at: float
+    cancelled_at: float | None = None
+    completed: bool = False
+    sent: bytes = b""
+
+
+@dataclass
+class StubBackend:
+    """Raw-ASGI OpenAI-compatible stub. Answers are deterministic."""
+
+    models: tuple[str, ...] = ("stub-model",)
+    default_chunks: int = 3
+    default_interval: float = 0.0
+    health_status: int = 200
+    requests: list[StubRequest] = field(default_factory=list)
+
+    def by_header(self, name: str, value: str) -> StubRequest:
+        for r in self.requests:
+            if r.headers.get(name) == value:
+                return r
+        raise KeyError(f"no request with {name}={value}")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                m = await receive()
+                if m["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                else:
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        path, method = scope["path"], scope["method"]
+        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        chunks = []
+        while True:
+            m = await receive()
+            if m["type"] == "http.disconnect":
+                return
+            chunks.append(m.get("body", b""))
+            if not m.get("more_body"):
+                break
+        raw = b"".join(chunks)
+        try:
+            body = orjson.loads(raw) if raw else None
+        except orjson.JSONDecodeError:
+            body = None
+        req = StubRequest(path, method, headers, body, raw, time.monotonic())
+        if path == "/health":
+            await _json(send, self.health_status, {"status": "ok"})
+            return
+        if path == "/v1/models":
+            await _json(
+                send, 200, {"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]}
+            )
+            return
+        self.requests.append(req)
+        gone = asyncio.Event()
+
+        async def watch() -> None:
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    if not req.completed:
+                        req.cancelled_at = time.monotonic()
+                    gone.set()
+                    return
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await self._answer(req, send, gone)
+        finally:
+            watcher.cancel()
+
+    async def _answer(self, req: StubRequest, send: Send, gone: asyncio.Event) -> None:
+        h = req.headers
+        delay = float(h.get("x-stub-delay", "0"))
+        if "x-stub-drop" in h:
+            raise RuntimeError("stub: dropping the connection")  # uvicorn closes it: no answer
+        if delay and await _wait_or_gone(gone, delay):
+            return
+        status = int(h.get("x-stub-status", "200"))
+        if status != 200:
+            req.completed = True
+            await _json(
+                send,
+                status,
+                {"error": {"message": f"stub error {status}", "type": "stub", "param": None, "code": None}},
+            )
+            return
+        body = req.body if isinstance(req.body, dict) else {}
+        if req.path == "/v1/embeddings":
+            req.completed = True
+            await _json(
+                send,
+                200,
+                {
+                    "object": "list",
+                    "data": [{"embedding": [0.0, 1.0], "index": 0}],
+                    "usage": {"prompt_tokens": 5, "total_tokens": 5},
+                },
+            )
+            return
+        if req.path not in ("/v1/chat/completions", "/v1/completions"):
+            req.completed = True
+            await _json(send, 200, {"echo": req.path, "method": req.method, "body": body})
+            return
+        n_chunks = int(h.get("x-stub-chunks", str(self.default_chunks)))
+        interval = float(h.get("x-stub-interval", str(self.default_interval)))
+        chat = req.path == "/v1/chat/completions"
+        usage = {"prompt_tokens": 11, "completion_tokens": n_chunks, "total_tokens": 11 + n_chunks}
+        if not body.get("stream"):
+            if interval and await _wait_or_gone(gone, interval * n_chunks):
+                return
+            text = "".join(f"tok{i} " for i in range(n_chunks))
+            choice = (
+                {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+                if chat
+                else {"index": 0, "text": text, "finish_reason": "length"}
+            )
+            req.completed = True
+            await _json(
+                send,
+                200,
+                {
+                    "id": "stub-1",
+                    "object": "chat.completion",
+                    "model": body.get("model"),
+                    "choices": [choice],
+                    "usage": usage,
+                },
+            )
+            return
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"x-stub-id", b"s1")],
+            }
+        )
+        frames = []
+        for i in range(n_chunks):
+            delta = {"content": f"tok{i} "} if chat else None
+            choice = (
+                {"index": 0, "delta": delta, "finish_reason": None}
+                if chat
+                else {"index": 0, "text": f"tok{i} ", "finish_reason": None}
+            )
+            frames.append({"id": "stub-1", "object": "chat.completion.chunk", "choices": [choice]})
+        frames.append(
+            {
+                "id": "stub-1",
+                "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+            }
+        )
+        if include_usage:
+            frames.append({"id": "stub-1", "object": "chat.completion.chunk", "choices": [], "usage": usage})
+        for frame in frames:
+            if gone.is_set():
+                return
+            data = b"data: " + orjson.dumps(frame) + b"\n\n"
+            req.sent += data
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+            if interval and await _wait_or_gone(gone, interval):
+                return
+        req.sent += b"data: [DONE]\n\n"
+        req.completed = True
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+async def _wait_or_gone(gone: asyncio.Event, seconds: float) -> bool:
+    """Sleep ``seconds``; True if the client disconnected meanwhile."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(gone.wait(), timeout=seconds)
+    return gone.is_set()
+
+
+async def _json(send: Send, status: int, obj: Any) -> None:
+    data = orjson.dumps(obj)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+@pytest.fixture
+def port() -> int:
+    return free_port()
+
+
+@pytest.fixture
+async def stub_backend() -> AsyncIterator[tuple[StubBackend, str]]:
+    stub = StubBackend()
+    served = await serve_asgi(stub)
+    try:
+        yield stub, served.url
+    finally:
+        await served.stop()
+
+
+# ---- a running gateway ----
+
+
+@dataclass
+class RunningGateway:
+    url: str
+    app: Any  # gateway.app.Gateway
+    served: Served
+
+    @property
+    def store(self) -> Any:
+        return self.app.store
+
+    async def in_flight(self) -> dict[str, int]:
+        snap = await self.app.store.snapshot()
+        return {name: p.in_flight for name, p in snap.pools.items()}
+
+    async def wait_idle(self, within_s: float = 5.0) -> dict[str, int]:
+        """Wait until every pool is back to zero (or time out); returns the last in-flight map."""
+        deadline = time.monotonic() + within_s
+        while True:
+            state = await self.in_flight()
+            if not any(state.values()) or time.monotonic() > deadline:
+                return state
+            await asyncio.sleep(0.01)
+
+
+GatewayFactory = Callable[[Mapping[str, Any]], Awaitable[RunningGateway]]
+
+
+def stub_pools(url: str, capacity: int = 100_000, **backend: Any) -> dict[str, Any]:
+    return {"default": {"backends": [{"url": url, "capacity_tokens": capacity, **backend}]}}
+
+
+@pytest.fixture
+async def gateway_factory() -> AsyncIterator[GatewayFactory]:
+    """Start gateways from config dicts (parsed by the real loader); stopped at teardown."""
+    from gateway.app import build_app
+    from gateway.config_loader import parse_config
+
+    started: list[Served] = []
+
+    async def start(config: Mapping[str, Any]) -> RunningGateway:
+        app = build_app(parse_config(dict(config)))
+        served = await serve_asgi(app)
+        started.append(served)
+        return RunningGateway(url=served.url, app=app, served=served)
+
+    try:
+        yield start
+    finally:
+        for s in reversed(started):
+            await s.stop()
+
+
+@pytest.fixture
+async def gateway(stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory) -> RunningGateway:
+    """An open-mode gateway (no tenants) in front of the stub backend."""
+    _, url = stub_backend
+    return await gateway_factory({"pools": stub_pools(url), "drain_timeout_s": 1})
