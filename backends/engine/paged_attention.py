@@ -102,9 +102,8 @@ def build_layout(seqs: Sequence[SeqInput], *, block_size: int, device: torch.dev
             )
     total = sum(q_lens)
     max_blocks = max(len(s.block_table) for s in seqs)
-    table = torch.zeros((n, max_blocks), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        table[i, : len(s.block_table)] = torch.as_tensor(s.block_table, dtype=torch.long)
+    # Padded with block 0: padding is never read unmasked.
+    table = torch.tensor([[*s.block_table, *[0] * (max_blocks - len(s.block_table))] for s in seqs])
     q_len_t = torch.tensor(q_lens, dtype=torch.long)
     ends = torch.cumsum(q_len_t, 0)
     seq_of_row = torch.repeat_interleave(torch.arange(n), q_len_t)
