@@ -80,14 +80,19 @@ class Engine:
 
     # ---- requests --------------------------------------------------------------------------
 
-    def add_request(self, req: EngineRequest) -> None:
-        """Queue a request (arrival = now). Raises ValueError for a request that can never run."""
+    def add_request(self, req: EngineRequest, arrival_time: float | None = None) -> None:
+        """Queue a request. Raises ValueError for a request that can never run.
+
+        ``arrival_time`` defaults to now; a virtual-clock driver passes the true arrival of a
+        request that came in while a step was running (it is only seen at the step's end, as in
+        a real engine, but its latency counts from when it arrived).
+        """
         vocab = self.executor.vocab_size
         if any(t < 0 or t >= vocab for t in req.prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if req.stop and self.decoder is None:
             raise ValueError("stop strings need a text decoder")
-        req.arrival_time = self.clock.now()
+        req.arrival_time = self.clock.now() if arrival_time is None else arrival_time
         self.scheduler.add(req)
         text = OutputText(self.decoder, req.stop, self._skip_ids) if self.decoder is not None else None
         self._tracked[req.request_id] = _Tracked(req, text)

@@ -20,7 +20,7 @@ of the field names, loaded by ``CostModel.from_file``.
 
 Tokens: a fixed list of common English words that are single cl100k tokens, indexed by a hash of
 (request key, output_index), where the request key hashes the sampling seed (if any) and the
-start of the prompt. The same prompt and seed always yield the same text, and a preempted
+first 64 tokens of the sequence so far (prompt, then outputs). The same prompt and seed always yield the same text, and a preempted
 request recomputed from scratch yields exactly the tokens it would have produced. EOS is never
 produced unless ``eos_after`` asks for it.
 """
@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,7 @@ CL100K_VOCAB_SIZE = 100277
 CL100K_EOS = 100257  # <|endoftext|>
 
 _KEY_PREFIX_TOKENS = 64  # how much of the prompt identifies a request for token choice
-_MAX_KEYS = 65536  # bound on remembered request keys (the executor has no "request finished" hook)
+_MAX_KEYS = 65536  # bound on remembered requests (the executor has no "request finished" hook)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +114,16 @@ def _hash64(*parts: object) -> int:
     return int.from_bytes(digest, "little")
 
 
+def _request_key(seed: int | None, prompt_token_ids: Sequence[int]) -> int:
+    return _hash64(seed, tuple(prompt_token_ids[:_KEY_PREFIX_TOKENS]))
+
+
+@dataclass(slots=True)
+class _Prefix:
+    tokens: list[int]
+    key: int | None = None  # cached hash of (seed, tokens); reset when tokens grow
+
+
 class SimExecutor:
     """Satisfies ``backends.engine.types.Executor``; ``execute`` returns instantly with a modelled time."""
 
@@ -131,15 +142,16 @@ class SimExecutor:
         self.eos_token_id: int | None = CL100K_EOS
         self.eos_after = eos_after  # emit EOS at this output index (None: never)
         self.tokenizer = None  # use the default cl100k tokenizer
-        self._keys: OrderedDict[str, int] = OrderedDict()
+        self._prefixes: OrderedDict[str, _Prefix] = OrderedDict()
 
     def execute(self, plan: StepPlan) -> StepResult:
         tokens: dict[str, int] = {}
         for seq in plan.seqs:
-            if seq.start_pos == 0:
-                self._remember(seq)
+            prefix = self._track(seq)
             if seq.sample:
-                tokens[seq.request_id] = self.token_for(self._key(seq), seq.output_index)
+                if prefix.key is None:
+                    prefix.key = _request_key(seq.sampling.seed, prefix.tokens)
+                tokens[seq.request_id] = self.token_for(prefix.key, seq.output_index)
         return StepResult(tokens=tokens, step_time_s=self.cost_model.step_time(plan))
 
     def token_for(self, key: int, output_index: int) -> int:
@@ -147,14 +159,29 @@ class SimExecutor:
             return CL100K_EOS
         return WORD_TOKEN_IDS[_hash64(key, output_index) % len(WORD_TOKEN_IDS)]
 
-    def _remember(self, seq: SeqStep) -> None:
-        key = _hash64(seq.sampling.seed, tuple(seq.token_ids[:_KEY_PREFIX_TOKENS]))
-        self._keys[seq.request_id] = key
-        self._keys.move_to_end(seq.request_id)
-        if len(self._keys) > _MAX_KEYS:
-            self._keys.popitem(last=False)
+    def expected_tokens(self, prompt_token_ids: Sequence[int], seed: int | None, n: int) -> list[int]:
+        """The ``n`` tokens a request with this prompt and seed produces (with ignore_eos)."""
+        seq = list(prompt_token_ids)
+        for i in range(n):
+            seq.append(self.token_for(_request_key(seed, seq[:_KEY_PREFIX_TOKENS]), i))
+        return seq[len(prompt_token_ids) :]
 
-    def _key(self, seq: SeqStep) -> int:
-        key = self._keys.get(seq.request_id)
-        # Forgotten (only after _MAX_KEYS newer requests): still deterministic per request id.
-        return key if key is not None else _hash64(seq.sampling.seed, seq.request_id)
+    def _track(self, seq: SeqStep) -> _Prefix:
+        """The request's first ``_KEY_PREFIX_TOKENS`` tokens (prompt, then outputs) seen so far.
+
+        Whatever the chunking, and across a recompute after preemption, this equals the first
+        tokens of prompt + outputs at sampling time, so token choice never depends on batching.
+        """
+        rid = seq.request_id
+        prefix = self._prefixes.get(rid)
+        if seq.start_pos == 0 or prefix is None:
+            # Unknown request mid-sequence (forgotten after _MAX_KEYS others): key on what we see.
+            prefix = _Prefix(list(seq.token_ids[:_KEY_PREFIX_TOKENS]))
+            self._prefixes[rid] = prefix
+            if len(self._prefixes) > _MAX_KEYS:
+                self._prefixes.popitem(last=False)
+        elif len(prefix.tokens) < _KEY_PREFIX_TOKENS and seq.start_pos == len(prefix.tokens):
+            prefix.tokens.extend(seq.token_ids[: _KEY_PREFIX_TOKENS - len(prefix.tokens)])
+            prefix.key = None
+        self._prefixes.move_to_end(rid)
+        return prefix
