@@ -1,0 +1,142 @@
+"""A scenario file: a workload, optionally the stack to start for it (backends, gateway configs), and checks.
+
+``setup`` describes the targets the scenario compares when the load tester starts everything itself
+(``tokengate loadtest FILE --spawn`` and ``tokengate demo``)::
+
+    setup:
+      backends: {count: 2, args: [--no-chunked-prefill, --max-num-batched-tokens, "32768"]}
+      gateway: {tiers: {...}}               # shared by every gateway target (merged under each one's)
+      targets:
+        - {name: direct, direct: true}      # round-robin over the backends (all, or 'backends: [0, 1]')
+        - name: tokengate-split
+          gateway:                          # a gateway config; backends referenced by index
+            classes: [{name: reasoning, when: {min_prompt_tokens: 8000}, pool: long}, {name: short, pool: short}]
+            pools: {short: {backends: [{backend: 0, capacity_tokens: 100000}]},
+                    long: {backends: [{backend: 1, capacity_tokens: 100000}]}}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from loadtest.checks import CheckSpec, parse_checks
+from loadtest.distributions import SpecError, check_keys
+from loadtest.spec import WorkloadSpec, parse_workload
+
+SCENARIOS_DIR = Path(__file__).resolve().parent / "scenarios"
+
+
+@dataclass(frozen=True)
+class TargetSetup:
+    name: str
+    direct: bool
+    backends: tuple[int, ...] | None = None  # direct targets: which backends (None = all)
+    gateway: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SetupSpec:
+    backend_count: int
+    backend_args: tuple[str, ...]
+    gateway_base: Mapping[str, Any]
+    targets: tuple[TargetSetup, ...]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    workload: WorkloadSpec
+    setup: SetupSpec | None
+    checks: tuple[CheckSpec, ...]
+    path: Path | None = None
+
+    def with_workload(self, workload: WorkloadSpec) -> Scenario:
+        return replace(self, workload=workload)
+
+
+def _parse_setup(raw: Any) -> SetupSpec:
+    if not isinstance(raw, Mapping):
+        raise SpecError("setup: expected a mapping")
+    check_keys(raw, ["backends", "gateway", "targets"], "setup")
+    backends = raw.get("backends", {}) or {}
+    if not isinstance(backends, Mapping):
+        raise SpecError("setup.backends: expected {count, args}")
+    check_keys(backends, ["count", "args"], "setup.backends")
+    count = backends.get("count", 1)
+    if not isinstance(count, int) or count < 1:
+        raise SpecError(f"setup.backends.count: expected a positive integer, got {count!r}")
+    args = backends.get("args", []) or []
+    if not isinstance(args, list):
+        raise SpecError("setup.backends.args: expected a list of command-line arguments")
+    base = raw.get("gateway", {}) or {}
+    if not isinstance(base, Mapping):
+        raise SpecError("setup.gateway: expected a mapping (a partial gateway config)")
+    targets_raw = raw.get("targets")
+    if not isinstance(targets_raw, list) or not targets_raw:
+        raise SpecError("setup.targets: expected a non-empty list")
+    targets = []
+    seen: set[str] = set()
+    for i, t in enumerate(targets_raw):
+        where = f"setup.targets[{i}]"
+        if not isinstance(t, Mapping):
+            raise SpecError(f"{where}: expected a mapping")
+        check_keys(t, ["name", "direct", "backends", "gateway"], where)
+        name = t.get("name")
+        if not isinstance(name, str) or not name or name in seen:
+            raise SpecError(f"{where}.name: expected a unique non-empty name, got {name!r}")
+        seen.add(name)
+        direct = bool(t.get("direct", False))
+        if direct == ("gateway" in t):
+            raise SpecError(f"{where}: a target is either 'direct: true' or has a 'gateway' config")
+        indices = t.get("backends")
+        if indices is not None and (
+            not isinstance(indices, list) or not all(isinstance(x, int) and 0 <= x < count for x in indices)
+        ):
+            raise SpecError(f"{where}.backends: expected backend indices below {count}, got {indices!r}")
+        gateway = t.get("gateway", {}) or {}
+        if not isinstance(gateway, Mapping):
+            raise SpecError(f"{where}.gateway: expected a mapping")
+        targets.append(
+            TargetSetup(name, direct, tuple(indices) if indices is not None else None, dict(gateway))
+        )
+    return SetupSpec(count, tuple(str(a) for a in args), dict(base), tuple(targets))
+
+
+def parse_scenario(raw: Mapping[str, Any], *, path: Path | None = None, synthetic: bool = False) -> Scenario:
+    base_dir = path.parent if path is not None else None
+    workload = parse_workload(raw, base_dir=base_dir, synthetic=synthetic)
+    setup = _parse_setup(raw["setup"]) if "setup" in raw else None
+    checks = parse_checks(raw.get("checks"), workload)
+    if setup is not None:
+        names = {t.name for t in setup.targets}
+        for c in checks:
+            for name in (c.target, c.baseline_target):
+                if name is not None and name not in names:
+                    raise SpecError(
+                        f"checks: {c.name!r} names target {name!r}, not in setup.targets {sorted(names)}"
+                    )
+    return Scenario(workload, setup, checks, path)
+
+
+def resolve_scenario_path(name: str) -> Path:
+    """A path, or the name of a shipped scenario ('noisy_neighbour' → loadtest/scenarios/noisy_neighbour.yaml)."""
+    candidate = Path(name)
+    if candidate.is_file():
+        return candidate
+    shipped = SCENARIOS_DIR / (name if name.endswith((".yaml", ".yml")) else f"{name}.yaml")
+    if shipped.is_file():
+        return shipped
+    available = sorted(p.stem for p in SCENARIOS_DIR.glob("*.yaml"))
+    raise SpecError(f"scenario {name!r} not found (a file path, or one of {available})")
+
+
+def load_scenario(name: str | Path, *, synthetic: bool = False) -> Scenario:
+    path = resolve_scenario_path(str(name))
+    raw = yaml.safe_load(path.read_text())
+    if not isinstance(raw, Mapping):
+        raise SpecError(f"{path}: expected a YAML mapping at the top level")
+    return parse_scenario(raw, path=path, synthetic=synthetic)

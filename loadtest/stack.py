@@ -1,0 +1,104 @@
+"""Starts a scenario's stack — simulated reference backends and tokengate gateways — as child processes.
+
+Talks to the rest of tokengate only through its command line (``python -m gateway.cli backend|serve``,
+or ``python -m backends.reference`` where the gateway CLI is not there) and over HTTP.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from loadtest.gateway_config import gateway_config
+from loadtest.processes import ProcessGroup, StartupError, free_port, wait_ready
+from loadtest.runner import Target
+from loadtest.scenario import Scenario, SetupSpec
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def backend_command(port: int, args: Sequence[str]) -> list[str]:
+    if _module_exists("gateway.cli"):
+        head = [sys.executable, "-m", "gateway.cli", "backend"]
+    elif _module_exists("backends.reference.cli"):
+        head = [sys.executable, "-m", "backends.reference"]
+    else:
+        raise StartupError(
+            "the reference backend is not available (no gateway.cli nor backends.reference.cli)"
+        )
+    return [*head, "--executor", "sim", "--host", "127.0.0.1", "--port", str(port), *args]
+
+
+def gateway_command(config_path: Path) -> list[str]:
+    if not _module_exists("gateway.cli"):
+        raise StartupError("the tokengate gateway is not available (gateway/cli.py is missing)")
+    return [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path)]
+
+
+@dataclass(frozen=True)
+class StackInfo:
+    targets: list[Target]
+    backend_urls: list[str]
+    config_paths: dict[str, Path]
+
+
+@contextmanager
+def spawned_stack(
+    scenario: Scenario,
+    work_dir: Path,
+    *,
+    extra_backend_args: Sequence[str] = (),
+    only_targets: Sequence[str] | None = None,
+    startup_timeout_s: float = 90.0,
+) -> Iterator[StackInfo]:
+    """Backends first (all at once), then one gateway per gateway target; everything stopped on exit."""
+    setup: SetupSpec | None = scenario.setup
+    if setup is None:
+        raise StartupError(f"scenario {scenario.workload.name!r} has no 'setup' section to spawn")
+    wanted = [t for t in setup.targets if only_targets is None or t.name in only_targets]
+    if not wanted:
+        raise StartupError(f"no targets selected; the scenario has {[t.name for t in setup.targets]}")
+    logs = work_dir / "logs"
+    with ProcessGroup() as group:
+        ports = [free_port() for _ in range(setup.backend_count)]
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        backends = [
+            group.start(
+                f"backend{i}",
+                backend_command(p, [*setup.backend_args, *extra_backend_args]),
+                logs / f"backend{i}.log",
+            )
+            for i, p in enumerate(ports)
+        ]
+        wait_ready([(b, [f"{u}/health"]) for b, u in zip(backends, urls, strict=True)], startup_timeout_s)
+        targets: list[Target] = []
+        configs: dict[str, Path] = {}
+        gateways = []
+        for t in wanted:
+            if t.direct:
+                indices = t.backends if t.backends is not None else tuple(range(setup.backend_count))
+                targets.append(Target(t.name, tuple(urls[i] for i in indices)))
+                continue
+            port = free_port()
+            config = gateway_config(scenario.workload, setup.gateway_base, t.gateway, urls, port)
+            path = work_dir / "configs" / f"{t.name}.yaml"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(yaml.safe_dump(config, sort_keys=False))
+            configs[t.name] = path
+            child = group.start(t.name, gateway_command(path), logs / f"{t.name}.log")
+            base = f"http://127.0.0.1:{port}"
+            gateways.append((child, [f"{base}/readyz"]))
+            targets.append(Target(t.name, (base,)))
+        wait_ready(gateways, startup_timeout_s)
+        yield StackInfo(targets, urls, configs)
