@@ -279,10 +279,9 @@ def rope_tables(cfg: LlamaConfig, max_len: int, device: torch.device) -> tuple[t
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Statistics in float32 even for bf16 activations (as the reference implementation does).
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return xf.to(x.dtype) * weight
+    # torch's own op: one fused kernel on CUDA (fewer launches per decode step), float32
+    # statistics for bf16 inputs.
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -318,12 +317,13 @@ def forward_hidden(
     n = token_ids.shape[0]
     h = F.embedding(token_ids, w.embed).to(dt)
     cos, sin = cos.to(dt), sin.to(dt)
-    splits = [cfg.q_size, cfg.kv_size, cfg.kv_size]
+    splits = [cfg.q_size + cfg.kv_size, cfg.kv_size]
     for i, layer in enumerate(w.layers):
         x = rms_norm(h, p(layer.attn_norm), cfg.rms_norm_eps)
-        q, k, v = F.linear(x, p(layer.wqkv)).split(splits, dim=-1)
-        q = apply_rope(q.view(n, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rope(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        qk, v = F.linear(x, p(layer.wqkv)).split(splits, dim=-1)
+        # Queries and keys rotated together: one set of RoPE kernels per layer instead of two.
+        qk = apply_rope(qk.view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         o = attend(i, q, k, v.view(n, cfg.num_kv_heads, cfg.head_dim))
         h = h + F.linear(o.reshape(n, cfg.q_size), p(layer.wo))
         x = rms_norm(h, p(layer.mlp_norm), cfg.rms_norm_eps)
