@@ -142,17 +142,17 @@ def _content_text(content: Any, where: str) -> str:
         texts: list[str] = []
         for j, part in enumerate(content):
             if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                raise bad_request(f"'{where}[{j}]' must be an object with a 'type'", where)
+                raise bad_request(f"'{where}[{j}]' must be an object with a 'type'", "messages")
             if part["type"] != "text":
                 raise bad_request(
-                    f"'{where}[{j}]': content type {part['type']!r} is not supported (text only)", where
+                    f"'{where}[{j}]': content type {part['type']!r} is not supported (text only)", "messages"
                 )
             text = part.get("text")
             if not isinstance(text, str):
-                raise bad_request(f"'{where}[{j}].text' must be a string", where)
+                raise bad_request(f"'{where}[{j}].text' must be a string", "messages")
             texts.append(text)
         return "".join(texts)
-    raise bad_request(f"'{where}' must be a string, a list of content parts or null", where)
+    raise bad_request(f"'{where}' must be a string, a list of content parts or null", "messages")
 
 
 def parse_chat(raw: Any) -> ChatRequest:

@@ -1,0 +1,367 @@
+"""The reference backend over real sockets: OpenAI shapes, SSE framing, errors, disconnects, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from classifiers.pricing import Pricer
+from classifiers.tokenizers import TokenizerRegistry
+from tests.backends.conftest import RunningBackend
+
+Start = Callable[..., Awaitable[RunningBackend]]
+MODEL = "tokengate-sim"
+CHAT = {
+    "model": MODEL,
+    "messages": [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Name three rivers, please."},
+    ],
+    "max_tokens": 12,
+}
+
+
+def sse_events(raw: bytes) -> list[bytes]:
+    assert raw.endswith(b"\n\n")
+    events = raw.split(b"\n\n")[:-1]
+    for event in events:
+        assert event.startswith(b"data: "), event
+    return [e[len(b"data: ") :] for e in events]
+
+
+async def post(client: httpx.AsyncClient, path: str, body: Any) -> httpx.Response:
+    return await client.post(path, content=orjson.dumps(body), headers={"content-type": "application/json"})
+
+
+async def wait_for(predicate: Callable[[], bool], within: float = 5.0) -> None:
+    for _ in range(int(within / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached in time")
+
+
+async def test_models_and_health(reference_server: Start) -> None:
+    srv = await reference_server()
+    async with httpx.AsyncClient(base_url=srv.url) as client:
+        assert (await client.get("/health")).status_code == 200
+        models = (await client.get("/v1/models")).json()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["max_model_len"] == 4096
+
+
+async def test_chat_non_streaming_usage_matches_gateway_pricing(reference_server: Start) -> None:
+    srv = await reference_server()
+    async with httpx.AsyncClient(base_url=srv.url) as client:
+        resp = await post(client, "/v1/chat/completions", CHAT)
+    assert resp.status_code == 200
+    body = resp.json()
+    assert body["object"] == "chat.completion"
+    assert body["id"].startswith("chatcmpl-")
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant"
+    assert choice["message"]["content"].strip()
+    assert choice["finish_reason"] == "length"
+    usage = body["usage"]
+    assert usage["completion_tokens"] == 12
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 12
+    priced = Pricer(TokenizerRegistry()).price_chat(
+        CHAT, default_max_tokens=16, max_tokens_limit=None, context_length=4096
+    )
+    assert abs(usage["prompt_tokens"] - priced.prefill) <= len(CHAT["messages"])
+
+
+async def test_chat_stream_framing_with_usage_chunk(reference_server: Start) -> None:
+    srv = await reference_server()
+    async with httpx.AsyncClient(base_url=srv.url) as client:
+        whole = (await post(client, "/v1/chat/completions", CHAT)).json()
+        body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+        resp = await post(client, "/v1/chat/completions", body)
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(resp.content)
+    assert events[-1] == b"[DONE]"
+    chunks = [orjson.loads(e) for e in events[:-1]]
+    *content_chunks, usage_chunk = chunks
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"] == whole["usage"]
+    assert all(c["usage"] is None for c in content_chunks)
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == usage_chunk["id"] for c in chunks)
+    assert content_chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in content_chunks)
+    assert text == whole["choices"][0]["message"]["content"]  # the sim is deterministic per prompt
+    reasons = [c["choices"][0]["finish_reason"] for c in content_chunks]
+    assert reasons[-1] == "length" and set(reasons[:-1]) == {None}
+
+
+async def test_stream_without_usage_has_no_usage_field(reference_server: Start) -> None:
+    srv = await reference_server()
+    async with httpx.AsyncClient(base_url=srv.url) as client:
+        resp = await post(client, "/v1/chat/completions", {**CHAT, "stream": True})
+    events = sse_events(resp.content)
+    assert events[-1] == b"[DONE]"
+    for event in events[:-1]:
+        chunk = orjson.loads(event)
+        assert "usage" not in chunk
+        assert len(chunk["choices"]) == 1
+
+
+async def test_completions_streaming_and_not_with_token_id_prompt(reference_server: Start) -> None:
+    srv = await reference_server()
+    async with httpx.AsyncClient(base_url=srv.url) as client:
+        whole = (
+            await post(
+                client, "/v1/completions", {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8}
+            )
+        ).json()
+        ids = srv.backend.tokenizer.encode("Once upon a time")
+        by_ids = (
+            await post(client, "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 8})
+        ).json()
+        streamed = await post(
+            client,
+            "/v1/completions",
+            {
+                "model": MODEL,
+                "prompt": ["Once upon a time"],
+                "max_tokens": 8,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
+    assert whole["object"] == "text_completion"
+    assert whole["usage"] == {"prompt_tokens": 4, "completion_tokens": 8, "total_tokens": 12}
+    assert by_ids["choices"][0]["text"] == whole["choices"][0]["text"]
+    events = sse_events(streamed.content)
+    chunks = [orjson.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == whole["choices"][0]["text"]
+    assert chunks[-1]["usage"] == whole["usage"]
+
+
+async def test_stop_strings_and_eos(reference_server: Start) -> None:
+    srv = await reference_server(sim_eos_after=5)
+    async with httpx.AsyncClient(base_url=srv.url) as client:
+        stopped = (await post(client, "/v1/chat/completions", {**CHAT, "max_tokens": 20})).json()
+        ignored = (
+            await post(client, "/v1/chat/completions", {**CHAT, "max_tokens": 20, "ignore_eos": True})
+        ).json()
+        full = ignored["choices"][0]["message"]["content"]
+        stop_word = " " + full.split(" ")[3]
+        cut = (
+            await post(
+                client,
+                "/v1/chat/completions",
+                {**CHAT, "max_tokens": 20, "ignore_eos": True, "stop": stop_word},
+            )
+        ).json()
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["usage"]["completion_tokens"] == 6
+    assert ignored["choices"][0]["finish_reason"] == "length"
+    assert ignored["usage"]["completion_tokens"] == 20
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    assert cut["choices"][0]["message"]["content"] == full[: full.index(stop_word)]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"model": MODEL}, 400, "messages"),
+        ({"model": MODEL, "messages": "hi"}, 400, "messages"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages"),
+        ({**CHAT, "max_tokens": "12"}, 400, "max_tokens"),
+        ({**CHAT, "max_tokens": True}, 400, "max_tokens"),
+        ({**CHAT, "max_tokens": 0}, 400, "max_tokens"),
+        ({**CHAT, "max_tokens": 5000}, 400, "max_tokens"),
+        ({**CHAT, "temperature": "hot"}, 400, "temperature"),
+        ({**CHAT, "stop": [1, 2]}, 400, "stop"),
+        ({**CHAT, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+        ({**CHAT, "n": 2}, 400, "n"),
+        ({**CHAT, "priority": 1}, 400, "priority"),
+        ({**CHAT, "model": "gpt-4o"}, 404, "model"),
+        ({"messages": CHAT["messages"]}, 400, "model"),
+        (
+            {**CHAT, "messages": [{"role": "user", "content": "word " * 5000}], "max_tokens": None},
+            400,
+            "messages",
+        ),
+    ],
+)
+async def test_bad_chat_requests_get_openai_errors(
+    reference_server: Start, body: Any, status: int, param: str
+) -> None:
+    srv = await reference_server()
+    async with httpx.AsyncClient(base_url=srv.url) as client:
+        resp = await post(client, "/v1/chat/completions", body)
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param
+    assert err["message"]
+    assert not srv.backend.engine.has_unfinished()
+
+
+async def test_other_errors(reference_server: Start) -> None:
+    srv = await reference_server()
+    async with httpx.AsyncClient(base_url=srv.url) as client:
+        bad_json = await client.post("/v1/chat/completions", content=b"{nope")
+        not_object = await post(client, "/v1/completions", [1, 2])
+        batch = await post(client, "/v1/completions", {"model": MODEL, "prompt": ["a", "b"]})
+        empty = await post(client, "/v1/completions", {"model": MODEL, "prompt": ""})
+        bad_ids = await post(client, "/v1/completions", {"model": MODEL, "prompt": [1, 10**9]})
+        too_long = await post(client, "/v1/completions", {"model": MODEL, "prompt": list(range(100, 4200))})
+        route = await client.get("/v1/nothing")
+        method = await client.get("/v1/chat/completions")
+    for resp, status in [
+        (bad_json, 400),
+        (not_object, 400),
+        (batch, 400),
+        (empty, 400),
+        (bad_ids, 400),
+        (too_long, 400),
+        (route, 404),
+        (method, 405),
+    ]:
+        assert resp.status_code == status, resp.text
+        assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+    assert too_long.json()["error"]["code"] == "context_length_exceeded"
+
+
+async def test_priority_accepted_by_priority_policy(reference_server: Start) -> None:
+    srv = await reference_server(scheduling_policy="priority")
+    async with httpx.AsyncClient(base_url=srv.url) as client:
+        resp = await post(client, "/v1/chat/completions", {**CHAT, "priority": -3})
+    assert resp.status_code == 200
+
+
+async def _raw_post(
+    port: int, path: str, body: dict[str, Any]
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    payload = orjson.dumps(body)
+    head = f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+    writer.write(head.encode() + payload)
+    await writer.drain()
+    return reader, writer
+
+
+async def _close(writer: asyncio.StreamWriter) -> None:
+    writer.close()
+    await writer.wait_closed()
+
+
+def gauges(text: str) -> dict[str, float]:
+    return {
+        s.name: s.value
+        for fam in text_string_to_metric_families(text)
+        if fam.type == "gauge"
+        for s in fam.samples
+    }
+
+
+async def test_client_disconnect_mid_stream_frees_blocks_at_once(reference_server: Start) -> None:
+    srv = await reference_server(time_scale=1.0)
+    blocks = srv.backend.scheduler.blocks
+    body = {**CHAT, "max_tokens": 3000, "stream": True}
+    reader, writer = await _raw_post(srv.port, "/v1/chat/completions", body)
+    seen = b""
+    while seen.count(b"data: ") < 3:
+        seen += await reader.read(4096)
+    assert blocks.num_used_blocks > 0
+    await _close(writer)
+    await wait_for(lambda: blocks.num_used_blocks == 0, within=2)
+    assert not srv.backend.engine.has_unfinished()
+    async with httpx.AsyncClient(base_url=srv.url) as client:
+        g = gauges((await client.get("/metrics")).text)
+    assert g["vllm:num_requests_running"] == 0
+    assert g["vllm:kv_cache_usage_perc"] == 0
+
+
+async def test_client_disconnect_while_queued_and_non_streaming(reference_server: Start) -> None:
+    srv = await reference_server(time_scale=1.0, max_num_seqs=1)
+    sched = srv.backend.scheduler
+    running = await _raw_post(srv.port, "/v1/chat/completions", {**CHAT, "max_tokens": 3000})
+    await wait_for(lambda: sched.num_running == 1)
+    queued = await _raw_post(srv.port, "/v1/chat/completions", {**CHAT, "max_tokens": 3000, "stream": True})
+    await wait_for(lambda: sched.num_waiting == 1)
+    async with httpx.AsyncClient(base_url=srv.url) as client:
+        g = gauges((await client.get("/metrics")).text)
+        assert (g["vllm:num_requests_running"], g["vllm:num_requests_waiting"]) == (1, 1)
+        assert g["vllm:kv_cache_usage_perc"] > 0
+        await _close(queued[1])  # never written to: only the disconnect watcher can notice
+        await wait_for(lambda: sched.num_waiting == 0, within=2)
+        await _close(running[1])  # non-streaming
+        await wait_for(lambda: sched.num_running == 0, within=2)
+        g = gauges((await client.get("/metrics")).text)
+    assert sched.blocks.num_used_blocks == 0
+    assert (
+        g["vllm:num_requests_running"],
+        g["vllm:num_requests_waiting"],
+        g["vllm:kv_cache_usage_perc"],
+    ) == (0, 0, 0)
+
+
+async def test_metrics_have_vllm_names_types_and_labels(reference_server: Start) -> None:
+    srv = await reference_server()
+    async with httpx.AsyncClient(base_url=srv.url) as client:
+        for _ in range(3):
+            await post(client, "/v1/chat/completions", CHAT)
+        resp = await client.get("/metrics")
+    assert resp.status_code == 200
+    families = {f.name: f for f in text_string_to_metric_families(resp.text)}
+    expected = {
+        "vllm:num_requests_running": "gauge",
+        "vllm:num_requests_waiting": "gauge",
+        "vllm:kv_cache_usage_perc": "gauge",
+        "vllm:time_to_first_token_seconds": "histogram",
+        "vllm:e2e_request_latency_seconds": "histogram",
+        "vllm:request_queue_time_seconds": "histogram",
+        "vllm:inter_token_latency_seconds": "histogram",
+        "vllm:prompt_tokens": "counter",
+        "vllm:generation_tokens": "counter",
+        "vllm:num_preemptions": "counter",
+    }
+    for name, kind in expected.items():
+        assert families[name].type == kind, name
+        for sample in families[name].samples:
+            assert sample.labels["model_name"] == MODEL
+    values = {s.name: s.value for f in families.values() for s in f.samples if not s.labels.get("le")}
+    assert values["vllm:generation_tokens_total"] == 36
+    assert values["vllm:time_to_first_token_seconds_count"] == 3
+    assert values["vllm:e2e_request_latency_seconds_count"] == 3
+    assert values["vllm:inter_token_latency_seconds_count"] == 33
+    assert values["vllm:prompt_tokens_total"] > 0
+
+
+async def test_openai_sdk_against_the_backend(reference_server: Start) -> None:
+    openai = pytest.importorskip("openai")
+    srv = await reference_server()
+    client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    try:
+        result = await client.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=6)
+        assert result.usage is not None and result.usage.completion_tokens == 6
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=CHAT["messages"],
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        text, usage = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            if chunk.usage is not None:
+                usage = chunk.usage
+        assert text == result.choices[0].message.content
+        assert usage is not None and usage.total_tokens == result.usage.total_tokens
+        models = await client.models.list()
+        assert [m.id for m in models.data] == [MODEL]
+    finally:
+        await client.close()
