@@ -7,8 +7,9 @@ Steps, all through the real executor (paged cache, the same code path the server
 
 1. correctness: a prompt prefilled in two chunks (so the prefix path runs), then greedy decode;
    every sampled position's logits are compared with a full-recompute float32 forward of the same
-   weights (``llama.reference_forward``): argmax agreement, max |Δlogit| relative to the logits'
-   spread. bf16 tolerates a few argmax flips between near-tied logits; fp32 tolerates none.
+   weights (``llama.reference_forward``): max |Δlogit| relative to the logits' spread, argmax
+   agreement, and how far the paged pick lies below the reference's best logit. bf16 may flip the
+   argmax between near-tied logits (random weights give flat distributions); fp32 may not.
 2. prefill throughput: one unchunked prefill per length (best of two), tokens/s.
 3. decode: ``batch`` sequences with ``context`` tokens each, timed decode steps (median). Achieved
    bandwidth = (weight bytes + KV bytes attended) / step time, as a fraction of the device's peak
@@ -181,17 +182,22 @@ def check_correctness(bench: Bench, prompt_len: int, decode_steps: int) -> dict[
         paged = torch.stack(rows)
         ids = torch.tensor(tokens[:-1], device=ex.device)
         ref = reference_forward(ex.weights, ex.config, ids, compute_dtype=torch.float32)[prompt_len - 1 :]
-        agree = (paged.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        picks = paged.argmax(-1, keepdim=True)
+        agree = (picks[:, 0] == ref.argmax(-1)).float().mean().item()
         top5 = ref.topk(5, dim=-1).indices
-        in_top5 = (top5 == paged.argmax(-1, keepdim=True)).any(-1).float().mean().item()
+        in_top5 = (top5 == picks).any(-1).float().mean().item()
         max_diff = (paged - ref).abs().max().item()
         spread = ref.std().item()
+        # How far below the reference's best logit the paged pick lies, worst position.
+        worst_gap = (ref.max(-1).values - ref.gather(-1, picks)[:, 0]).max().item()
     rel = max_diff / spread if spread > 0 else max_diff
-    if ex.dtype in (torch.bfloat16, torch.float16):
-        # Rounding may flip the argmax between near-tied logits, never to an implausible token.
-        ok = agree >= 0.9 and in_top5 == 1.0 and rel < 0.25
-    else:
-        ok = agree == 1.0 and rel < 1e-3
+    gap_rel = worst_gap / spread if spread > 0 else worst_gap
+    # Random weights give near-uniform next-token distributions, so low-precision rounding may
+    # flip the argmax between near-tied logits: accept a pick only if it is near-best in the
+    # reference. fp32 must agree everywhere.
+    low_precision = ex.dtype in (torch.bfloat16, torch.float16)
+    tol = 0.15 if low_precision else 1e-3
+    ok = rel < tol and gap_rel < tol and (low_precision or agree == 1.0)
     return {
         "positions": len(rows),
         "argmax_agreement": agree,
@@ -199,6 +205,8 @@ def check_correctness(bench: Bench, prompt_len: int, decode_steps: int) -> dict[
         "max_abs_logit_diff": max_diff,
         "reference_logit_std": spread,
         "max_diff_over_std": rel,
+        "worst_pick_gap_over_std": gap_rel,
+        "tolerance_over_std": tol,
         "ok": ok,
     }
 
@@ -332,7 +340,8 @@ def render(r: dict[str, Any]) -> str:
         f"{r['params'] / 1e9:.2f}B params  peak {r['peak_gbps'] or '?'} GB/s",
         f"correctness  {'OK' if c['ok'] else 'FAIL'}: argmax agreement {c['argmax_agreement']:.3f} over "
         f"{c['positions']} positions, in top-5 {c['argmax_in_reference_top5']:.3f}, "
-        f"max |dlogit| {c['max_abs_logit_diff']:.4g} ({c['max_diff_over_std']:.3g} x std)",
+        f"max |dlogit| {c['max_abs_logit_diff']:.4g} ({c['max_diff_over_std']:.3g} x std), "
+        f"worst pick {c['worst_pick_gap_over_std']:.3g} x std below best (tol {c['tolerance_over_std']:g})",
         f"{'prefill tokens':>16} {'seconds':>9} {'tokens/s':>10}",
     ]
     for p in r["prefill"]:
