@@ -17,7 +17,7 @@ from tests.backends.conftest import RunningBackend
 
 Start = Callable[..., Awaitable[RunningBackend]]
 MODEL = "tokengate-sim"
-CHAT = {
+CHAT: dict[str, Any] = {
     "model": MODEL,
     "messages": [
         {"role": "system", "content": "You are a terse assistant."},
