@@ -47,7 +47,11 @@ def run(args: argparse.Namespace) -> int:
 def _table(rows: list[list[str]], out: TextIO) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for j, r in enumerate(rows):
-        cells = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))]
+        last = len(r) - 1
+        cells = [
+            c.ljust(w) if i in (0, last) else c.rjust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ]
         out.write("  " + "  ".join(cells).rstrip() + "\n")
         if j == 0:
             out.write("  " + "  ".join("-" * w for w in widths) + "\n")

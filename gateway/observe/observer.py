@@ -16,10 +16,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.observe.hol import HolPair, hol_pairs
@@ -35,8 +35,14 @@ class Observer:
         settings: ObserveSettings | None = None,
         targets: Sequence[ScrapeTarget] = (),
         clock: Callable[[], float] = time.monotonic,
+        store_health: Callable[[], Awaitable[bool]] | None = None,
     ) -> None:
         self.settings = s = settings or ObserveSettings()
+        # The budget store's health, probed off the request path so "store down" is a metric
+        # (tokengate_store_healthy / tokengate_store_errors_total) and not only a burst of 503s.
+        self.store_health = store_health
+        self.store_healthy: bool | None = None
+        self.store_errors = 0
         self.clock = clock
         self.started_at = clock()
         self.windows = ClassWindows(s.window_s, s.windows, clock=clock)
@@ -105,11 +111,27 @@ class Observer:
             self._task = None
         await self.scraper.close()
 
+    async def check_store(self) -> None:
+        if self.store_health is None:
+            return
+        try:
+            ok = await asyncio.wait_for(self.store_health(), self.settings.scrape.timeout_s)
+        except Exception:  # a hung or failing store is exactly what this measures
+            ok = False
+        if not ok:
+            self.store_errors += 1
+        self.store_healthy = bool(ok)
+
     async def _tick(self) -> None:
         period = min(1.0, self.settings.window_s / 4)
+        next_store = 0.0
         while True:
-            await asyncio.sleep(period)
             self.refresh()
+            now = self.clock()
+            if now >= next_store:
+                next_store = now + self.settings.scrape.interval_s
+                await self.check_store()
+            await asyncio.sleep(period)
 
     # ---- Prometheus ----
 
@@ -158,8 +180,15 @@ class ObserverCollector(Collector):
             "0 fine, 1 plan a split (ratio >= split_at), 2 two services in one pool (>= two_services_at)",
             labels=["pool"],
         )
+        store_ok = GaugeMetricFamily(
+            "tokengate_store_healthy", "1 while the budget store answers its health check"
+        )
+        store_err = CounterMetricFamily("tokengate_store_errors", "Failed health checks of the budget store")
         if fill:
             obs.refresh()
+            if obs.store_healthy is not None:
+                store_ok.add_metric([], 1.0 if obs.store_healthy else 0.0)
+            store_err.add_metric([], float(obs.store_errors))
             for p in obs.hol():
                 corr.add_metric([p.victim, p.aggressor], p.score)
             thr.add_metric([], obs.settings.hol.threshold)
@@ -174,4 +203,4 @@ class ObserverCollector(Collector):
                 if r.ratio is not None:
                     ratio.add_metric([r.pool], r.ratio)
                 advice.add_metric([r.pool], float(r.advice))
-        return [corr, thr, inflight, slo, ratio, advice]
+        return [corr, thr, inflight, slo, ratio, advice, store_ok, store_err]
