@@ -365,3 +365,28 @@ async def test_openai_sdk_against_the_backend(reference_server: Start) -> None:
         assert [m.id for m in models.data] == [MODEL]
     finally:
         await client.close()
+
+
+@pytest.mark.torch
+async def test_torch_executor_behind_the_server(reference_server: Start) -> None:
+    pytest.importorskip("torch")
+    srv = await reference_server(
+        executor="torch", model="tiny", shape="tiny", device="cpu", max_model_len=512, num_blocks=64
+    )
+    body = {**CHAT, "model": "tiny", "temperature": 0, "max_tokens": 6, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=srv.url, timeout=60) as client:
+        whole, streamed = await asyncio.gather(
+            post(client, "/v1/chat/completions", body),
+            post(
+                client,
+                "/v1/chat/completions",
+                {**body, "stream": True, "stream_options": {"include_usage": True}},
+            ),
+        )
+    assert whole.status_code == streamed.status_code == 200
+    assert whole.json()["usage"]["completion_tokens"] == 6
+    chunks = [orjson.loads(e) for e in sse_events(streamed.content)[:-1]]
+    assert chunks[-1]["usage"] == whole.json()["usage"]
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1])
+    assert text == whole.json()["choices"][0]["message"]["content"]  # greedy: same tokens batched or not
+    assert srv.backend.scheduler.blocks.num_used_blocks == 0
