@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
@@ -109,13 +110,22 @@ class CostModel:
         return asdict(self)
 
 
-def _hash64(*parts: object) -> int:
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
+_MASK64 = (1 << 64) - 1
 
 
-def _request_key(seed: int | None, prompt_token_ids: Sequence[int]) -> int:
-    return _hash64(seed, tuple(prompt_token_ids[:_KEY_PREFIX_TOKENS]))
+def _mix64(x: int) -> int:
+    """splitmix64's finalizer: a cheap, well-spread 64-bit hash of an integer."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _request_key(seed: int | None, token_ids: Sequence[int]) -> int:
+    head = token_ids[:_KEY_PREFIX_TOKENS]
+    words = array("Q", [(seed if seed is not None else -1) & _MASK64, len(head)])
+    words.extend(t & _MASK64 for t in head)
+    return int.from_bytes(hashlib.blake2b(words.tobytes(), digest_size=8).digest(), "little")
 
 
 @dataclass(slots=True)
@@ -157,7 +167,7 @@ class SimExecutor:
     def token_for(self, key: int, output_index: int) -> int:
         if self.eos_after is not None and output_index == self.eos_after:
             return CL100K_EOS
-        return WORD_TOKEN_IDS[_hash64(key, output_index) % len(WORD_TOKEN_IDS)]
+        return WORD_TOKEN_IDS[_mix64(key ^ _mix64(output_index)) % len(WORD_TOKEN_IDS)]
 
     def expected_tokens(self, prompt_token_ids: Sequence[int], seed: int | None, n: int) -> list[int]:
         """The ``n`` tokens a request with this prompt and seed produces (with ignore_eos)."""
