@@ -102,8 +102,13 @@ def _hol(stats: Mapping[str, Any]) -> list[Finding]:
                 "crit",
                 "hol",
                 f"head-of-line blocking: class {p['victim']}'s p99 TTFT follows class {p['aggressor']} "
-                f"(r={p['correlation']:.2f} over {p['windows']} windows; now {fmt_s(p.get('victim_p99_ttft_s'))}). "
-                f"Long prefills of {p['aggressor']} stall {p['victim']}'s decodes on a shared backend: route "
+                f"(r={p['correlation']:.2f} over {p['windows']} windows"
+                + (
+                    f"; now {fmt_s(p['victim_p99_ttft_s'])}). "
+                    if p.get("victim_p99_ttft_s") is not None
+                    else "). "
+                )
+                + f"Long prefills of {p['aggressor']} stall {p['victim']}'s decodes on a shared backend: route "
                 f"class {p['aggressor']} to its own pool (GET /insights?format=yaml has the edit) or turn on "
                 "chunked prefill on the backends.",
             )

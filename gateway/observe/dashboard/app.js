@@ -21,6 +21,7 @@ function fmtN(v) {
   if (v === null || v === undefined) return "–";
   if (v >= 1e6) return (v / 1e6).toFixed(1) + "M";
   if (v >= 1e3) return (v / 1e3).toFixed(1) + "k";
+  if (v !== Math.round(v) && Math.abs(v) < 10) return v.toFixed(2).replace(/\.?0+$/, "");
   return String(Math.round(v));
 }
 function el(tag, text, cls) {
@@ -96,7 +97,9 @@ function drawChart(canvas, series, opts) {
   ctx.textAlign = "center";
   for (let i = 0; i <= 4; i++) {
     const x = xmin + (xmax - xmin) * i / 4;
-    ctx.fillText(Math.round(x) + " s", X(x), h - B + 14);
+    const span = xmax - xmin;
+    ctx.textAlign = i === 4 ? "right" : i === 0 ? "left" : "center";
+    ctx.fillText((span < 10 ? x.toFixed(1) : Math.round(x)) + " s", X(x), h - B + 14);
   }
   for (const s of series) {
     ctx.strokeStyle = s.color; ctx.lineWidth = s.dashed ? 1 : 2;
@@ -165,7 +168,7 @@ function render(st) {
   }
   drawChart(document.getElementById("chart-ttft"), ttft, { fmt: fmtS, xmax: 0 });
   drawChart(document.getElementById("chart-queue"), queue, { fmt: fmtS, xmax: 0 });
-  drawChart(document.getElementById("chart-inflight"), liveSeries(live.inflight, now), { fmt: fmtN, xmax: 0 });
+  drawChart(document.getElementById("chart-inflight"), liveSeries(live.inflight, now), { fmt: fmtN, xmax: 0, ymin_max: 100 });
 
   const hol = st.hol || { pairs: [] };
   for (const p of hol.pairs) pushLive(live.hol, p.victim + " ← " + p.aggressor, now, p.correlation);
