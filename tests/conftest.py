@@ -54,7 +54,9 @@ class Served:
 
 async def serve_asgi(app: Any, *, port: int | None = None, graceful_s: float = 1.0) -> Served:
     """Serve ``app`` on 127.0.0.1 in the running loop; returns once it accepts connections."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP: asyncio only sets TCP_NODELAY on accepted sockets whose proto says TCP
+    # (a proto-0 listener costs every keep-alive response a 40 ms delayed-ACK stall).
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port or 0))
     actual = sock.getsockname()[1]

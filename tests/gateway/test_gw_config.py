@@ -1,0 +1,202 @@
+"""Config loading: defaults, the full documented shape, and error messages that name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.config import DEFAULT_TIERS, GatewayConfig
+from gateway.config_loader import ConfigError, check_workers, hash_key, load_config, parse_config
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+FULL = {
+    "listen": {"host": "0.0.0.0", "port": 9000},
+    "workers": 1,
+    "store": {"kind": "memory"},
+    "tiers": {
+        "critical": {"rank": 0, "ceiling": 1.0, "max_queue_wait_s": 30},
+        "standard": {"rank": 1, "ceiling": 0.9, "max_queue_wait_s": 60},
+        "batch": {"rank": 2, "ceiling": 0.7, "max_queue_wait_s": 600},
+    },
+    "fairness": {"prefill_weight": 1, "decode_weight": 2, "backfill_limit_s": 2},
+    "leases": {"ttl_s": 10},
+    "classes": [
+        {"name": "reasoning", "when": {"min_prompt_tokens": 8000}, "pool": "long"},
+        {"name": "long", "when": {"min_cost": 16000}, "pool": "long", "overflow_pool": "short"},
+        {"name": "short", "pool": "short"},
+    ],
+    "pools": {
+        "short": {
+            "backends": [
+                {
+                    "url": "http://127.0.0.1:8001/v1/",
+                    "capacity_tokens": 200000,
+                    "models": ["tokengate-sim"],
+                    "api_key": "backend-secret",
+                    "accepts_priority": True,
+                    "timeouts": {"connect_s": 2, "read_s": 600},
+                }
+            ]
+        },
+        "long": {"backends": [{"url": "http://127.0.0.1:8002", "capacity_tokens": 400000}]},
+    },
+    "models": {"gpt-4o*": {"tokenizer": "bytes", "context_length": 128000}},
+    "pricing": {"per_message_tokens": 3, "image_tokens": 765, "default_max_tokens": 1024},
+    "tenants": {
+        "acme": {"keys": ["sk-acme-1"], "budget_tokens": 64000, "weight": 2, "tier": "critical"},
+        "free": {
+            "keys": [hash_key("sk-free-1")],
+            "budget_tokens": 16000,
+            "weight": 1,
+            "tier": "batch",
+            "default_max_tokens": 512,
+            "max_max_tokens": 4096,
+            "max_queue_len": 16,
+        },
+    },
+    "limits": {"max_body_bytes": 4194304, "passthrough_cost_tokens": 16},
+    "metrics": {"top_tenants": 20},
+    "embedded_backend": {"port": 8001},
+    "drain_timeout_s": 30,
+    "enforce_max_tokens": True,
+}
+
+
+def test_no_config_is_the_embedded_default() -> None:
+    cfg = load_config(None)
+    assert cfg == GatewayConfig()
+    assert cfg.tiers == DEFAULT_TIERS
+    assert cfg.open_mode and not cfg.pools and cfg.store.kind == "memory"
+
+
+def test_full_documented_shape_loads() -> None:
+    cfg = parse_config(FULL)
+    assert cfg.listen.port == 9000
+    short = cfg.pool("short")
+    assert short is not None
+    backend = short.backends[0]
+    # A trailing /v1/ is tolerated: the gateway appends the request path itself.
+    assert backend.url == "http://127.0.0.1:8001"
+    assert backend.api_key == "backend-secret" and backend.accepts_priority
+    assert backend.timeouts.read_s == 600
+    assert cfg.pool("long") is not None and cfg.pool("long").capacity_tokens == 400000  # type: ignore[union-attr]
+    assert [t.name for t in cfg.tenants] == ["acme", "free"]
+    assert cfg.tenants[1].max_queue_len == 16 and cfg.tenants[1].tier == "batch"
+    assert cfg.models[0].context_length == 128000
+    assert cfg.pricing.default_max_tokens == 1024 and cfg.pricing.settings == {
+        "per_message_tokens": 3,
+        "image_tokens": 765,
+    }
+    assert len(cfg.classes) == 3
+
+
+def test_example_configs_load() -> None:
+    files = sorted(EXAMPLES.glob("*.yaml"))
+    assert files, "examples/ should ship config files"
+    for f in files:
+        load_config(f)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (
+            {"tenants": {"acme": {"budget_tokens": -5}}},
+            "tenants.acme.budget_tokens: expected a positive integer, got -5",
+        ),
+        (
+            {"tenants": {"acme": {"budget_tokens": "lots"}}},
+            "tenants.acme.budget_tokens: expected a positive integer, got 'lots'",
+        ),
+        ({"tenants": {"acme": {"weight": True}}}, "tenants.acme.weight: expected a number, got true"),
+        ({"tenants": {"acme": {"tier": "gold"}}}, "tenants.acme.tier: unknown tier 'gold'"),
+        ({"tenants": {"acme": {"tier": "critcal"}}}, "did you mean 'critical'?"),
+        (
+            {"tenants": {"acme": {"budget_token": 5}}},
+            "tenants.acme.budget_token: unknown key (did you mean 'budget_tokens'?)",
+        ),
+        ({"tenats": {}}, "tenats: unknown key (did you mean 'tenants'?)"),
+        ({"listen": {"port": 70000}}, "listen.port: expected at most 65535, got 70000"),
+        ({"pools": {"a": {"backends": []}}}, "pools.a.backends: expected a non-empty list of backends"),
+        (
+            {"pools": {"a": {"backends": [{"url": "ftp://x", "capacity_tokens": 5}]}}},
+            "pools.a.backends[0].url: expected an http(s) URL",
+        ),
+        (
+            {"pools": {"a": {"backends": [{"url": "http://x"}]}}},
+            "pools.a.backends[0].capacity_tokens: required",
+        ),
+        (
+            {
+                "pools": {
+                    "a": {"backends": [{"url": "http://x", "capacity_tokens": 1, "timeouts": {"read_s": 0}}]}
+                }
+            },
+            "pools.a.backends[0].timeouts.read_s: expected a positive number, got 0",
+        ),
+        (
+            {"tiers": {"a": {"rank": 0, "ceiling": 1.5}}},
+            "tiers.a.ceiling: expected a number in (0, 1], got 1.5",
+        ),
+        ({"tiers": {"a": {"rank": 0}, "b": {"rank": 0}}}, "tiers.b.rank: 0 is already the rank of tier 'a'"),
+        ({"classes": [{"name": "x", "pool": "nope"}]}, "classes[0].pool: unknown pool 'nope'"),
+        (
+            {"classes": [{"name": "x", "pool": "default", "when": {"min_cost": "x"}}]},
+            "classes[0].when.min_cost",
+        ),
+        ({"store": {"kind": "etcd"}}, "store.kind: unknown store kind 'etcd'"),
+        ({"store": {"kind": "memory", "url": "x"}}, "store.url: unknown key for store kind memory"),
+        (
+            {"pricing": {"per_mesage_tokens": 3}},
+            "pricing.per_mesage_tokens: unknown key (did you mean 'per_message_tokens'?)",
+        ),
+        (
+            {"tenants": {"a": {"keys": ["k"]}, "b": {"keys": ["k"]}}},
+            "tenants.b.keys[0]: the same key is already a key of tenant 'a'",
+        ),
+        (
+            {"tenants": {"a": {"keys": ["sha256:abc"]}}},
+            "tenants.a.keys[0]: expected sha256: followed by 64 lowercase hex digits",
+        ),
+        (
+            {"tenants": {"a": {"default_max_tokens": 10, "max_max_tokens": 5}}},
+            "tenants.a.default_max_tokens: 10 is larger than max_max_tokens (5)",
+        ),
+        ({"embedded_backend": {"chunked": True}}, "embedded_backend.chunked: unknown key"),
+        ([1, 2], "config: expected a mapping, got a list"),
+    ],
+)
+def test_errors_name_the_field(data: object, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(data)
+    assert message in str(err.value)
+
+
+def test_bad_yaml_and_missing_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tenants: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert load_config(empty) == GatewayConfig()
+
+
+def test_workers_with_memory_store_refused() -> None:
+    cfg = parse_config({})
+    check_workers(cfg, 1)
+    with pytest.raises(ConfigError) as err:
+        check_workers(cfg, 4)
+    assert str(err.value) == (
+        "--workers 4 with store.kind=memory would give every tenant 4x its budget; use store.kind=redis"
+    )
+
+
+def test_tenant_without_tier_gets_standard_or_lowest() -> None:
+    assert parse_config({"tenants": {"a": {}}}).tenants[0].tier == "standard"
+    cfg = parse_config({"tiers": {"gold": {"rank": 0}, "bronze": {"rank": 5}}, "tenants": {"a": {}}})
+    assert cfg.tenants[0].tier == "bronze"

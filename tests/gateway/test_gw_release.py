@@ -1,0 +1,287 @@
+"""Release exactly once on every path: pools return to zero (read from store.snapshot())."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import httpx
+
+from tests.conftest import GatewayFactory, RunningGateway, StubBackend, free_port, stub_pools
+from tests.gateway.gw_support import RawRequest, chat
+
+ZERO = {"tenant:default": 0, "backend:default": 0}
+
+
+async def _wait_for(pred, within_s: float = 3.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + within_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.002)
+
+
+async def _outcomes(gw: RunningGateway) -> str:
+    async with httpx.AsyncClient(base_url=gw.url) as c:
+        return (await c.get("/metrics")).text
+
+
+async def test_disconnect_mid_stream_cancels_upstream_fast(
+    gateway: RunningGateway, stub_backend: tuple[StubBackend, str]
+) -> None:
+    stub, _ = stub_backend
+    req = await RawRequest.post(
+        gateway.url,
+        "/v1/chat/completions",
+        chat(stream=True),
+        {"x-stub-chunks": "500", "x-stub-interval": "0.01", "x-t": "mid"},
+    )
+    status, _ = await req.read_head()
+    assert status == 200
+    assert await req.read_some(64)
+    assert any((await gateway.in_flight()).values())  # tokens are held while streaming
+    closed_at = time.monotonic()
+    await req.close()
+    upstream = stub.by_header("x-t", "mid")
+    await _wait_for(lambda: upstream.cancelled_at is not None)
+    assert upstream.cancelled_at is not None and upstream.cancelled_at - closed_at < 0.1
+    assert not upstream.completed
+    assert await gateway.wait_idle() == ZERO
+    assert 'outcome="client_disconnect"' in await _outcomes(gateway)
+
+
+async def test_disconnect_while_waiting_for_non_streaming_answer(
+    gateway: RunningGateway, stub_backend: tuple[StubBackend, str]
+) -> None:
+    stub, _ = stub_backend
+    req = await RawRequest.post(
+        gateway.url, "/v1/chat/completions", chat(), {"x-stub-delay": "5", "x-t": "wait"}
+    )
+    await _wait_for(lambda: any(r.headers.get("x-t") == "wait" for r in stub.requests))
+    closed_at = time.monotonic()
+    await req.close()
+    upstream = stub.by_header("x-t", "wait")
+    await _wait_for(lambda: upstream.cancelled_at is not None)
+    assert upstream.cancelled_at is not None and upstream.cancelled_at - closed_at < 0.1
+    assert await gateway.wait_idle() == ZERO
+
+
+async def test_disconnect_while_queued_withdraws_the_ticket(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
+) -> None:
+    stub, url = stub_backend
+    gw = await gateway_factory(
+        {
+            "pools": stub_pools(url),
+            "tenants": {"t": {"keys": ["k"], "budget_tokens": 1200, "default_max_tokens": 1000}},
+        }
+    )
+    auth = {"authorization": "Bearer k"}
+    holder = await RawRequest.post(
+        gw.url,
+        "/v1/chat/completions",
+        chat(stream=True),
+        {**auth, "x-stub-chunks": "1000", "x-stub-interval": "0.01"},
+    )
+    assert (await holder.read_head())[0] == 200
+    queued = await RawRequest.post(gw.url, "/v1/chat/completions", chat(), {**auth, "x-t": "queued"})
+    await _wait_for(lambda: gw.app.store._state.tenant_waiting.get("t", 0) == 1)
+    snap = await gw.store.snapshot()
+    assert snap.queue_depth["standard"] == 1
+    await queued.close()
+    await asyncio.sleep(0.05)
+    snap = await gw.store.snapshot()
+    assert snap.queue_depth["standard"] == 0
+    assert not any(r.headers.get("x-t") == "queued" for r in stub.requests)  # never reached the backend
+    await holder.close()
+    assert await gw.wait_idle() == {"tenant:t": 0, "backend:default": 0}
+
+
+async def test_upstream_5xx_is_502_and_released(gateway: RunningGateway) -> None:
+    async with httpx.AsyncClient(base_url=gateway.url) as c:
+        r = await c.post("/v1/chat/completions", json=chat(), headers={"x-stub-status": "503"})
+        assert r.status_code == 502
+        err = r.json()["error"]
+        assert err["type"] == "upstream_error" and "stub error 503" in err["message"]
+        r = await c.post("/v1/chat/completions", json=chat(stream=True), headers={"x-stub-status": "500"})
+        assert r.status_code == 502
+    assert await gateway.wait_idle() == ZERO
+
+
+async def test_connect_refused_is_502_and_opens_breaker(gateway_factory: GatewayFactory) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    gw = await gateway_factory(
+        {
+            "pools": stub_pools(dead, models=["stub-model"]),
+            "health": {"failure_threshold": 2, "cooldown_s": 60},
+        }
+    )
+    async with httpx.AsyncClient(base_url=gw.url) as c:
+        for _ in range(2):
+            r = await c.post("/v1/chat/completions", json=chat())
+            assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_unreachable"
+        r = await c.post("/v1/chat/completions", json=chat())
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_backend"
+        assert "retry-after" in r.headers
+        ready = await c.get("/readyz")
+        assert ready.status_code == 503 and "no healthy backend" in ready.text
+    assert await gw.wait_idle() == ZERO
+
+
+async def test_upstream_timeout_is_504_released_and_cancelled(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
+) -> None:
+    stub, url = stub_backend
+    gw = await gateway_factory({"pools": stub_pools(url, timeouts={"read_s": 0.2})})
+    async with httpx.AsyncClient(base_url=gw.url) as c:
+        r = await c.post("/v1/chat/completions", json=chat(), headers={"x-stub-delay": "3", "x-t": "slow"})
+        assert r.status_code == 504 and r.json()["error"]["type"] == "timeout_error"
+        # A stream that stalls half way ends with an SSE error event.
+        r = await c.post(
+            "/v1/chat/completions",
+            json=chat(stream=True),
+            headers={"x-stub-chunks": "3", "x-stub-interval": "0.05", "x-stub-delay": "0"},
+        )
+        assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+        r = await c.post(
+            "/v1/chat/completions",
+            json=chat(stream=True),
+            headers={"x-stub-chunks": "3", "x-stub-interval": "1"},
+        )
+        assert r.status_code == 200 and '"type":"timeout_error"' in r.text
+    upstream = stub.by_header("x-t", "slow")
+    await _wait_for(lambda: upstream.cancelled_at is not None)
+    assert await gw.wait_idle() == ZERO
+
+
+async def test_pools_back_to_zero_after_concurrent_load(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
+) -> None:
+    _, url = stub_backend
+    tenants = {
+        name: {
+            "keys": [f"k-{name}"],
+            "budget_tokens": 600,
+            "default_max_tokens": 100,
+            "tier": tier,
+            "max_queue_len": 200,
+        }
+        for name, tier in (("a", "critical"), ("b", "standard"), ("c", "batch"))
+    }
+    gw = await gateway_factory({"pools": stub_pools(url, capacity=1000), "tenants": tenants})
+    rng = random.Random(7)
+    statuses: list[int] = []
+    limits = httpx.Limits(max_connections=200)
+
+    async def one(c: httpx.AsyncClient, i: int) -> None:
+        tenant = "abc"[i % 3]
+        headers = {
+            "authorization": f"Bearer k-{tenant}",
+            "x-stub-interval": str(rng.choice([0, 0.002, 0.005])),
+        }
+        if i % 2:
+            async with c.stream("POST", "/v1/chat/completions", json=chat(stream=True), headers=headers) as r:
+                async for _ in r.aiter_raw():
+                    pass
+                statuses.append(r.status_code)
+        else:
+            r = await c.post("/v1/chat/completions", json=chat(), headers=headers)
+            statuses.append(r.status_code)
+
+    async with httpx.AsyncClient(base_url=gw.url, limits=limits, timeout=60) as c:
+        await asyncio.gather(*(one(c, i) for i in range(200)))
+    assert statuses.count(200) == 200
+    snap = await gw.store.snapshot()
+    assert all(p.in_flight == 0 for p in snap.pools.values()), snap.pools
+    assert snap.leases == 0 and sum(snap.queue_depth.values()) == 0
+    assert all(b.in_flight_tokens == 0 for b in gw.app.router.backends)
+
+
+async def test_queue_timeout_is_429_with_retry_after(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
+) -> None:
+    _, url = stub_backend
+    gw = await gateway_factory(
+        {
+            "pools": stub_pools(url),
+            "tiers": {"standard": {"rank": 0, "max_queue_wait_s": 0.2}},
+            "tenants": {
+                "t": {"keys": ["k"], "budget_tokens": 1200, "default_max_tokens": 1000, "max_queue_len": 1}
+            },
+        }
+    )
+    auth = {"authorization": "Bearer k"}
+    holder = await RawRequest.post(
+        gw.url,
+        "/v1/chat/completions",
+        chat(stream=True),
+        {**auth, "x-stub-chunks": "1000", "x-stub-interval": "0.01"},
+    )
+    assert (await holder.read_head())[0] == 200
+    async with httpx.AsyncClient(base_url=gw.url, headers=auth) as c:
+        r = await c.post("/v1/chat/completions", json=chat())
+    assert r.status_code == 429
+    assert r.json()["error"]["code"] == "queue_timeout"
+    assert int(r.headers["retry-after"]) >= 1
+    await holder.close()
+    assert await gw.wait_idle() == {"tenant:t": 0, "backend:default": 0}
+
+
+async def test_drain_finishes_in_flight_rejects_new_and_queued(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
+) -> None:
+    _, url = stub_backend
+    gw = await gateway_factory(
+        {
+            "pools": stub_pools(url),
+            "tenants": {"t": {"keys": ["k"], "budget_tokens": 1200, "default_max_tokens": 1000}},
+        }
+    )
+    auth = {"authorization": "Bearer k"}
+    async with httpx.AsyncClient(base_url=gw.url, headers=auth, timeout=10) as c:
+        finishing = asyncio.create_task(
+            c.post("/v1/chat/completions", json=chat(), headers={"x-stub-delay": "0.3"})
+        )
+        await _wait_for(lambda: len(gw.app.flights) == 1)
+        await asyncio.sleep(0.05)
+        queued = asyncio.create_task(c.post("/v1/chat/completions", json=chat()))
+        await _wait_for(lambda: gw.app.store._state.tenant_waiting.get("t", 0) == 1)
+        drain = asyncio.create_task(gw.app.drain(5.0))
+        r_queued = await queued
+        assert r_queued.status_code == 503 and r_queued.json()["error"]["code"] == "draining"
+        r_new = await c.post("/v1/chat/completions", json=chat())
+        assert r_new.status_code == 503
+        assert (await c.get("/readyz")).status_code == 503
+        r_fin = await finishing
+        assert r_fin.status_code == 200
+        await drain
+    assert await gw.wait_idle(0.1) == {"tenant:t": 0, "backend:default": 0}
+
+
+async def test_drain_deadline_cancels_and_releases(
+    gateway: RunningGateway, stub_backend: tuple[StubBackend, str]
+) -> None:
+    stub, _ = stub_backend
+    req = await RawRequest.post(
+        gateway.url,
+        "/v1/chat/completions",
+        chat(stream=True),
+        {"x-stub-chunks": "1000", "x-stub-interval": "0.01", "x-t": "long"},
+    )
+    assert (await req.read_head())[0] == 200
+    waiting = await RawRequest.post(gateway.url, "/v1/chat/completions", chat(), {"x-stub-delay": "10"})
+    await _wait_for(lambda: len(gateway.app.flights) == 2)
+    await asyncio.sleep(0.05)
+    started = time.monotonic()
+    await gateway.app.drain(0.2)
+    assert time.monotonic() - started < 2
+    assert await gateway.wait_idle(0.5) == ZERO
+    rest = await asyncio.wait_for(req.reader.readuntil(b"\r\n0\r\n\r\n"), 5)  # the last HTTP chunk
+    assert b"shut down" in rest  # the stream ended with an error event
+    status, _ = await waiting.read_head()
+    assert status == 503
+    upstream = stub.by_header("x-t", "long")
+    await _wait_for(lambda: upstream.cancelled_at is not None)
+    await req.close()
+    await waiting.close()

@@ -1,0 +1,76 @@
+"""SSE relay: byte-exact when the client asked for usage, usage chunk cut out when it did not,
+whatever the chunk boundaries."""
+
+from __future__ import annotations
+
+import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.sse import UsageRelay
+
+USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+
+
+def frame(obj: object) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+CONTENT = [
+    frame({"id": "x", "choices": [{"index": 0, "delta": {"content": f"t{i} "}}], "usage": None})
+    for i in range(3)
+]
+USAGE_FRAME = frame({"id": "x", "choices": [], "usage": USAGE})
+DONE = b"data: [DONE]\n\n"
+STREAM = b"".join(CONTENT) + USAGE_FRAME + DONE
+
+
+def split(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({c % (len(data) + 1) for c in cuts})
+    out, prev = [], 0
+    for p in [*points, len(data)]:
+        out.append(data[prev:p])
+        prev = p
+    return [c for c in out if c]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=10_000), max_size=12))
+def test_passthrough_is_byte_exact_and_reads_usage(cuts: list[int]) -> None:
+    relay = UsageRelay(drop_usage=False)
+    chunks = split(STREAM, cuts)
+    out = [relay.feed(c) for c in chunks]
+    assert out == chunks  # chunk for chunk, nothing held back
+    assert relay.flush() == b""
+    assert relay.usage == USAGE
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=10_000), max_size=12))
+def test_drop_mode_removes_only_the_usage_event(cuts: list[int]) -> None:
+    relay = UsageRelay(drop_usage=True)
+    out = b"".join(relay.feed(c) for c in split(STREAM, cuts)) + relay.flush()
+    assert out == b"".join(CONTENT) + DONE
+    assert relay.usage == USAGE
+
+
+def test_crlf_separators_and_unterminated_tail() -> None:
+    crlf = STREAM.replace(b"\n\n", b"\r\n\r\n")
+    relay = UsageRelay(drop_usage=True)
+    out = relay.feed(crlf[:-4]) + relay.flush()  # the last separator never arrives
+    assert out == b"".join(CONTENT).replace(b"\n\n", b"\r\n\r\n") + b"data: [DONE]"
+    assert relay.usage == USAGE
+
+
+def test_continuous_usage_chunks_are_kept() -> None:
+    # With continuous usage stats every content chunk carries usage: only choices == [] is dropped.
+    content = frame({"choices": [{"index": 0, "delta": {"content": "a"}}], "usage": USAGE})
+    relay = UsageRelay(drop_usage=True)
+    assert relay.feed(content + USAGE_FRAME + DONE) == content + DONE
+
+
+def test_complete_frames_pass_immediately_in_drop_mode() -> None:
+    relay = UsageRelay(drop_usage=True)
+    assert relay.feed(CONTENT[0]) == CONTENT[0]  # no added latency for whole events
+    assert relay.feed(CONTENT[1][:5]) == b""
+    assert relay.feed(CONTENT[1][5:]) == CONTENT[1]
