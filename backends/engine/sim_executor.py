@@ -56,14 +56,16 @@ _MAX_KEYS = 65536  # bound on remembered requests (the executor has no "request 
 
 
 @dataclass(frozen=True, slots=True)
-class CostModel:
-    floor_s: float = 5.6e-3
-    knee_tokens: int = 128
-    per_token_s: float = 20e-6
-    decode_kv_s: float = 40e-9
-    prefill_pair_s: float = 1.0e-9
+class StepFeatures:
+    """What a step's cost depends on: tokens in the step, the decodes' total KV length, and the
+    prefill chunks' attention work (sum of chunk x (prefix + chunk / 2))."""
 
-    def step_time(self, plan: StepPlan) -> float:
+    tokens: int
+    decode_kv: int
+    prefill_pairs: float
+
+    @classmethod
+    def of(cls, plan: StepPlan) -> StepFeatures:
         tokens = 0
         decode_kv = 0
         prefill_pairs = 0.0
@@ -74,10 +76,25 @@ class CostModel:
                 prefill_pairs += n * (seq.start_pos + n / 2)
             else:
                 decode_kv += seq.start_pos + 1
-        if tokens == 0:
+        return cls(tokens, decode_kv, prefill_pairs)
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    floor_s: float = 5.6e-3
+    knee_tokens: int = 128
+    per_token_s: float = 20e-6
+    decode_kv_s: float = 40e-9
+    prefill_pair_s: float = 1.0e-9
+
+    def step_time(self, plan: StepPlan) -> float:
+        return self.time_for(StepFeatures.of(plan))
+
+    def time_for(self, f: StepFeatures) -> float:
+        if f.tokens == 0:
             return 0.0
-        linear = self.floor_s + max(0, tokens - self.knee_tokens) * self.per_token_s
-        return linear + self.decode_kv_s * decode_kv + self.prefill_pair_s * prefill_pairs
+        linear = self.floor_s + max(0, f.tokens - self.knee_tokens) * self.per_token_s
+        return linear + self.decode_kv_s * f.decode_kv + self.prefill_pair_s * f.prefill_pairs
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "cost model") -> CostModel:
