@@ -68,3 +68,16 @@ def test_module_entry_point_reports_bad_settings_without_traceback() -> None:
     assert proc.returncode == 2
     assert "KV cache holds 160 tokens" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_sim_backend_needs_no_torch() -> None:
+    code = (
+        "import sys; sys.modules['torch'] = None\n"  # any 'import torch' now raises ImportError
+        "from backends.reference.server import BackendSettings, build_app\n"
+        "import backends.engine.calibrate\n"
+        "app = build_app(BackendSettings())\n"
+        "print(type(app.state.backend.engine.executor).__name__)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "SimExecutor"
