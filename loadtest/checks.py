@@ -134,7 +134,7 @@ def _value(
 
 
 def _fmt(metric: str, value: float) -> str:
-    if metric.endswith("_s"):
+    if metric.endswith("_s") and not metric.endswith("per_s"):
         return f"{value * 1000:.0f} ms" if value < 10 else f"{value:.1f} s"
     return f"{value:,.1f}"
 

@@ -33,26 +33,47 @@ def _shade_phases(ax: Any, spec: WorkloadSpec) -> None:
             ax.axvspan(a, b, color=colour, alpha=0.6, lw=0, label=f"phase {phase.name}" if j == 0 else None)
 
 
+def _log_axis_labels(axis: Any, plt: Any) -> None:
+    axis.set_major_formatter(plt.matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(plt.NullFormatter())
+
+
 def fingerprint_chart(spec: WorkloadSpec, runs: Sequence[RunResult], path: Path) -> Path:
-    """Per-class p99 TTFT over time, one panel per target: the short class following the long one is HOL."""
+    """Per-class p99 TTFT over time, one panel per target: the short class following the long one is HOL.
+
+    Classes with too few requests for a sliding p99 (the noisy tenant's few huge prompts) are drawn as
+    one marker per request instead, so the moments they arrive are visible next to the short class.
+    """
     plt = _pyplot()
-    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.8 * len(runs) + 0.6), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(
+        len(runs), 1, figsize=(10, 2.8 * len(runs) + 0.6), sharex=True, sharey=True, squeeze=False
+    )
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, run in zip(axes[:, 0], runs, strict=True):
         _shade_phases(ax, spec)
-        for group in spec.groups:
+        for k, group in enumerate(spec.groups):
+            colour = colours[k % len(colours)]
             series = p99_over_time(run, group)
-            if series:
+            if len(series) >= 2:
                 xs, ys = zip(*series, strict=True)
-                ax.plot(xs, [y * 1000 for y in ys], marker=".", label=group)
+                ax.plot(xs, [y * 1000 for y in ys], marker=".", color=colour, label=f"{group} p99")
+            else:
+                points = [
+                    (r.sent_s, r.ttft_s) for r in run.records if r.group == group and r.ttft_s is not None
+                ]
+                if points:
+                    xs, ys = zip(*points, strict=True)
+                    ax.scatter(
+                        xs, [y * 1000 for y in ys], marker="v", s=40, color=colour, label=f"{group} (each)"
+                    )
         ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(plt.matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.yaxis.set_minor_formatter(plt.NullFormatter())
-        ax.set_ylabel("p99 TTFT (ms)")
+        _log_axis_labels(ax.yaxis, plt)
+        ax.set_ylabel("TTFT (ms)")
         ax.set_title(run.target, loc="left", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(loc="upper right", fontsize=8)
+        ax.legend(loc="upper left", fontsize=8)
     horizon = max((r.scheduled_s for run in runs for r in run.records), default=0.0)
-    axes[-1, 0].set_xlabel(f"send time (s), {fingerprint_window(horizon)[0]:g} s sliding window")
+    axes[-1, 0].set_xlabel(f"send time (s); p99 over a {fingerprint_window(horizon)[0]:.2g} s sliding window")
     fig.suptitle(f"{spec.name}: p99 time to first token per class over time")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -80,8 +101,11 @@ def cdf_chart(spec: WorkloadSpec, runs: Sequence[RunResult], path: Path) -> Path
                 if values:
                     xs, ys = _cdf(values)
                     ax.step(xs, ys, where="post", label=run.target)
-            ax.set_xscale("log")
-            ax.xaxis.set_minor_formatter(plt.NullFormatter())
+            if ax.has_data():
+                lo, hi = ax.dataLim.intervalx
+                if lo > 0 and hi / lo > 10:  # log only pays off across decades
+                    ax.set_xscale("log")
+                    _log_axis_labels(ax.xaxis, plt)
             ax.set_xlabel(label)
             ax.set_ylim(0, 1.01)
             ax.grid(True, which="both", alpha=0.3)

@@ -44,8 +44,10 @@ def constant_arrivals(start_s: float, end_s: float, rate: float) -> list[float]:
     if rate <= 0:
         return []
     gap = 1.0 / rate
-    count = int((end_s - start_s) * rate + 1e-9)
-    return [start_s + i * gap for i in range(count) if start_s + i * gap < end_s]
+    times: list[float] = []
+    while start_s + len(times) * gap < end_s - 1e-9:
+        times.append(start_s + len(times) * gap)
+    return times
 
 
 @dataclass(frozen=True, slots=True)
