@@ -1,0 +1,61 @@
+"""`tokengate serve` as a process: embedded backend, real requests, SIGTERM drains and exits."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def test_serve_with_embedded_backend_and_sigterm(tmp_path: Path) -> None:
+    port = free_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(
+        f"listen: {{port: {port}}}\nembedded_backend: {{port: 0, time_scale: 0.0}}\ndrain_timeout_s: 5\n"
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg),
+        cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient(base_url=url, timeout=10) as c:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    if (await c.get("/readyz")).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, "gateway did not become ready"
+                await asyncio.sleep(0.1)
+            models = (await c.get("/v1/models")).json()
+            assert [m["id"] for m in models["data"]] == ["tokengate-sim"]
+            r = await c.post(
+                "/v1/chat/completions",
+                json={
+                    "model": "tokengate-sim",
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 4,
+                },
+            )
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        proc.send_signal(signal.SIGTERM)
+        out, err = await asyncio.wait_for(proc.communicate(), 20)
+        # uvicorn re-raises the signal it handled once the graceful shutdown is done.
+        assert proc.returncode in (0, -signal.SIGTERM), err.decode()
+        assert "Application shutdown complete" in err.decode()
+        line = next(line for line in out.decode().splitlines() if line.startswith("{"))
+        assert '"status":200' in line and '"class":"default"' in line
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
