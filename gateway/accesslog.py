@@ -7,7 +7,9 @@ the logger is disabled nothing is formatted. Keys never appear in it.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
+from typing import TextIO
 
 import orjson
 
@@ -69,3 +71,52 @@ class Record:
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000.0, 2)
+
+
+class LineHandler(logging.Handler):
+    """Writes each record's message as one line, flushing on a timer instead of per line.
+
+    ``logging.StreamHandler`` flushes after every record: one write syscall per request on the
+    hot path. Here a daemon thread flushes every ``flush_interval_s`` (a terminal's line-buffered
+    stdout still shows each line at once).
+    """
+
+    def __init__(self, stream: TextIO, flush_interval_s: float = 0.5) -> None:
+        super().__init__()
+        self.stream = stream
+        self._interval = flush_interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._flush_forever, name="tokengate-access-flush", daemon=True
+        )
+        self._thread.start()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.stream.write(record.getMessage() + "\n")
+        except Exception:
+            self.handleError(record)
+
+    def flush(self) -> None:
+        with self.lock if self.lock is not None else _NoLock():
+            try:
+                self.stream.flush()
+            except (OSError, ValueError):
+                pass
+
+    def _flush_forever(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.flush()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.flush()
+        super().close()
+
+
+class _NoLock:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

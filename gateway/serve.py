@@ -15,6 +15,7 @@ import sys
 
 import uvicorn
 
+from gateway.accesslog import LineHandler
 from gateway.app import Gateway, build_app
 from gateway.config import GatewayConfig
 from gateway.embedded import start_embedded, with_embedded_pool
@@ -40,9 +41,7 @@ def setup_logging(level: str, access_log: bool) -> None:
     access.propagate = False
     access.handlers.clear()
     if access_log:
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        access.addHandler(handler)
+        access.addHandler(LineHandler(sys.stdout))
         access.setLevel(logging.INFO)
     else:
         access.setLevel(logging.WARNING)

@@ -1,0 +1,449 @@
+"""Gateway overhead benchmark: direct vs a bare pass-through proxy vs tokengate.
+
+Run: ``python loadtest/bench_overhead.py`` (or ``make bench``); ``--help`` for knobs.
+
+Every server runs in its own process, the load generator too:
+
+* **stub**: a zero-delay OpenAI-compatible backend (raw ASGI on uvicorn + uvloop + httptools,
+  pre-encoded answers) so the backend costs as little as possible;
+* **bare**: the same stack as the gateway without admission: Starlette + one shared aiohttp
+  session, body forwarded, answer relayed (streamed chunk by chunk for SSE);
+* **gateway**: ``tokengate serve`` on a config pointing at the stub (memory store, open tenant,
+  access log on, written to /dev/null);
+* **load**: an aiohttp client with N concurrent workers in a closed loop for a fixed time.
+
+Targets are measured interleaved (direct, bare, gateway, direct, ...) in one run so drift on a
+shared machine hits all three alike. Reported per target, concurrency and streaming mode: p50/p99
+latency, requests/s, and CPU seconds per request of the proxy/gateway process (utime+stime from
+/proc/<pid>/stat around each load run); plus gateway CPU/req ÷ bare CPU/req and the time to price
+a 28k-token prompt (``classifiers.bench_pricing``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make the project importable
+    sys.path.insert(0, str(ROOT))
+MODEL = "bench"
+PROMPT = "Hello! Could you tell me, in two short sentences, why the sky looks blue during the day?"
+CHUNKS = 16  # content chunks per streamed answer
+
+# ---- the stub backend (raw ASGI) ----
+
+
+def _stub_app() -> Any:
+    import orjson
+
+    usage = {"prompt_tokens": 25, "completion_tokens": CHUNKS, "total_tokens": 25 + CHUNKS}
+    whole = orjson.dumps(
+        {
+            "id": "cmpl-bench",
+            "object": "chat.completion",
+            "created": 0,
+            "model": MODEL,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": " word" * CHUNKS},
+                    "finish_reason": "length",
+                }
+            ],
+            "usage": usage,
+        }
+    )
+    frames = [
+        b"data: "
+        + orjson.dumps(
+            {
+                "id": "cmpl-bench",
+                "object": "chat.completion.chunk",
+                "created": 0,
+                "model": MODEL,
+                "choices": [{"index": 0, "delta": {"content": " word"}, "finish_reason": None}],
+            }
+        )
+        + b"\n\n"
+        for _ in range(CHUNKS)
+    ]
+    usage_frame = (
+        b"data: "
+        + orjson.dumps({"id": "cmpl-bench", "object": "chat.completion.chunk", "choices": [], "usage": usage})
+        + b"\n\n"
+    )
+    json_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(whole)).encode())]
+    sse_headers = [(b"content-type", b"text/event-stream")]
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                m = await receive()
+                await send({"type": m["type"] + ".complete"})
+                if m["type"] == "lifespan.shutdown":
+                    return
+        body = b""
+        while True:
+            m = await receive()
+            body += m.get("body", b"")
+            if not m.get("more_body"):
+                break
+        if scope["path"] == "/v1/models":
+            data = orjson.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"application/json")],
+                }
+            )
+            await send({"type": "http.response.body", "body": data})
+            return
+        if b'"stream":true' not in body.replace(b" ", b""):
+            await send({"type": "http.response.start", "status": 200, "headers": json_headers})
+            await send({"type": "http.response.body", "body": whole})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": sse_headers})
+        for f in frames:
+            await send({"type": "http.response.body", "body": f, "more_body": True})
+        if b'"include_usage":true' in body.replace(b" ", b""):
+            await send({"type": "http.response.body", "body": usage_frame, "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    return app
+
+
+# ---- the bare proxy (Starlette + aiohttp, no admission) ----
+
+
+def _bare_app(upstream: str) -> Any:
+    import aiohttp
+    from starlette.applications import Starlette
+    from starlette.background import BackgroundTask
+    from starlette.requests import Request
+    from starlette.responses import Response, StreamingResponse
+    from starlette.routing import Route
+
+    from backends.upstream import make_session
+
+    state: dict[str, aiohttp.ClientSession] = {}
+    drop = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "accept-encoding"}
+
+    async def proxy(request: Request) -> Response:
+        body = await request.body()
+        headers = {k: v for k, v in request.headers.items() if k not in drop}
+        resp = await state["s"].post(upstream + request.url.path, data=body, headers=headers)
+        out_headers = {"content-type": resp.headers.get("content-type", "application/json")}
+        if resp.content_type == "text/event-stream":
+            return StreamingResponse(
+                resp.content.iter_any(),
+                status_code=resp.status,
+                headers=out_headers,
+                background=BackgroundTask(resp.release),
+            )
+        data = await resp.read()
+        return Response(data, status_code=resp.status, headers=out_headers)
+
+    async def lifespan(app: Starlette) -> Any:
+        state["s"] = make_session()
+        yield
+        await state["s"].close()
+
+    import contextlib
+
+    return Starlette(
+        routes=[Route("/v1/chat/completions", proxy, methods=["POST"])],
+        lifespan=contextlib.asynccontextmanager(lifespan),
+    )
+
+
+def _serve(app: Any, port: int) -> None:
+    import uvicorn
+
+    uvicorn.run(
+        app,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        access_log=False,
+        loop="uvloop",
+        http="httptools",
+    )
+
+
+# ---- the load generator ----
+
+
+async def _load(url: str, concurrency: int, duration: float, warmup: float, stream: bool) -> dict[str, Any]:
+    import aiohttp
+    import orjson
+
+    body = orjson.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": CHUNKS,
+            "stream": stream,
+        }
+    )
+    headers = {"content-type": "application/json", "authorization": "Bearer bench"}
+    lat: list[float] = []
+    errors = 0
+    total = 0  # every completed request, warm-up included (the CPU reading covers them all)
+    t_start = time.perf_counter()
+    t_measure = t_start + warmup
+    t_end = t_measure + duration
+    connector = aiohttp.TCPConnector(limit=concurrency, keepalive_timeout=30)
+
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=30)) as s:
+
+        async def worker() -> None:
+            nonlocal errors, total
+            while True:
+                t0 = time.perf_counter()
+                if t0 >= t_end:
+                    return
+                try:
+                    async with s.post(url, data=body, headers=headers) as r:
+                        if stream:
+                            async for _ in r.content.iter_any():
+                                pass
+                        else:
+                            await r.read()
+                        ok = r.status == 200
+                except aiohttp.ClientError:
+                    ok = False
+                t1 = time.perf_counter()
+                total += 1
+                if t0 >= t_measure and t1 <= t_end:
+                    if ok:
+                        lat.append(t1 - t0)
+                    else:
+                        errors += 1
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return {"latencies": lat, "errors": errors, "duration": duration, "n_all": total}
+
+
+# ---- orchestration ----
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    # fields[11], fields[12] are utime, stime (the 14th and 15th of the full line).
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _wait_ready(url: str, timeout: float = 30.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url} did not come up") from None
+            time.sleep(0.1)
+
+
+def _spawn(args: Sequence[str], *, quiet_stdout: bool = True) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        [sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL if quiet_stdout else None
+    )
+
+
+def _pct(xs: list[float], p: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p * len(xs)))]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    procs: list[subprocess.Popen[bytes]] = []
+    tmp = tempfile.TemporaryDirectory()
+    try:
+        stub_port, bare_port, gw_port = _free_port(), _free_port(), _free_port()
+        stub_url = f"http://127.0.0.1:{stub_port}"
+        procs.append(_spawn([__file__, "--role", "stub", "--port", str(stub_port)]))
+        procs.append(_spawn([__file__, "--role", "bare", "--port", str(bare_port), "--upstream", stub_url]))
+        cfg = Path(tmp.name) / "gw.yaml"
+        cfg.write_text(
+            f"pools:\n  default:\n    backends:\n      - {{url: {stub_url}, capacity_tokens: 100000000, models: [{MODEL}]}}\n"
+        )
+        gw = _spawn(
+            [
+                "-m",
+                "gateway.cli",
+                "serve",
+                "--config",
+                str(cfg),
+                "--port",
+                str(gw_port),
+                "--log-level",
+                "warning",
+            ]
+        )
+        procs.append(gw)
+        _wait_ready(f"{stub_url}/v1/models")
+        _wait_ready(f"http://127.0.0.1:{gw_port}/readyz")
+        time.sleep(0.5)
+        targets = {
+            "direct": (f"{stub_url}/v1/chat/completions", None),
+            "bare": (f"http://127.0.0.1:{bare_port}/v1/chat/completions", procs[1].pid),
+            "gateway": (f"http://127.0.0.1:{gw_port}/v1/chat/completions", gw.pid),
+        }
+        results: dict[str, Any] = {}
+        for rnd in range(args.rounds):
+            for stream in args.modes:
+                for conc in args.concurrency:
+                    for name, (url, pid) in targets.items():
+                        key = f"{name}|c{conc}|{'stream' if stream else 'plain'}"
+                        cpu0 = _cpu_seconds(pid) if pid else 0.0
+                        out = subprocess.run(
+                            [sys.executable, __file__, "--role", "load", "--url", url, "--c", str(conc),
+                             "--duration", str(args.duration), "--warmup", str(args.warmup), "--stream", str(int(stream))],
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, check=True,
+                        )  # fmt: skip
+                        cpu1 = _cpu_seconds(pid) if pid else 0.0
+                        data = json.loads(out.stdout)
+                        agg = results.setdefault(
+                            key, {"latencies": [], "errors": 0, "seconds": 0.0, "cpu": 0.0, "n_all": 0}
+                        )
+                        agg["latencies"] += data["latencies"]
+                        agg["errors"] += data["errors"]
+                        agg["seconds"] += data["duration"]
+                        agg["n_all"] += data["n_all"]
+                        agg["cpu"] += cpu1 - cpu0
+                        print(
+                            f"round {rnd + 1} {key:<24} n={len(data['latencies']):>6} "
+                            f"p50={_pct(data['latencies'], 0.5) * 1e3:7.3f} ms",
+                            file=sys.stderr,
+                        )
+        summary: dict[str, Any] = {}
+        for key, agg in results.items():
+            lat = agg["latencies"]
+            summary[key] = {
+                "requests": len(lat),
+                "errors": agg["errors"],
+                "p50_ms": _pct(lat, 0.5) * 1e3,
+                "p99_ms": _pct(lat, 0.99) * 1e3,
+                "rps": len(lat) / agg["seconds"],
+                # CPU is read around the whole load run (warm-up included): divide by all requests.
+                "cpu_ms_per_req": (agg["cpu"] / agg["n_all"] * 1e3) if agg["n_all"] and agg["cpu"] else None,
+            }
+        return summary
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGINT)
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        tmp.cleanup()
+
+
+def report(summary: dict[str, Any], args: argparse.Namespace, pricing: dict[str, float] | None) -> str:
+    lines = [
+        "| mode | concurrency | target | p50 ms | p99 ms | req/s | CPU ms/req (proxy process) |",
+        "|---|---:|---|---:|---:|---:|---:|",
+    ]
+    checks = []
+    for stream in args.modes:
+        mode = "stream" if stream else "plain"
+        for conc in args.concurrency:
+            for name in ("direct", "bare", "gateway"):
+                s = summary[f"{name}|c{conc}|{mode}"]
+                cpu = f"{s['cpu_ms_per_req']:.3f}" if s["cpu_ms_per_req"] else "-"
+                lines.append(
+                    f"| {mode} | {conc} | {name} | {s['p50_ms']:.3f} | {s['p99_ms']:.3f} | {s['rps']:.0f} | {cpu} |"
+                )
+            g, b, d = (summary[f"{n}|c{conc}|{mode}"] for n in ("gateway", "bare", "direct"))
+            if g["cpu_ms_per_req"] and b["cpu_ms_per_req"]:
+                ratio = g["cpu_ms_per_req"] / b["cpu_ms_per_req"]
+                checks.append(f"- {mode} c={conc}: gateway CPU/req ÷ bare CPU/req = **{ratio:.2f}**"
+                              f" (target <= 1.5: {'met' if ratio <= 1.5 else 'NOT met'})")  # fmt: skip
+            if conc == 1:
+                added = g["p50_ms"] - d["p50_ms"]
+                checks.append(f"- {mode} c=1: gateway adds **{added:.3f} ms** p50 over direct"
+                              f" (target <= 1.5 ms: {'met' if added <= 1.5 else 'NOT met'})")  # fmt: skip
+    top = max(args.concurrency)
+    if False in args.modes:
+        rps = summary[f"gateway|c{top}|plain"]["rps"]
+        checks.append(f"- saturated (c={top}, plain) gateway throughput **{rps:.0f} req/s**"
+                      f" (target >= 1200: {'met' if rps >= 1200 else 'NOT met'})")  # fmt: skip
+    if pricing:
+        checks.append(
+            f"- pricing a {pricing['prompt_tokens']:.0f}-token chat prompt: **{pricing['cold_ms']:.2f} ms** cold, "
+            f"{pricing['warm_ms']:.2f} ms warm (target <= 5 ms: {'met' if pricing['cold_ms'] <= 5 else 'NOT met'})"
+        )
+    return "\n".join(lines) + "\n\n" + "\n".join(checks) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--role", choices=["bench", "stub", "bare", "load"], default="bench", help=argparse.SUPPRESS
+    )
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--upstream", help=argparse.SUPPRESS)
+    p.add_argument("--url", help=argparse.SUPPRESS)
+    p.add_argument("--c", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--stream", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--duration", type=float, default=3.0, help="measured seconds per load run")
+    p.add_argument("--warmup", type=float, default=0.5, help="unmeasured seconds before each run")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds over all targets")
+    p.add_argument("--concurrency", default="1,16,64", help="comma-separated concurrency levels")
+    p.add_argument("--modes", default="plain,stream", help="plain, stream or both")
+    p.add_argument("--json", metavar="FILE", help="also write the summary as JSON")
+    args = p.parse_args(argv)
+    if args.role == "stub":
+        _serve(_stub_app(), args.port)
+        return 0
+    if args.role == "bare":
+        _serve(_bare_app(args.upstream), args.port)
+        return 0
+    if args.role == "load":
+        import uvloop
+
+        out = uvloop.run(_load(args.url, args.c, args.duration, args.warmup, bool(args.stream)))
+        print(json.dumps(out))
+        return 0
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.modes = [m == "stream" for m in args.modes.split(",")]
+    summary = run(args)
+    from classifiers.bench_pricing import measure
+
+    pricing = measure()
+    text = report(summary, args, pricing)
+    print(f"\ncommand: python loadtest/bench_overhead.py --duration {args.duration} --rounds {args.rounds}\n")
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"summary": summary, "pricing": pricing}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
