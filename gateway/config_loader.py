@@ -298,14 +298,29 @@ def _models(v: Any) -> tuple[ModelConfig, ...]:
     for pattern, body in m.items():
         where = f"models.{pattern}"
         b = _section(body, where, ("tokenizer", "context_length"))
+        tokenizer = _opt_str(b, "tokenizer", where)
+        if tokenizer is not None:
+            _check_tokenizer(tokenizer, f"{where}.tokenizer")
         out.append(
             ModelConfig(
                 pattern=str(pattern),
-                tokenizer=_opt_str(b, "tokenizer", where),
+                tokenizer=tokenizer,
                 context_length=_int(b, "context_length", where, DEFAULT_CONTEXT_LENGTH, minimum=1),
             )
         )
     return tuple(out)
+
+
+def _check_tokenizer(spec: str, where: str) -> None:
+    """Load it now (cached by the classifiers package) so a bad spec fails at load time."""
+    try:
+        from classifiers import load_tokenizer
+    except ImportError:  # pragma: no cover
+        return
+    try:
+        load_tokenizer(spec)
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 def _pricing(v: Any) -> PricingConfig:

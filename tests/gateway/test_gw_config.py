@@ -166,6 +166,8 @@ def test_example_configs_load() -> None:
         ),
         ({"embedded_backend": {"chunked": True}}, "embedded_backend.chunked: unknown key"),
         ([1, 2], "config: expected a mapping, got a list"),
+        ({"models": {"m*": {"tokenizer": "hf:/nonexistent/tokenizer.json"}}}, "models.m*.tokenizer:"),
+        ({"models": {"m*": {"tokenizer": "tiktoken:no_such_encoding"}}}, "models.m*.tokenizer:"),
     ],
 )
 def test_errors_name_the_field(data: object, message: str) -> None:

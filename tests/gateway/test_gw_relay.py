@@ -222,3 +222,26 @@ async def test_classes_route_to_pools_with_overflow(gateway_factory: GatewayFact
         await s1.stop()
         if not s2.task.done():
             await s2.stop()
+
+
+async def test_class_budget_pool(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
+) -> None:
+    _, url = stub_backend
+    gw = await gateway_factory(
+        {
+            "classes": [
+                {"name": "big", "when": {"min_decode_tokens": 500}, "pool": "default", "budget_tokens": 2000},
+                {"name": "small", "pool": "default"},
+            ],
+            "pools": stub_pools(url),
+        }
+    )
+    async with httpx.AsyncClient(base_url=gw.url) as c:
+        r = await c.post("/v1/chat/completions", json=chat(max_tokens=600))
+        assert r.status_code == 200 and r.headers["x-tokengate-class"] == "big"
+        r = await c.post("/v1/chat/completions", json=chat(max_tokens=5000))
+        assert r.status_code == 413 and "class:big" in r.json()["error"]["message"]
+        r = await c.post("/v1/chat/completions", json=chat(max_tokens=5))
+        assert r.headers["x-tokengate-class"] == "small"
+    assert await gw.wait_idle() == {"tenant:default": 0, "backend:default": 0, "class:big": 0}
