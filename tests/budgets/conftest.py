@@ -13,6 +13,7 @@ import pytest
 
 from budgets.memory import MemoryStore
 from budgets.types import BudgetLayout, BudgetStore
+from tests.budgets.redis_fixtures import redis_store_factory
 from tests.budgets.support import FakeClock
 
 StoreFactory = Callable[[BudgetLayout], Awaitable[BudgetStore]]
@@ -22,8 +23,11 @@ async def _memory(layout: BudgetLayout, clock: FakeClock) -> BudgetStore:
     return MemoryStore(layout, clock=clock)
 
 
-FACTORIES: dict[str, Callable[[BudgetLayout, FakeClock], Awaitable[BudgetStore]]] = {"memory": _memory}
-STORE_KINDS = ["memory"]
+FACTORIES: dict[str, Callable[[BudgetLayout, FakeClock], Awaitable[BudgetStore]]] = {
+    "memory": _memory,
+    "redis": redis_store_factory,
+}
+STORE_KINDS = ["memory", "redis"]
 
 
 @pytest.fixture

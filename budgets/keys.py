@@ -1,0 +1,179 @@
+"""Redis key layout of one budget domain, and the flat encodings the Lua scripts read.
+
+Every key of a domain starts with the hash tag ``{tg:<prefix>}``, so all of them live in one
+Redis Cluster slot: a grant is atomic across the tenant, backend and class pools it names, and a
+script can only be atomic within one slot. The consequence (documented in docs/redis.md): one
+budget domain is served by one Redis primary, whatever the cluster size; scale out by splitting
+independent domains (prefixes), not pools of one domain.
+
+Keys (``T`` = ``{tg:<prefix>}``):
+
+=========================  ======  ==========================================================
+``T:layout``               hash    ``ver`` (int, bumped on change), ``digest``, ``json`` (the
+                                   whole layout, for replicas), ``tiers`` (tier names in grant
+                                   order), ``pw``/``dw``/``backfill``/``ttl``/``max_scan``
+``T:pools``                hash    pool -> ``"<capacity>|<shared 0/1>"``
+``T:tiers``                hash    tier -> ``"<rank>|<ceiling>|<max_queue_wait_s>"``
+``T:tenants``              hash    tenant -> ``"<weight>|<max_queue_len>"``
+``T:used``                 hash    pool -> tokens in flight (absent when 0)
+``T:vtc``                  hash    tenant -> virtual token counter (``%.17g``, exact)
+``T:tleases``              hash    tenant -> live leases (absent when 0)
+``T:twait``                hash    tenant -> waiting tickets (absent when 0; = backlogged)
+``T:tierq``                hash    tier -> waiting tickets (absent when 0)
+``T:rate``                 hash    pool -> ``"<tokens/s EWMA>|<last update>"`` (retry-after)
+``T:leases``               hash    lease id -> packed lease (see :func:`pack_demand`)
+``T:lexp``                 zset    lease id -> expiry (server time)
+``T:gone``                 zset    lease id -> tombstone expiry (release of an unknown lease)
+``T:reaped``               zset    lease id -> forget-at (recently reaped: release says False)
+``T:seq``                  string  ticket sequence counter (only grows)
+``T:tickets``              hash    seq -> packed ticket
+``T:qt:<tier>``            set     tenants with a non-empty FIFO in that tier
+``T:q:<n>:<tier>:<tenant>`` list   FIFO of ticket seqs of one (tier, tenant); n = len(tier)
+``T:replicas``             zset    replica id -> liveness expiry (server time)
+``T:rtk:<replica>``        set     seqs of that replica's waiting tickets (reaped when it dies)
+=========================  ======  ==========================================================
+
+Channels: ``T:wake:<replica>`` (grants and failures of that replica's tickets) and
+``T:layout`` (new layout version). Pub/sub is not slot-bound; the names share the tag anyway.
+
+Scripts receive ``T:layout`` as ``KEYS[1]`` (so a cluster client routes them to the domain's
+slot) and derive every other name from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from budgets.types import BudgetLayout, Demand, PolicySpec, PoolSpec, TenantSpec, TierSpec
+
+# Field and list separators of packed records: ASCII unit / record separators never occur in
+# configured names (apply_layout rejects names containing control characters).
+SEP = "\x1f"
+LIST_SEP = "\x1e"
+
+
+@dataclass(frozen=True, slots=True)
+class KeyLayout:
+    prefix: str
+
+    @property
+    def tag(self) -> str:
+        return "{tg:" + self.prefix + "}"
+
+    @property
+    def layout(self) -> str:
+        return self.tag + ":layout"
+
+    def wake_channel(self, replica: str) -> str:
+        return f"{self.tag}:wake:{replica}"
+
+    @property
+    def layout_channel(self) -> str:
+        return self.tag + ":layout"
+
+    def all_fixed(self) -> list[str]:
+        """Every key name without a variable part (for tests and docs)."""
+        names = ["layout", "pools", "tiers", "tenants", "used", "vtc", "tleases", "twait", "tierq", "rate"]
+        names += ["leases", "lexp", "gone", "reaped", "seq", "tickets", "replicas"]
+        return [f"{self.tag}:{n}" for n in names]
+
+
+def fmt_float(x: float) -> str:
+    """Exact round-trip text of a double (Lua writes counters the same way)."""
+    return repr(float(x)) if math.isfinite(x) else ("inf" if x > 0 else "-inf")
+
+
+def check_name(kind: str, name: str) -> None:
+    if not name or any(ord(c) < 32 for c in name):
+        raise ValueError(f"{kind} name {name!r} must be non-empty and free of control characters")
+
+
+def pack_demand(demand: Demand) -> list[str]:
+    """Script arguments for a demand: tenant, tier, prefill, decode, pools (LIST_SEP-joined)."""
+    return [demand.tenant, demand.tier, str(demand.prefill), str(demand.decode), LIST_SEP.join(demand.pools)]
+
+
+def unpack_demand(fields: Sequence[str]) -> Demand:
+    tenant, tier, prefill, decode, pools = fields[:5]
+    return Demand(
+        tenant=tenant,
+        tier=tier,
+        pools=tuple(pools.split(LIST_SEP)) if pools else (),
+        prefill=int(prefill),
+        decode=int(decode),
+    )
+
+
+def layout_json(layout: BudgetLayout) -> str:
+    """Canonical JSON of a layout (sorted keys): its digest decides whether anything changed."""
+    doc = {
+        "pools": {n: [p.capacity, p.shared] for n, p in sorted(layout.pools.items())},
+        "tiers": {n: [t.rank, t.ceiling, t.max_queue_wait_s] for n, t in sorted(layout.tiers.items())},
+        "tenants": {n: [t.weight, t.max_queue_len] for n, t in sorted(layout.tenants.items())},
+        "policy": [
+            layout.policy.prefill_weight,
+            layout.policy.decode_weight,
+            layout.policy.backfill_limit_s,
+            layout.policy.lease_ttl_s,
+            layout.policy.max_scan,
+        ],
+    }
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"))
+
+
+def layout_from_json(text: str) -> BudgetLayout:
+    doc = json.loads(text)
+    pw, dw, backfill, ttl, max_scan = doc["policy"]
+    return BudgetLayout(
+        pools={n: PoolSpec(n, int(c), bool(s)) for n, (c, s) in doc["pools"].items()},
+        tiers={n: TierSpec(n, int(r), float(c), float(w)) for n, (r, c, w) in doc["tiers"].items()},
+        tenants={n: TenantSpec(n, float(w), int(q)) for n, (w, q) in doc["tenants"].items()},
+        policy=PolicySpec(
+            prefill_weight=pw,
+            decode_weight=dw,
+            backfill_limit_s=backfill,
+            lease_ttl_s=ttl,
+            max_scan=int(max_scan),
+        ),
+    )
+
+
+def layout_digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def layout_args(layout: BudgetLayout) -> list[str]:
+    """apply_layout.lua's arguments: digest, json, policy, tier order, then the three spec lists.
+
+    Tier order is computed here, by (rank, name) with Python's string order, so Lua never has to
+    compare names (its string comparison follows the server's locale).
+    """
+    for kind, names in (("pool", layout.pools), ("tier", layout.tiers), ("tenant", layout.tenants)):
+        for name in names:
+            check_name(kind, name)
+    text = layout_json(layout)
+    p = layout.policy
+    order = sorted(layout.tiers.values(), key=lambda t: (t.rank, t.name))
+    pools = [f"{n}{SEP}{s.capacity}|{int(s.shared)}" for n, s in layout.pools.items()]
+    tiers = [
+        f"{n}{SEP}{t.rank}|{fmt_float(t.ceiling)}|{fmt_float(t.max_queue_wait_s)}"
+        for n, t in layout.tiers.items()
+    ]
+    tenants = [f"{n}{SEP}{fmt_float(t.weight)}|{t.max_queue_len}" for n, t in layout.tenants.items()]
+    return [
+        layout_digest(text),
+        text,
+        fmt_float(p.prefill_weight),
+        fmt_float(p.decode_weight),
+        fmt_float(p.backfill_limit_s),
+        fmt_float(p.lease_ttl_s),
+        str(int(p.max_scan)),
+        LIST_SEP.join(t.name for t in order),
+        LIST_SEP.join(pools),
+        LIST_SEP.join(tiers),
+        LIST_SEP.join(tenants),
+    ]

@@ -1,0 +1,64 @@
+"""The Redis store's Lua scripts: loaded once from package data, run with EVALSHA, reloaded on NOSCRIPT.
+
+Redis scripts cannot include each other, so ``lib.lua`` (the port of budgets/policy.py) is
+prepended to every entry script here; each resulting script is one self-contained source with
+its own SHA1. A restarted Redis has an empty script cache: the first EVALSHA then answers
+NOSCRIPT, the runner loads the source and retries once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import NoScriptError
+
+ENTRY_SCRIPTS = (
+    "acquire",
+    "release",
+    "withdraw",
+    "status",
+    "heartbeat",
+    "restore",
+    "reap",
+    "apply_layout",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Script:
+    name: str
+    source: str
+    sha: str
+
+
+def _read(name: str) -> str:
+    return resources.files(__package__).joinpath(f"{name}.lua").read_text(encoding="utf-8")
+
+
+def load_scripts() -> dict[str, Script]:
+    lib = _read("lib")
+    scripts = {}
+    for name in ENTRY_SCRIPTS:
+        source = f"{lib}\n-- ==== {name}.lua ====\n{_read(name)}"
+        scripts[name] = Script(name, source, hashlib.sha1(source.encode()).hexdigest())
+    return scripts
+
+
+class ScriptRunner:
+    def __init__(self, scripts: dict[str, Script] | None = None) -> None:
+        self.scripts = scripts if scripts is not None else load_scripts()
+        self.reloads = 0  # NOSCRIPT answers seen (a restarted or flushed Redis)
+
+    async def call(self, client: Redis, name: str, keys: Sequence[str], args: Sequence[str]) -> Any:
+        script = self.scripts[name]
+        try:
+            return await client.evalsha(script.sha, len(keys), *keys, *args)  # type: ignore[misc]
+        except NoScriptError:
+            self.reloads += 1
+            await client.script_load(script.source)
+            return await client.evalsha(script.sha, len(keys), *keys, *args)  # type: ignore[misc]

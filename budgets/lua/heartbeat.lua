@@ -1,0 +1,20 @@
+-- heartbeat.lua: extend live leases (MemoryStore.heartbeat) and report the ones Redis does not
+-- know (lost in a restart, or reaped after missed heartbeats) so the owner can restore them.
+-- ARGV: now-override, replica, lease ids...
+-- Reply: {'NOLAYOUT'} | list of unknown, non-tombstoned lease ids
+local now = clock(ARGV[1])
+if not load_policy() then
+  return { 'NOLAYOUT' }
+end
+beat(ARGV[2], now)
+local expiry = fmt(now + P.ttl)
+local unknown = {}
+for i = 3, #ARGV do
+  local id = ARGV[i]
+  if redis.call('ZSCORE', K.lexp, id) then
+    redis.call('ZADD', K.lexp, expiry, id)
+  elseif not redis.call('ZSCORE', K.gone, id) then
+    unknown[#unknown + 1] = id
+  end
+end
+return unknown

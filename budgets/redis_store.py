@@ -1,0 +1,679 @@
+"""The cluster-wide BudgetStore: pools, the one wait queue and leases live in Redis.
+
+Every decision (validation, fast-path grant, enqueue, the grant pass, release, reap) runs inside
+one Lua script call (budgets/lua, a port of budgets/policy.py), so replicas never race each other
+and the Redis store decides exactly what the memory store would. Time is Redis server TIME.
+
+Around the scripts this module adds what a shared, remote store needs:
+
+- **Wake-ups.** A ticket granted by any replica's script is announced on the owner's channel
+  ``T:wake:<replica>``; waiters also poll their ticket every ``poll_interval_s``, so a lost message
+  delays a grant but never loses it. A ticket that vanished (Redis restarted) is enqueued again.
+- **Leases.** Lease ids are chosen by the owner (``<replica>-<n>``); heartbeats extend them; a lease
+  Redis does not know but this replica still holds (Redis restarted, or it was reaped after missed
+  heartbeats) is re-registered unconditionally: the request is running whatever Redis remembers,
+  so it must be counted; an overcommitted pool simply drains before new grants. Releases of
+  unknown ids leave a short tombstone so a racing re-registration cannot resurrect them.
+- **Liveness.** Each replica refreshes ``T:replicas`` from its maintenance loop; the reap script
+  withdraws waiting tickets of replicas whose liveness expired. A SIGKILLed replica's leases are
+  not heartbeated and come back when they expire (one lease TTL).
+- **Failure modes.** Redis calls are bounded by the configured timeouts. On failure the store is
+  *down* until a background probe succeeds. ``fail_mode: closed`` raises StoreUnavailable at once
+  (the gateway answers 503); ``fail_mode: open`` admits against an embedded MemoryStore whose
+  capacities are the layout's divided by ``replicas`` (a conservative local share). On recovery the
+  store re-applies its layout if Redis lost it, flushes releases and withdrawals that failed,
+  re-registers its in-flight leases and moves fail-open leases into Redis, then serves from Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, NoReturn
+
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from budgets import policy
+from budgets.keys import KeyLayout, layout_args, layout_from_json, pack_demand
+from budgets.lua import ScriptRunner
+from budgets.memory import MemoryStore
+from budgets.types import (
+    BudgetLayout,
+    Demand,
+    Lease,
+    NeverFits,
+    PoolState,
+    QueueFull,
+    QueueTimeout,
+    StoreSnapshot,
+    StoreUnavailable,
+    UnknownTenantOrTier,
+)
+
+_log = logging.getLogger(__name__)
+
+FailMode = Literal["closed", "open"]
+_REAP_BATCH = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class RedisOptions:
+    url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "tokengate"
+    connect_timeout_s: float = 0.5
+    op_timeout_s: float = 0.5
+    fail_mode: FailMode = "closed"
+    # Gateway replicas sharing the domain: fail-open gives each 1/replicas of every pool.
+    replicas: int = 1
+    poll_interval_s: float = 0.25
+    # How often a down store probes Redis (defaults to poll_interval_s).
+    probe_interval_s: float | None = None
+    max_connections: int = 32
+
+
+class _Down(Exception):
+    """Redis is unreachable (internal: mapped to StoreUnavailable or the fail-open path)."""
+
+
+@dataclass(slots=True)
+class _Held:
+    """A lease this replica holds; ``local`` when granted by the fail-open fallback store."""
+
+    lease: Lease
+    local: bool = False
+
+
+@dataclass(slots=True)
+class _Waiter:
+    seq: int
+    lease_id: str
+    demand: Demand
+    future: asyncio.Future[list[str]] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
+def scaled_layout(layout: BudgetLayout, replicas: int) -> BudgetLayout:
+    """Each replica's conservative share of every pool, for fail-open admission."""
+    n = max(1, replicas)
+    pools = {name: replace(p, capacity=p.capacity // n) for name, p in layout.pools.items()}
+    return replace(layout, pools=pools)
+
+
+class RedisStore:
+    def __init__(
+        self,
+        layout: BudgetLayout,
+        options: RedisOptions | None = None,
+        *,
+        clock: Callable[[], float] | None = None,
+        client: Redis | None = None,
+        replica_id: str | None = None,
+    ) -> None:
+        self._opts = options or RedisOptions()
+        self._layout = layout
+        self._keys = KeyLayout(self._opts.key_prefix)
+        # Tests drive decisions with their own clock (passed to every script); production uses
+        # Redis server TIME so replicas never disagree about ages and expiries.
+        self._clock = clock
+        self._replica = replica_id or secrets.token_hex(6)
+        self._ids = itertools.count(1)
+        self._client = client or Redis(connection_pool=self._pool())
+        self._scripts = ScriptRunner()
+        self._held: dict[str, _Held] = {}
+        self._waiters: dict[int, _Waiter] = {}
+        self._pending_release: dict[str, int | None] = {}
+        self._pending_withdraw: dict[int, str] = {}
+        self._fallback: MemoryStore | None = None
+        if self._opts.fail_mode == "open":
+            scaled = scaled_layout(layout, self._opts.replicas)
+            self._fallback = MemoryStore(scaled, clock) if clock is not None else MemoryStore(scaled)
+        self._down = False
+        self._recovering = asyncio.Lock()
+        self._layout_ver = 0
+        self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[Any]] = set()
+        self._started = False
+        self._closed = False
+        self.restored_leases = 0  # leases re-registered after Redis forgot them (observability)
+
+    # ---- properties for the gateway and tests ----
+
+    def _pool(self) -> BlockingConnectionPool:
+        # Blocking: under a burst, callers queue for one of max_connections instead of failing
+        # ("too many connections" is not an outage). The wait is bounded by the per-call timeout.
+        return BlockingConnectionPool.from_url(
+            self._opts.url,
+            max_connections=self._opts.max_connections,
+            timeout=None,
+            socket_connect_timeout=self._opts.connect_timeout_s,
+            socket_timeout=self._opts.op_timeout_s,
+            # One immediate retry on a broken connection (a restarted Redis leaves every pooled
+            # connection dead); none on timeouts, which would double the configured bound.
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+            decode_responses=True,
+        )
+
+    @property
+    def replica_id(self) -> str:
+        return self._replica
+
+    @property
+    def degraded(self) -> bool:
+        """Redis is unreachable right now (requests fail fast or use the local fallback)."""
+        return self._down
+
+    @property
+    def layout(self) -> BudgetLayout:
+        """The layout this replica last applied or saw announced."""
+        return self._layout
+
+    @property
+    def keys(self) -> KeyLayout:
+        return self._keys
+
+    # ---- lifecycle ----
+
+    async def start(self) -> None:
+        if self._closed:
+            raise StoreUnavailable("store is closed")
+        if self._started:
+            return
+        self._started = True
+        if self._fallback is not None:
+            await self._fallback.start()
+        try:
+            await self._apply(self._layout)
+        except _Down:
+            _log.warning("redis at %s unreachable at start; store is down until it answers", self._opts.url)
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._listen(), name="redis-store-listen"),
+            loop.create_task(self._maintain(), name="redis-store-maintain"),
+        ]
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._started = False
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=1.0)
+        self._tasks = []
+        waiters, self._waiters = self._waiters, {}
+        for w in waiters.values():
+            if not self._down:
+                with contextlib.suppress(_Down):
+                    await self._eval("withdraw", [str(w.seq), w.lease_id, "1"])
+            if not w.future.done():
+                w.future.set_exception(StoreUnavailable("shutting down"))
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=self._opts.op_timeout_s)
+        if self._fallback is not None:
+            await self._fallback.close()
+        with contextlib.suppress(Exception):
+            await self._client.aclose()
+
+    async def healthy(self) -> bool:
+        """Ready to admit: started and Redis reachable, or degraded to the fail-open budget."""
+        if not self._started or self._closed:
+            return False
+        return not self._down or self._fallback is not None
+
+    # ---- layout ----
+
+    async def apply_layout(self, layout: BudgetLayout) -> None:
+        self._set_layout(layout)
+        try:
+            await self._apply(layout)
+        except _Down:
+            # Kept locally; the recovery writes it to Redis before anything else.
+            _log.warning("budget store unreachable: layout change is applied when redis is back")
+
+    async def _apply(self, layout: BudgetLayout, *, internal: bool = False) -> None:
+        reply = await self._eval("apply_layout", layout_args(layout), internal=internal)
+        self._layout_ver = int(reply[1])
+
+    def _set_layout(self, layout: BudgetLayout) -> None:
+        self._layout = layout
+        if self._fallback is not None:
+            fallback = self._fallback
+
+            async def apply() -> None:
+                await fallback.apply_layout(scaled_layout(layout, self._opts.replicas))
+
+            self._spawn(apply())
+
+    async def _reload_layout(self) -> None:
+        """Adopt the layout another replica wrote (announced on the channel or seen by polling)."""
+        ver = await self._call(self._client.hget(self._keys.layout, "ver"))  # type: ignore[misc]
+        if ver is None or int(ver) == self._layout_ver:
+            return
+        ver, text = await self._call(self._client.hmget(self._keys.layout, ["ver", "json"]))  # type: ignore[misc]
+        if ver is not None and text is not None:
+            self._layout_ver = int(ver)
+            self._set_layout(layout_from_json(text))
+
+    # ---- acquire ----
+
+    async def acquire(self, demand: Demand, max_wait_s: float) -> Lease:
+        if self._closed:
+            raise StoreUnavailable("shutting down")
+        _check_shape(demand)
+        if self._down:
+            return await self._degraded_acquire(demand, max_wait_s)
+        lease_id = f"{self._replica}-{next(self._ids):x}"
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            # Shielded: if the caller is cancelled mid-call, the script still ran (or will), and
+            # its grant or ticket must be given back, not left to expire.
+            call = asyncio.ensure_future(self._enqueue(lease_id, demand))
+            try:
+                reply = await asyncio.shield(call)
+            except asyncio.CancelledError:
+                await self._finish_cleanup(self._abandon_enqueued(call, lease_id))
+                raise
+            if reply[0] == "G":
+                return self._hold(lease_id, demand, reply)
+            return await self._wait(int(reply[1]), lease_id, demand, float(reply[3]), max_wait_s, started)
+        except _Down:
+            left = max_wait_s - (loop.time() - started)
+            return await self._degraded_acquire(demand, left)
+
+    async def _enqueue(self, lease_id: str, demand: Demand) -> list[str]:
+        """One acquire script call; returns a 'G' or 'Q' reply, raises every refusal."""
+        reply = await self._eval_layout("acquire", [self._replica, lease_id, *pack_demand(demand)])
+        kind = reply[0]
+        if kind in ("G", "Q"):
+            return list(reply)
+        if kind == "FULL":
+            raise QueueFull(
+                f"tenant {demand.tenant} already has {reply[1]} requests waiting (max_queue_len {reply[2]})",
+                retry_after_s=float(reply[3]),
+            )
+        await self._raise_invalid(demand, reply)
+
+    async def _wait(
+        self, seq: int, lease_id: str, demand: Demand, tier_wait_s: float, max_wait_s: float, started: float
+    ) -> Lease:
+        loop = asyncio.get_running_loop()
+        wait_s = min(max_wait_s, tier_wait_s)
+        deadline = started + wait_s
+        waiter = _Waiter(seq, lease_id, demand)
+        self._waiters[seq] = waiter
+        try:
+            while True:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                await asyncio.wait((waiter.future,), timeout=min(self._opts.poll_interval_s, remaining))
+                reply = (
+                    waiter.future.result()
+                    if waiter.future.done()
+                    else await self._eval("status", [str(seq), lease_id])
+                )
+                if reply[0] == "G":
+                    return self._hold(lease_id, demand, [reply[0], reply[-2], reply[-1]])
+                if reply[0] == "F":
+                    await self._raise_invalid(demand, ["E", *reply[2:]])
+                if reply[0] == "U":
+                    # Redis forgot the ticket (restart, or this replica was presumed dead):
+                    # queue again under the same lease id, keeping the original deadline.
+                    again = await self._enqueue(lease_id, demand)
+                    if again[0] == "G":
+                        return self._hold(lease_id, demand, again)
+                    self._waiters.pop(seq, None)
+                    seq = waiter.seq = int(again[1])
+                    self._waiters[seq] = waiter
+            reply = await self._eval("withdraw", [str(seq), lease_id, "0"])
+            if reply[0] == "G":
+                return self._hold(lease_id, demand, reply)
+            retry = float(reply[1]) if reply[0] == "W" else None
+            raise QueueTimeout(
+                f"waited {wait_s:.3g}s for {demand.cost} tokens in tier {demand.tier} without a grant",
+                retry_after_s=retry,
+            )
+        except asyncio.CancelledError:
+            # The caller is gone: withdraw the ticket, or give back a grant that raced the cancel.
+            await self._finish_cleanup(self._withdraw_quietly(seq, lease_id))
+            raise
+        except _Down:
+            self._pending_withdraw[seq] = lease_id
+            raise
+        finally:
+            self._waiters.pop(seq, None)
+
+    async def _abandon_enqueued(self, call: asyncio.Future[list[str]], lease_id: str) -> None:
+        try:
+            reply = await call
+        except Exception:
+            return  # refused or Redis down: nothing was granted or queued that we could know of
+        if reply[0] == "G":
+            await self.release(lease_id)
+        else:
+            await self._withdraw_quietly(int(reply[1]), lease_id)
+
+    async def _finish_cleanup(self, coro: Any) -> None:
+        """Run cleanup for a cancelled caller to completion before its cancellation propagates.
+
+        Awaiting it (shielded) keeps the contract synchronous for the caller: once a cancelled
+        acquire has finished, its ticket or lease is gone. A second cancellation stops the wait,
+        not the cleanup, which then finishes in the background.
+        """
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        with contextlib.suppress(BaseException):
+            await asyncio.shield(task)
+
+    async def _withdraw_quietly(self, seq: int, lease_id: str) -> None:
+        try:
+            await self._eval("withdraw", [str(seq), lease_id, "1"])
+        except _Down:
+            self._pending_withdraw[seq] = lease_id
+
+    async def _degraded_acquire(self, demand: Demand, max_wait_s: float) -> Lease:
+        if self._fallback is None:
+            raise StoreUnavailable(
+                "budget store (redis) is unreachable and store.fail_mode is closed", retry_after_s=1.0
+            )
+        lease = await self._fallback.acquire(demand, max_wait_s)
+        self._held[lease.id] = _Held(lease, local=True)
+        return lease
+
+    def _hold(self, lease_id: str, demand: Demand, reply: Sequence[str]) -> Lease:
+        lease = Lease(id=lease_id, demand=demand, granted_at=float(reply[1]), queued_s=float(reply[2]))
+        self._held[lease_id] = _Held(lease)
+        return lease
+
+    async def _raise_invalid(self, demand: Demand, reply: Sequence[Any]) -> NoReturn:
+        """Turn a script's validation reply into the exact error the memory store would raise."""
+        with contextlib.suppress(_Down):
+            await self._reload_layout()
+        policy.check_demand(self._layout, demand)  # raises with the full message when it agrees
+        kind, name = str(reply[1]), str(reply[2])
+        if kind == "never":
+            limit = int(reply[3])
+            raise NeverFits(
+                f"request costs {demand.cost} tokens but pool {name} grants at most {limit}; "
+                "it can never be admitted",
+                pool=name,
+                cost=demand.cost,
+                limit=limit,
+            )
+        raise UnknownTenantOrTier(f"unknown {kind} {name!r}")
+
+    # ---- release / heartbeat / reap ----
+
+    async def release(self, lease_id: str, actual_decode: int | None = None) -> bool:
+        held = self._held.pop(lease_id, None)
+        if held is not None and held.local:
+            assert self._fallback is not None
+            await self._fallback.release(lease_id, actual_decode)
+            return True
+        if self._down:
+            if held is None:
+                return False
+            self._pending_release[lease_id] = actual_decode
+            return True
+        try:
+            done = await self._eval("release", [lease_id, _opt(actual_decode)])
+        except _Down:
+            if held is None:
+                return False
+            self._pending_release[lease_id] = actual_decode
+            return True
+        # Held here but unknown to Redis (lost in a restart before re-registration): released.
+        # A reaped lease (-1) is gone for good, as in the memory store.
+        return int(done) == 1 or (int(done) == 0 and held is not None)
+
+    async def heartbeat(self, lease_ids: Sequence[str]) -> None:
+        remote = [i for i in lease_ids if not ((h := self._held.get(i)) is not None and h.local)]
+        if self._fallback is not None and len(remote) != len(lease_ids):
+            await self._fallback.heartbeat([i for i in lease_ids if i not in remote])
+        if not remote or self._down:
+            return
+        try:
+            await self._heartbeat(remote)
+        except _Down:
+            pass
+
+    async def _heartbeat(self, ids: Sequence[str], *, internal: bool = False) -> None:
+        unknown = await self._eval_layout("heartbeat", [self._replica, *ids], internal=internal)
+        lost = [i for i in unknown if (h := self._held.get(i)) is not None and not h.local]
+        if lost:
+            await self._restore([self._held[i].lease for i in lost], internal=internal)
+
+    async def _restore(self, leases: Sequence[Lease], *, internal: bool = False) -> int:
+        args = [self._replica]
+        for lease in leases:
+            args += [lease.id, *pack_demand(lease.demand), repr(lease.queued_s)]
+        n = int(await self._eval("restore", args, internal=internal))
+        if n > 0:
+            self.restored_leases += n
+            _log.warning("re-registered %d in-flight leases unknown to redis", n)
+        return n
+
+    async def reap_expired(self) -> int:
+        n = 0
+        if self._fallback is not None:
+            n += await self._fallback.reap_expired()
+        if self._down:
+            return n
+        try:
+            while True:
+                reaped, _withdrawn, more = await self._eval("reap", [self._replica, str(_REAP_BATCH)])
+                n += int(reaped)
+                if not int(more):
+                    return n
+        except _Down:
+            return n
+
+    # ---- snapshot ----
+
+    async def snapshot(self) -> StoreSnapshot:
+        if self._down:
+            if self._fallback is not None:
+                return await self._fallback.snapshot()
+            raise StoreUnavailable("budget store (redis) is unreachable")
+        t = self._keys.tag
+        try:
+            async with self._client.pipeline(transaction=True) as pipe:
+                for name in ("pools", "used", "tierq", "twait", "vtc"):
+                    pipe.hgetall(f"{t}:{name}")
+                pipe.hlen(f"{t}:leases")
+                pipe.hkeys(f"{t}:tiers")
+                pipe.hkeys(f"{t}:tenants")
+                specs, used, tierq, twait, vtc, leases, tiers, tenants = await self._call(pipe.execute())
+        except _Down:
+            if self._fallback is not None:
+                return await self._fallback.snapshot()
+            raise StoreUnavailable("budget store (redis) is unreachable") from None
+        if not specs:  # Redis lost the layout: report this replica's view of it
+            specs = {n: f"{p.capacity}|{int(p.shared)}" for n, p in self._layout.pools.items()}
+            tiers, tenants = list(self._layout.tiers), list(self._layout.tenants)
+        pools: dict[str, PoolState] = {}
+        for name, spec in specs.items():
+            cap, shared = spec.split("|")
+            pools[name] = PoolState(name, int(cap), int(used.get(name, 0)), shared == "1")
+        for name, n in used.items():
+            if name not in pools:
+                pools[name] = PoolState(name, 0, int(n), True)
+        queue_depth = dict.fromkeys(tiers, 0)
+        queue_depth.update({k: int(v) for k, v in tierq.items()})
+        tenant_depth = dict.fromkeys(tenants, 0)
+        tenant_depth.update({k: int(v) for k, v in twait.items()})
+        return StoreSnapshot(
+            pools=pools,
+            queue_depth=queue_depth,
+            tenant_queue_depth=tenant_depth,
+            virtual_service={k: float(v) for k, v in vtc.items()},
+            leases=int(leases),
+        )
+
+    # ---- Redis calls and failure handling ----
+
+    def _now_arg(self) -> str:
+        return "" if self._clock is None else repr(float(self._clock()))
+
+    async def _call(self, awaitable: Any) -> Any:
+        try:
+            async with asyncio.timeout(self._opts.op_timeout_s + self._opts.connect_timeout_s):
+                return await awaitable
+        except (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError) as err:
+            self._mark_down(err)
+            raise _Down(str(err)) from err
+
+    async def _eval(self, name: str, args: Sequence[str], *, internal: bool = False) -> Any:
+        # While down (or recovering) only the recovery itself talks to Redis: a grant made before
+        # the in-flight leases are re-registered could overcommit a pool.
+        if self._down and not internal:
+            raise _Down("redis is down")
+        keys = [self._keys.layout]
+        return await self._call(self._scripts.call(self._client, name, keys, [self._now_arg(), *args]))
+
+    async def _eval_layout(self, name: str, args: Sequence[str], *, internal: bool = False) -> Any:
+        """A script that needs the layout: if Redis lost it (restart), recover first and retry once."""
+        reply = await self._eval(name, args, internal=internal)
+        if isinstance(reply, list) and reply[:1] == ["NOLAYOUT"]:
+            self._mark_down(RuntimeError("redis lost the budget layout (restarted?)"))
+            if internal or not await self._recover():
+                raise _Down("redis lost its data and recovery failed")
+            reply = await self._eval(name, args)
+            if isinstance(reply, list) and reply[:1] == ["NOLAYOUT"]:
+                raise _Down("redis lost the budget layout again")
+        return reply
+
+    def _mark_down(self, err: BaseException) -> None:
+        if not self._down:
+            self._down = True
+            _log.warning("budget store unreachable (%s); fail_mode=%s", err, self._opts.fail_mode)
+
+    async def _recover(self) -> bool:
+        """Bring a down store back: layout, pending work, in-flight leases. True when up again."""
+        async with self._recovering:
+            if not self._down:
+                return True
+            try:
+                async with asyncio.timeout(self._opts.connect_timeout_s + self._opts.op_timeout_s):
+                    await self._client.ping()  # type: ignore[misc]
+            except Exception:
+                return False
+            try:
+                await self._apply(self._layout, internal=True)
+                for seq, lease_id in list(self._pending_withdraw.items()):
+                    await self._eval("withdraw", [str(seq), lease_id, "1"], internal=True)
+                    self._pending_withdraw.pop(seq, None)
+                for lease_id, actual in list(self._pending_release.items()):
+                    await self._eval("release", [lease_id, _opt(actual)], internal=True)
+                    self._pending_release.pop(lease_id, None)
+                remote = [i for i, h in self._held.items() if not h.local]
+                for start in range(0, len(remote), 500):
+                    await self._heartbeat(remote[start : start + 500], internal=True)
+                await self._adopt_local()
+            except _Down:
+                return False
+            self._down = False
+            _log.warning("budget store reachable again")
+            return True
+
+    async def _adopt_local(self) -> None:
+        """Move fail-open leases into Redis so the cluster counts them from now on."""
+        if self._fallback is None:
+            return
+        local = [h.lease for h in self._held.values() if h.local]
+        if not local:
+            return
+        await self._restore(local, internal=True)
+        for lease in local:
+            held = self._held.get(lease.id)
+            if held is None:
+                # Released locally while we were registering it: take it back out of Redis.
+                await self._eval("release", [lease.id, ""], internal=True)
+            else:
+                held.local = False
+            await self._fallback.release(lease.id)
+
+    # ---- background work ----
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _maintain(self) -> None:
+        """Liveness, reaping, layout polling, and recovery after an outage."""
+        probe = self._opts.probe_interval_s or self._opts.poll_interval_s
+        while not self._closed:
+            ttl = self._layout.policy.lease_ttl_s
+            if self._down:
+                await asyncio.sleep(probe)
+                await self._recover()
+                continue
+            await asyncio.sleep(min(self._opts.poll_interval_s, max(0.05, ttl / 4)))
+            try:
+                await self.reap_expired()
+                if not self._down:
+                    await self._reload_layout()
+            except _Down:
+                pass
+            except Exception:
+                # A dead maintenance loop would leak every abandoned lease: log and keep going.
+                _log.exception("redis store maintenance failed")
+
+    async def _listen(self) -> None:
+        """Grants and failures for this replica's tickets, and layout announcements."""
+        wake = self._keys.wake_channel(self._replica)
+        # redis-py's get_message(timeout=...) can swallow a task cancellation (the read returns
+        # None instead), so the loops also stop on the closed flag; the short read timeout bounds
+        # how long close() waits for that.
+        while not self._closed:
+            pubsub = self._client.pubsub()
+            try:
+                await pubsub.subscribe(wake, self._keys.layout_channel)
+                while not self._closed:
+                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)
+                    if msg is None:
+                        continue
+                    if msg["channel"] == wake:
+                        self._on_wake(msg["data"])
+                    else:
+                        with contextlib.suppress(_Down):
+                            await self._reload_layout()
+            except Exception as err:
+                # Polling covers the gap; reconnect after a pause.
+                _log.debug("pubsub connection lost: %s", err)
+                await asyncio.sleep(self._opts.poll_interval_s)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+
+    def _on_wake(self, data: str) -> None:
+        fields = data.split("\x1f")
+        waiter = self._waiters.get(int(fields[1]))
+        if waiter is not None and not waiter.future.done():
+            waiter.future.set_result(fields)
+
+
+def _opt(n: int | None) -> str:
+    return "" if n is None else str(n)
+
+
+def _check_shape(demand: Demand) -> None:
+    # The parts of policy.check_demand that need no layout, raised as the memory store does.
+    if demand.prefill < 0 or demand.decode < 0:
+        raise ValueError(f"negative token counts in {demand!r}")
+    if len(set(demand.pools)) != len(demand.pools):
+        raise ValueError(f"duplicate pools in {demand.pools!r}")
