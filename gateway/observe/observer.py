@@ -87,7 +87,7 @@ class Observer:
             return
         self._seen_closed = self.windows.windows_closed
         h = self.settings.hol
-        self._pairs = hol_pairs(self.windows, h.lookback_windows, h.min_windows)
+        self._pairs = hol_pairs(self.windows, h.lookback_windows, h.min_windows, h.min_swing)
         self._readings = self.shape.readings()
 
     def hol(self) -> list[HolPair]:
@@ -156,7 +156,7 @@ class ObserverCollector(Collector):
         corr = GaugeMetricFamily(
             "tokengate_hol_correlation",
             "Head-of-line fingerprint: Pearson r of the victim class's per-window p99 TTFT with the "
-            "aggressor class's p99 TTFT or in-flight tokens (the stronger), this replica",
+            "aggressor class's in-flight tokens (or its p99 TTFT when in-flight is flat), this replica",
             labels=["victim", "aggressor"],
         )
         thr = GaugeMetricFamily(

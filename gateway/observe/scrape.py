@@ -27,6 +27,10 @@ from gateway.observe.settings import ScrapeSettings
 
 log = logging.getLogger("tokengate.observe")
 
+# A backend whose /metrics is missing or speaks no engine's names is asked again this rarely
+# (it may be upgraded or restarted with metrics on, but polling it every interval is noise).
+NO_METRICS_RECHECK_S = 60.0
+
 # Engine name -> (metric name, role). Roles: kv (0..1 usage), kv_used / kv_total (tokens, SGLang
 # older builds), running, waiting, preempt (a counter), batch_tokens (TGI's rough KV proxy).
 _NAMES: dict[str, tuple[str, str]] = {
@@ -132,6 +136,7 @@ class BackendLoad:
         "last_error",
         "last_ok",
         "metrics_url",
+        "next_scrape_at",
         "no_metrics",
         "pool",
         "preemption_rate",
@@ -159,6 +164,7 @@ class BackendLoad:
         self.last_error: str | None = None
         self.errors_total = 0
         self.no_metrics = False
+        self.next_scrape_at = 0.0  # a backend without engine metrics is re-checked rarely
         self.preemption_rate = 0.0  # preemptions per second over the last scrape interval
         self._last_preempt: float | None = None
         self._last_preempt_t: float | None = None
@@ -191,6 +197,7 @@ class BackendLoad:
 
     def mark_no_metrics(self) -> None:
         self.no_metrics = True
+        self.next_scrape_at = self.clock() + NO_METRICS_RECHECK_S
         self.last_error = None
         self._first_scrape_done = True
 
@@ -356,13 +363,17 @@ class BackendScraper:
         own = self._client is None
         client = self._client or httpx.AsyncClient(timeout=self.loads.settings.timeout_s)
         try:
-            await asyncio.gather(*(self._scrape_one(client, load) for load in self.loads))
+            due = [ld for ld in self.loads if not ld.no_metrics or ld.clock() >= ld.next_scrape_at]
+            await asyncio.gather(*(self._scrape_one(client, load) for load in due))
         finally:
             if own:
                 await client.aclose()
 
     async def _loop(self) -> None:
         interval = self.loads.settings.interval_s
+        # The first pass waits one interval: start-up is not held up by slow engines, and until a
+        # backend has been scraped routing judges it by free tokens alone.
+        await asyncio.sleep(interval)
         while True:
             started = time.monotonic()
             try:

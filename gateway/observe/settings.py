@@ -7,7 +7,7 @@ Every key is optional. The gateway's config loader hands the raw mapping to
     observability:
       window_s: 10            # one rolling window
       windows: 30             # windows kept (history shown by /stats and the dashboard)
-      hol: {lookback_windows: 12, min_windows: 6, threshold: 0.7}
+      hol: {lookback_windows: 12, min_windows: 6, threshold: 0.7, min_swing: 2}
       shape: {window_requests: 2000, split_at: 10, two_services_at: 50, min_requests: 50}
       scrape: {interval_s: 5, timeout_s: 2, stale_after_s: 15, kv_threshold: 0.95, kv_soft: 0.8,
                thrash_preemptions_per_s: 1.0}
@@ -33,6 +33,9 @@ class HolSettings:
     # Fewer windows than this and a correlation is noise: report none.
     min_windows: int = 6
     threshold: float = 0.7
+    # The victim's largest window p99 must be at least this many times its smallest one: a class
+    # whose p99 only jitters is not being blocked, whatever its jitter happens to correlate with.
+    min_swing: float = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +79,7 @@ class ObserveSettings:
         d = _mapping(raw, where)
         _no_unknown(d, ("window_s", "windows", "hol", "shape", "scrape", "slos"), where)
         hol_raw = _mapping(d.get("hol", {}), f"{where}.hol")
-        _no_unknown(hol_raw, ("lookback_windows", "min_windows", "threshold"), f"{where}.hol")
+        _no_unknown(hol_raw, ("lookback_windows", "min_windows", "threshold", "min_swing"), f"{where}.hol")
         shape_raw = _mapping(d.get("shape", {}), f"{where}.shape")
         _no_unknown(
             shape_raw, ("window_requests", "split_at", "two_services_at", "min_requests"), f"{where}.shape"
@@ -99,6 +102,7 @@ class ObserveSettings:
             lookback_windows=_int(hol_raw, "lookback_windows", hd.lookback_windows, f"{where}.hol", 2),
             min_windows=_int(hol_raw, "min_windows", hd.min_windows, f"{where}.hol", 2),
             threshold=_num(hol_raw, "threshold", hd.threshold, f"{where}.hol", upper=1.0),
+            min_swing=_num(hol_raw, "min_swing", hd.min_swing, f"{where}.hol"),
         )
         if hol.min_windows > hol.lookback_windows:
             raise ObserveConfigError(

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
+from backends.pools import BackendPoolSpec
 from budgets.types import StoreSnapshot
 from gateway.observe.diagnose import diagnose
 from gateway.observe.observer import Observer
@@ -34,6 +35,28 @@ class ConfigView:
 
     classes: Sequence[Mapping[str, Any]] = ()
     pools: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+
+def config_view(classes: Sequence[Mapping[str, Any]], pools: Sequence[BackendPoolSpec]) -> ConfigView:
+    """The config's class rules and pools in config-file shape, for the split edit.
+
+    API keys and timeouts are left out on purpose: /insights must never echo a secret, and the
+    operator keeps their own values when applying the edit.
+    """
+    out: dict[str, Mapping[str, Any]] = {}
+    for p in pools:
+        backends = []
+        for b in p.backends:
+            d: dict[str, Any] = {"url": b.url, "capacity_tokens": b.capacity_tokens}
+            if b.models:
+                d["models"] = list(b.models)
+            if b.accepts_priority:
+                d["accepts_priority"] = True
+            if b.name:
+                d["name"] = b.name
+            backends.append(d)
+        out[p.name] = {"backends": backends}
+    return ConfigView(classes=[dict(c) for c in classes], pools=out)
 
 
 @dataclass(slots=True)

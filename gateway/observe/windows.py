@@ -5,6 +5,13 @@ fingerprint needs a *series* of p99s per class, window by window, inside the gat
 correlate classes without a Prometheus server. Recording is O(1) (an append, a counter update);
 percentiles are computed once per class when a window closes.
 
+A request's latencies belong to the window in which it *arrived*, not the one in which it
+finished: a short request stalled behind a long prefill finishes a little later, and counting it
+then would smear the stall into the next window (where the long request may be gone). So a
+window keeps taking late samples for one more window after it ends, and is closed then; in-flight
+tokens are integrated over time and final at the window's end. History therefore trails the
+clock by one window.
+
 Each window keeps at most ``max_samples`` values per signal (reservoir sampling beyond that), so
 memory stays bounded at any request rate.
 """
@@ -41,7 +48,7 @@ class ClassWindow:
 
     start: float
     end: float
-    count: int  # completed requests
+    count: int  # requests that arrived in the window and have completed
     errors: int
     ttft: Quantiles
     queue_wait: Quantiles
@@ -77,31 +84,31 @@ class _Reservoir:
         return Quantiles(percentile(s, 0.50), percentile(s, 0.99))
 
 
-class _ClassState:
-    __slots__ = (
-        "admitted",
-        "area",
-        "cost_sum",
-        "count",
-        "errors",
-        "history",
-        "inflight",
-        "last_t",
-        "peak",
-        "recent",
-        "samples",
-    )
+class _Slot:
+    """One class's samples for one window, still open for late (slow) requests."""
 
-    def __init__(self, now: float, keep: int, cap: int) -> None:
+    __slots__ = ("admitted", "cost_sum", "count", "errors", "inflight_avg", "peak", "samples")
+
+    def __init__(self, cap: int) -> None:
         self.samples = {s: _Reservoir(cap) for s in SIGNALS}
-        # The last ``cap`` values per signal regardless of windows: the "right now" summary.
-        self.recent: dict[str, deque[float]] = {s: deque(maxlen=cap) for s in SIGNALS}
         self.count = 0
         self.errors = 0
         self.admitted = 0
         self.cost_sum = 0
+        self.inflight_avg = 0.0
+        self.peak = 0
+
+
+class _ClassState:
+    __slots__ = ("area", "cur", "history", "inflight", "last_t", "peak", "prev", "recent")
+
+    def __init__(self, now: float, keep: int, cap: int) -> None:
+        self.cur = _Slot(cap)
+        self.prev: _Slot | None = None
+        # The last ``cap`` values per signal regardless of windows: the "right now" summary.
+        self.recent: dict[str, deque[float]] = {s: deque(maxlen=cap) for s in SIGNALS}
         self.inflight = 0
-        self.area = 0.0  # token-seconds of in-flight since the window started
+        self.area = 0.0  # token-seconds in flight since the current window started
         self.last_t = now
         self.peak = 0
         self.history: deque[ClassWindow] = deque(maxlen=keep)
@@ -125,8 +132,9 @@ class ClassWindows:
         self._rng = random.Random(seed)
         self._classes: dict[str, _ClassState] = {}
         now = clock()
-        self._start = now
+        self._start = now  # of the current window; the previous one is [start - window_s, start)
         self._end = now + window_s
+        self._prev_open = False
         self.windows_closed = 0
 
     # ---- request path (cheap) ----
@@ -139,8 +147,8 @@ class ClassWindows:
         st.inflight += cost
         if st.inflight > st.peak:
             st.peak = st.inflight
-        st.admitted += 1
-        st.cost_sum += cost
+        st.cur.admitted += 1
+        st.cur.cost_sum += cost
 
     def released(self, klass: str, cost: int) -> None:
         now = self._tick()
@@ -159,8 +167,12 @@ class ClassWindows:
         e2e_s: float | None = None,
         ok: bool = True,
     ) -> None:
+        """A completed request; ``e2e_s`` (its age) places it in the window it arrived in."""
         now = self._tick()
         st = self._state(klass, now)
+        slot = st.cur
+        if e2e_s is not None and now - e2e_s < self._start and st.prev is not None:
+            slot = st.prev  # arrived in the previous window (or earlier: the oldest still open)
         rng = self._rng
         for sig, v in (
             ("queue_wait", queue_wait_s),
@@ -169,23 +181,20 @@ class ClassWindows:
             ("e2e", e2e_s),
         ):
             if v is not None:
-                st.samples[sig].add(v, rng)
+                slot.samples[sig].add(v, rng)
                 st.recent[sig].append(v)
-        st.count += 1
+        slot.count += 1
         if not ok:
-            st.errors += 1
+            slot.errors += 1
 
     # ---- readers ----
 
     def roll(self) -> int:
-        """Close every window that has ended; returns how many closed. Called by a ticker too,
-        so idle periods still produce (empty) windows and in-flight time keeps accruing."""
-        now = self.clock()
-        closed = 0
-        while now >= self._end:
-            self._close(self._end)
-            closed += 1
-        return closed
+        """Close every window that is due; returns how many closed. Called by a ticker too, so
+        idle periods still produce (empty) windows and in-flight time keeps accruing."""
+        before = self.windows_closed
+        self._tick()
+        return self.windows_closed - before
 
     def classes(self) -> list[str]:
         return sorted(self._classes)
@@ -201,9 +210,6 @@ class ClassWindows:
     def inflight_all(self) -> dict[str, int]:
         return {k: st.inflight for k, st in self._classes.items()}
 
-    def current_counts(self) -> dict[str, int]:
-        return {k: st.count for k, st in self._classes.items()}
-
     def recent(self, klass: str) -> dict[str, Quantiles]:
         """p50/p99 per signal over the class's last ``max_samples`` completions."""
         st = self._classes.get(klass)
@@ -218,40 +224,51 @@ class ClassWindows:
     def _tick(self) -> float:
         now = self.clock()
         while now >= self._end:
-            self._close(self._end)
+            self._boundary(self._end)
         return now
 
     def _state(self, klass: str, now: float) -> _ClassState:
         st = self._classes.get(klass)
         if st is None:
             st = _ClassState(self._start, self.keep, self.max_samples)
+            if self._prev_open:
+                st.prev = _Slot(self.max_samples)  # a late request of a brand-new class lands here
             self._classes[klass] = st
         return st
 
-    def _close(self, boundary: float) -> None:
-        start = self._start
+    def _boundary(self, b: float) -> None:
+        """The current window ends at ``b``: its in-flight integral is final, the previous
+        window stops taking late samples and is closed, and a new window starts."""
+        w = self.window_s
         for st in self._classes.values():
-            st.area += st.inflight * (boundary - st.last_t)
-            w = ClassWindow(
-                start=start,
-                end=boundary,
-                count=st.count,
-                errors=st.errors,
-                ttft=st.samples["ttft"].quantiles(),
-                queue_wait=st.samples["queue_wait"].quantiles(),
-                backend=st.samples["backend"].quantiles(),
-                e2e=st.samples["e2e"].quantiles(),
-                inflight_tokens_avg=st.area / self.window_s,
-                inflight_tokens_max=st.peak,
-                admitted=st.admitted,
-                admitted_cost_sum=st.cost_sum,
-            )
-            st.history.append(w)
-            st.samples = {s: _Reservoir(self.max_samples) for s in SIGNALS}
-            st.count = st.errors = st.admitted = st.cost_sum = 0
+            st.area += st.inflight * (b - st.last_t)
+            st.cur.inflight_avg = st.area / w
+            st.cur.peak = st.peak
             st.area = 0.0
-            st.last_t = boundary
+            st.last_t = b
             st.peak = st.inflight
-        self._start = boundary
-        self._end = boundary + self.window_s
-        self.windows_closed += 1
+            if self._prev_open:
+                st.history.append(self._closed(st.prev or _Slot(0), b - 2 * w, b - w))
+            st.prev, st.cur = st.cur, _Slot(self.max_samples)
+        if self._prev_open:
+            self.windows_closed += 1
+        self._prev_open = True
+        self._start = b
+        self._end = b + w
+
+    @staticmethod
+    def _closed(s: _Slot, start: float, end: float) -> ClassWindow:
+        return ClassWindow(
+            start=start,
+            end=end,
+            count=s.count,
+            errors=s.errors,
+            ttft=s.samples["ttft"].quantiles(),
+            queue_wait=s.samples["queue_wait"].quantiles(),
+            backend=s.samples["backend"].quantiles(),
+            e2e=s.samples["e2e"].quantiles(),
+            inflight_tokens_avg=s.inflight_avg,
+            inflight_tokens_max=s.peak,
+            admitted=s.admitted,
+            admitted_cost_sum=s.cost_sum,
+        )

@@ -45,8 +45,11 @@ def test_windows_close_on_time_and_weight_inflight_by_time() -> None:
     for i in range(100):
         w.record("short", ttft_s=0.01 * (i + 1), queue_wait_s=0.001, backend_s=0.5, e2e_s=0.6)
     clock.t = 10
+    assert w.roll() == 0  # window [0, 10) still takes late samples until t=20
+    clock.t = 20
     assert w.roll() == 1
     (lw,) = w.history("long")
+    assert (lw.start, lw.end) == (0, 10)
     assert lw.inflight_tokens_avg == pytest.approx(500.0)
     assert lw.inflight_tokens_max == 1000
     assert lw.admitted == 1 and lw.admitted_cost_sum == 1000
@@ -55,13 +58,29 @@ def test_windows_close_on_time_and_weight_inflight_by_time() -> None:
     assert sw.ttft.p99 == pytest.approx(0.99) and sw.ttft.p50 == pytest.approx(0.5)
     assert sw.backend.p99 == 0.5
     # idle time still produces windows, and a request still in flight keeps accruing
-    w.admitted("long", 200)
-    clock.t = 35
+    w.admitted("long", 200)  # t=20
+    clock.t = 45
     assert w.roll() == 2
     hist = w.history("long")
-    assert [x.inflight_tokens_avg for x in hist[-2:]] == [pytest.approx(200.0), pytest.approx(200.0)]
+    assert [x.end for x in hist] == [10, 20, 30]
+    assert [x.inflight_tokens_avg for x in hist] == [pytest.approx(500.0), 0.0, pytest.approx(200.0)]
     assert w.inflight("long") == 200
     assert len(w.history("short")) == 3 and w.history("short")[-1].ttft.p99 is None
+
+
+def test_latency_counts_in_the_window_the_request_arrived_in() -> None:
+    clock = Clock()
+    w = ClassWindows(window_s=10, clock=clock)
+    clock.t = 12  # in window [10, 20): a request that arrived at t=8 finishes now
+    w.record("short", ttft_s=3.0, e2e_s=4.0)
+    w.record("short", ttft_s=0.1, e2e_s=1.0)  # arrived at 11: this window
+    clock.t = 25  # window [0, 10) closes at 20; a request from t=9 is too late for it now
+    w.record("short", ttft_s=9.0, e2e_s=16.0)
+    clock.t = 30
+    w.roll()
+    first, second = w.history("short")
+    assert first.ttft.p99 == 3.0 and first.count == 1
+    assert second.ttft.p99 == 9.0 and second.count == 2  # the oldest window still open took it
 
 
 def test_window_samples_are_bounded() -> None:
@@ -69,7 +88,7 @@ def test_window_samples_are_bounded() -> None:
     w = ClassWindows(window_s=10, keep=3, max_samples=64, clock=clock)
     for i in range(10_000):
         w.record("c", ttft_s=float(i))
-    clock.t = 10
+    clock.t = 20
     w.roll()
     (cw,) = w.history("c")
     assert cw.count == 10_000
@@ -99,7 +118,7 @@ def _simulate(coupled: bool, windows: int = 16, seed: int = 1) -> ClassWindows:
             clock.t = base + 9.9
             w.released("long", 30_000)
             w.record("long", ttft_s=1.0 + 0.2 * rng.random())
-    clock.t = windows * 10.0
+    clock.t = (windows + 1) * 10.0
     w.roll()
     return w
 
@@ -126,6 +145,6 @@ def test_hol_no_pairs_with_one_class() -> None:
     w = ClassWindows(window_s=1, clock=clock)
     w.admitted("only", 10)
     clock.t = 5
-    w.roll()
+    assert w.roll() == 4
     assert hol_pairs(w) == []
     assert not math.isnan(w.history("only")[-1].inflight_tokens_avg)

@@ -73,11 +73,12 @@ def _noisy_observer(clock: Clock) -> Observer:
             clock.t = base + 0.02 + i * 0.04
             obs.on_admit("short", "shared", 400)
             ttft = 0.03 + (0.5 * rng.random() if active else 0.01 * rng.random())
-            obs.on_done("short", 400, queue_wait_s=0.001, ttft_s=ttft, backend_s=ttft + 0.1, e2e_s=ttft + 0.1)
+            # no e2e_s: counted in the window it is reported in (this fake clock never runs backwards)
+            obs.on_done("short", 400, queue_wait_s=0.001, ttft_s=ttft, backend_s=ttft + 0.1)
         if active:
             clock.t = base + 0.95
             obs.on_done("long", 30_000, queue_wait_s=0.002, ttft_s=0.9, backend_s=2.0, e2e_s=2.0)
-    clock.t = 112.0
+    clock.t = 113.0  # windows close one window late (they take late samples meanwhile)
     obs.refresh()
     a, b = obs.loads
     a.update(parse_engine_metrics("vllm:kv_cache_usage_perc 0.97\nvllm:num_requests_running 3\n"))
