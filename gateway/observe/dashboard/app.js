@@ -15,6 +15,8 @@ function color(name) {
 
 function fmtS(v) {
   if (v === null || v === undefined) return "–";
+  if (v === 0) return "0";
+  if (v < 0.01) return (v * 1000).toFixed(v < 0.001 ? 3 : 1) + " ms";
   return v < 1 ? (v * 1000).toFixed(0) + " ms" : v.toFixed(2) + " s";
 }
 function fmtN(v) {
@@ -77,7 +79,14 @@ function drawChart(canvas, series, opts) {
   let points = 0;
   for (const s of series) for (const [x, y] of s.points) {
     if (y === null || y === undefined) continue;
-    xmin = Math.min(xmin, x); xmax = Math.max(xmax, x); ymax = Math.max(ymax, y); points++;
+    xmin = Math.min(xmin, x); xmax = Math.max(xmax, x);
+    if (!s.dashed) { ymax = Math.max(ymax, y); points++; }
+  }
+  // Reference lines (SLOs, thresholds) widen the scale only when near the data, so a loose SLO
+  // does not flatten the curves; a line far above the data is simply not drawn.
+  const dataMax = ymax;
+  for (const s of series) if (s.dashed) for (const [, y] of s.points) {
+    if (y !== null && y !== undefined && (y <= dataMax * 3 || !points)) ymax = Math.max(ymax, y);
   }
   if (opts.xmin !== undefined) xmin = Math.min(xmin, opts.xmin);
   if (opts.xmax !== undefined) xmax = Math.max(xmax, opts.xmax);
@@ -102,6 +111,7 @@ function drawChart(canvas, series, opts) {
     ctx.fillText((span < 10 ? x.toFixed(1) : Math.round(x)) + " s", X(x), h - B + 14);
   }
   for (const s of series) {
+    if (s.dashed && s.points.some(([, y]) => y > yhi)) continue;
     ctx.strokeStyle = s.color; ctx.lineWidth = s.dashed ? 1 : 2;
     ctx.setLineDash(s.dashed ? [5, 4] : []);
     ctx.beginPath();
