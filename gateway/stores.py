@@ -37,6 +37,13 @@ def check_store_config(kind: str, options: Mapping[str, Any]) -> None:
             f"kind: the {kind} store is not available in this version yet; use kind: memory "
             "(one gateway process)"
         )
+    if kind != "memory":
+        from budgets import factory  # type: ignore[attr-defined,unused-ignore]
+
+        check = getattr(factory, "check_options", None)
+        if check is not None:  # the store that knows its options validates them
+            check(kind, options)
+            return
     allowed = _KINDS[kind][0]
     for key in options:
         if key not in allowed:
