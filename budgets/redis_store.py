@@ -156,7 +156,10 @@ class RedisStore:
             max_connections=self._opts.max_connections,
             timeout=None,
             socket_connect_timeout=self._opts.connect_timeout_s,
-            socket_timeout=self._opts.op_timeout_s,
+            # No socket_timeout: with one set, redis-py sends through asyncio.wait_for, which on
+            # Python 3.11 swallows a task cancellation that races the send, so a cancelled
+            # waiter would carry on and leak its grant. Every call is bounded by _call instead.
+            socket_timeout=None,
             # One immediate retry on a broken connection (a restarted Redis leaves every pooled
             # connection dead); none on timeouts, which would double the configured bound.
             retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
@@ -294,7 +297,7 @@ class RedisStore:
 
     async def _enqueue(self, lease_id: str, demand: Demand) -> list[str]:
         """One acquire script call; returns a 'G' or 'Q' reply, raises every refusal."""
-        reply = await self._eval_layout("acquire", [self._replica, lease_id, *pack_demand(demand)])
+        reply = await self._eval_layout("acquire", [lease_id, *pack_demand(demand)])
         kind = reply[0]
         if kind in ("G", "Q"):
             return list(reply)
@@ -451,13 +454,13 @@ class RedisStore:
             pass
 
     async def _heartbeat(self, ids: Sequence[str], *, internal: bool = False) -> None:
-        unknown = await self._eval_layout("heartbeat", [self._replica, *ids], internal=internal)
+        unknown = await self._eval_layout("heartbeat", ids, internal=internal)
         lost = [i for i in unknown if (h := self._held.get(i)) is not None and not h.local]
         if lost:
             await self._restore([self._held[i].lease for i in lost], internal=internal)
 
     async def _restore(self, leases: Sequence[Lease], *, internal: bool = False) -> int:
-        args = [self._replica]
+        args: list[str] = []
         for lease in leases:
             args += [lease.id, *pack_demand(lease.demand), repr(lease.queued_s)]
         n = int(await self._eval("restore", args, internal=internal))
@@ -474,7 +477,7 @@ class RedisStore:
             return n
         try:
             while True:
-                reaped, _withdrawn, more = await self._eval("reap", [self._replica, str(_REAP_BATCH)])
+                reaped, _withdrawn, more = await self._eval("reap", [str(_REAP_BATCH)])
                 n += int(reaped)
                 if not int(more):
                     return n
@@ -542,7 +545,13 @@ class RedisStore:
         if self._down and not internal:
             raise _Down("redis is down")
         keys = [self._keys.layout]
-        return await self._call(self._scripts.call(self._client, name, keys, [self._now_arg(), *args]))
+        argv = [self._now_arg(), self._replica, *args]
+        reply, mine = await self._call(self._scripts.call(self._client, name, keys, argv))
+        # Wake-ups for this replica's own tickets come back in the reply (not pub/sub): hand them
+        # over now, before the caller resumes, exactly as the memory store would.
+        for payload in mine:
+            self._on_wake(payload)
+        return reply
 
     async def _eval_layout(self, name: str, args: Sequence[str], *, internal: bool = False) -> Any:
         """A script that needs the layout: if Redis lost it (restart), recover first and retry once."""

@@ -1,8 +1,9 @@
 """The Redis store's Lua scripts: loaded once from package data, run with EVALSHA, reloaded on NOSCRIPT.
 
 Redis scripts cannot include each other, so ``lib.lua`` (the port of budgets/policy.py) is
-prepended to every entry script here; each resulting script is one self-contained source with
-its own SHA1. A restarted Redis has an empty script cache: the first EVALSHA then answers
+prepended to every entry script here and ``return { main(), LOCAL }`` appended (the entry's reply
+plus the wake-ups for the calling replica); each result is one self-contained source with its
+own SHA1. A restarted Redis has an empty script cache: the first EVALSHA then answers
 NOSCRIPT, the runner loads the source and retries once.
 """
 
@@ -44,7 +45,7 @@ def load_scripts() -> dict[str, Script]:
     lib = _read("lib")
     scripts = {}
     for name in ENTRY_SCRIPTS:
-        source = f"{lib}\n-- ==== {name}.lua ====\n{_read(name)}"
+        source = f"{lib}\n-- ==== {name}.lua ====\n{_read(name)}\nreturn {{ main(), LOCAL }}\n"
         scripts[name] = Script(name, source, hashlib.sha1(source.encode()).hexdigest())
     return scripts
 

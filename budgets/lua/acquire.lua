@@ -2,36 +2,38 @@
 -- ARGV: now-override, replica, lease id, tenant, tier, prefill, decode, pools (LSEP-joined)
 -- Reply: {'G', granted_at, queued_s} | {'Q', seq, enqueued_at, max_queue_wait_s}
 --      | {'FULL', queued, max_queue_len, retry_after} | {'E', kind, name[, limit]} | {'NOLAYOUT'}
-local now = clock(ARGV[1])
-if not load_policy() then
-  return { 'NOLAYOUT' }
+local function main()
+  local now = clock(ARGV[1])
+  if not load_policy() then
+    return { 'NOLAYOUT' }
+  end
+  local replica, lease_id = ARGV[2], ARGV[3]
+  local d = demand(ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8])
+  local err = check_demand(d)
+  if err then
+    return err
+  end
+  -- policy.grant_immediately: nothing waiting at all and the demand fits.
+  if redis.call('HLEN', K.tickets) == 0 and fits(d) then
+    lift(d.tenant)
+    charge(d)
+    store_lease(lease_id, d, replica, now, 0.0)
+    return { 'G', fmt(now), '0' }
+  end
+  -- Enqueue and pass even when the tenant's queue is full: a demand the pass grants at once never
+  -- waits, so it is not refused (MemoryStore.acquire step 3).
+  beat(replica, now)
+  local seq = enqueue(d, now, replica, lease_id)
+  local mine = grant_pass(now, seq)
+  if mine ~= nil then
+    return { 'G', fmt(now), fmt(mine) }
+  end
+  local spec = tenant_spec(d.tenant)
+  local ahead = tonumber(redis.call('HGET', K.twait, d.tenant) or '0') - 1
+  if ahead >= spec.maxq then
+    withdraw(seq)
+    grant_pass(now, nil)
+    return { 'FULL', ahead, spec.maxq, fmt(retry_after(d, now)) }
+  end
+  return { 'Q', seq, fmt(now), fmt(tier_spec(d.tier).maxwait) }
 end
-local replica, lease_id = ARGV[2], ARGV[3]
-local d = demand(ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8])
-local err = check_demand(d)
-if err then
-  return err
-end
--- policy.grant_immediately: nothing waiting at all and the demand fits.
-if redis.call('HLEN', K.tickets) == 0 and fits(d) then
-  lift(d.tenant)
-  charge(d)
-  store_lease(lease_id, d, replica, now, 0.0)
-  return { 'G', fmt(now), '0' }
-end
--- Enqueue and pass even when the tenant's queue is full: a demand the pass grants at once never
--- waits, so it is not refused (MemoryStore.acquire step 3).
-beat(replica, now)
-local seq = enqueue(d, now, replica, lease_id)
-local mine = grant_pass(now, seq)
-if mine ~= nil then
-  return { 'G', fmt(now), fmt(mine) }
-end
-local spec = tenant_spec(d.tenant)
-local ahead = tonumber(redis.call('HGET', K.twait, d.tenant) or '0') - 1
-if ahead >= spec.maxq then
-  withdraw(seq)
-  grant_pass(now, nil)
-  return { 'FULL', ahead, spec.maxq, fmt(retry_after(d, now)) }
-end
-return { 'Q', seq, fmt(now), fmt(tier_spec(d.tier).maxwait) }

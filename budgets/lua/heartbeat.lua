@@ -2,19 +2,21 @@
 -- know (lost in a restart, or reaped after missed heartbeats) so the owner can restore them.
 -- ARGV: now-override, replica, lease ids...
 -- Reply: {'NOLAYOUT'} | list of unknown, non-tombstoned lease ids
-local now = clock(ARGV[1])
-if not load_policy() then
-  return { 'NOLAYOUT' }
-end
-beat(ARGV[2], now)
-local expiry = fmt(now + P.ttl)
-local unknown = {}
-for i = 3, #ARGV do
-  local id = ARGV[i]
-  if redis.call('ZSCORE', K.lexp, id) then
-    redis.call('ZADD', K.lexp, expiry, id)
-  elseif not redis.call('ZSCORE', K.gone, id) then
-    unknown[#unknown + 1] = id
+local function main()
+  local now = clock(ARGV[1])
+  if not load_policy() then
+    return { 'NOLAYOUT' }
   end
+  beat(ARGV[2], now)
+  local expiry = fmt(now + P.ttl)
+  local unknown = {}
+  for i = 3, #ARGV do
+    local id = ARGV[i]
+    if redis.call('ZSCORE', K.lexp, id) then
+      redis.call('ZADD', K.lexp, expiry, id)
+    elseif not redis.call('ZSCORE', K.gone, id) then
+      unknown[#unknown + 1] = id
+    end
+  end
+  return unknown
 end
-return unknown

@@ -7,7 +7,9 @@
 --
 -- KEYS[1] is "{tg:<prefix>}:layout"; every other key is derived from its hash tag, so all keys of
 -- one budget domain share one cluster slot. ARGV[1] is always the clock override: empty in
--- production (server TIME is used), a number only when a test drives the store's clock.
+-- production (server TIME is used), a number only when a test drives the store's clock. ARGV[2]
+-- is always the calling replica. Each entry script defines ``main()``; the loader appends
+-- ``return { main(), LOCAL }``: the reply plus the wake-ups meant for the caller itself.
 
 local T = string.sub(KEYS[1], 1, -8) -- strip ":layout"
 local K = {
@@ -77,6 +79,19 @@ end
 
 local function wake_channel(replica)
   return T .. ':wake:' .. replica
+end
+
+-- Grants and failures of the caller's own tickets travel back in the reply instead of pub/sub,
+-- so the caller hands them to its waiters the moment the script returns (as the memory store
+-- does synchronously); other owners are told on their channel.
+local CALLER = ARGV[2]
+local LOCAL = {}
+local function notify(owner, payload)
+  if owner == CALLER then
+    LOCAL[#LOCAL + 1] = payload
+  else
+    redis.call('PUBLISH', wake_channel(owner), payload)
+  end
 end
 
 -- ---- layout (cached per script call) ----
@@ -495,7 +510,7 @@ local function grant_ticket(tk, now, own)
   local queued = now - tk.enq
   store_lease(tk.lease, tk.d, tk.owner, now, queued)
   if tk.seq ~= own then
-    redis.call('PUBLISH', wake_channel(tk.owner), 'G' .. SEP .. tk.seq .. SEP .. fmt(now) .. SEP .. fmt(queued))
+    notify(tk.owner, 'G' .. SEP .. tk.seq .. SEP .. fmt(now) .. SEP .. fmt(queued))
   end
   return queued
 end

@@ -4,45 +4,47 @@
 -- from "lost in a restart" and a late heartbeat can still re-register a request that is running.
 -- ARGV: now-override, replica (the caller: alive by definition), max leases per call
 -- Reply: {leases reaped, tickets withdrawn, more leases left (0/1)}
-local now = clock(ARGV[1])
-if not load_policy() then
-  return { 0, 0, 0 }
-end
-local me = ARGV[2]
-beat(me, now)
-local limit = tonumber(ARGV[3])
-local expired = redis.call('ZRANGEBYSCORE', K.lexp, '-inf', fmt(now), 'LIMIT', 0, limit)
-local remember = fmt(now + math.max(60, 10 * P.ttl))
-for i = 1, #expired do
-  local lease = load_lease(expired[i])
-  delete_lease(expired[i])
-  redis.call('ZADD', K.reaped, remember, expired[i])
-  if lease ~= nil then
-    give_back(lease.d, nil, now)
+local function main()
+  local now = clock(ARGV[1])
+  if not load_policy() then
+    return { 0, 0, 0 }
   end
-end
-local withdrawn = 0
-local dead = redis.call('ZRANGEBYSCORE', K.replicas, '-inf', '(' .. fmt(now), 'LIMIT', 0, 64)
-for i = 1, #dead do
-  local r = dead[i]
-  if r ~= me then
-    local seqs = redis.call('SMEMBERS', rtkey(r))
-    for j = 1, #seqs do
-      if withdraw(seqs[j]) ~= nil then
-        withdrawn = withdrawn + 1
-      end
+  local me = ARGV[2]
+  beat(me, now)
+  local limit = tonumber(ARGV[3])  -- leases per call
+  local expired = redis.call('ZRANGEBYSCORE', K.lexp, '-inf', fmt(now), 'LIMIT', 0, limit)
+  local remember = fmt(now + math.max(60, 10 * P.ttl))
+  for i = 1, #expired do
+    local lease = load_lease(expired[i])
+    delete_lease(expired[i])
+    redis.call('ZADD', K.reaped, remember, expired[i])
+    if lease ~= nil then
+      give_back(lease.d, nil, now)
     end
-    redis.call('DEL', rtkey(r))
-    redis.call('ZREM', K.replicas, r)
   end
+  local withdrawn = 0
+  local dead = redis.call('ZRANGEBYSCORE', K.replicas, '-inf', '(' .. fmt(now), 'LIMIT', 0, 64)
+  for i = 1, #dead do
+    local r = dead[i]
+    if r ~= me then
+      local seqs = redis.call('SMEMBERS', rtkey(r))
+      for j = 1, #seqs do
+        if withdraw(seqs[j]) ~= nil then
+          withdrawn = withdrawn + 1
+        end
+      end
+      redis.call('DEL', rtkey(r))
+      redis.call('ZREM', K.replicas, r)
+    end
+  end
+  redis.call('ZREMRANGEBYSCORE', K.gone, '-inf', fmt(now))
+  redis.call('ZREMRANGEBYSCORE', K.reaped, '-inf', fmt(now))
+  if #expired > 0 or withdrawn > 0 then
+    grant_pass(now, nil)
+  end
+  local more = 0
+  if #expired == limit then
+    more = 1
+  end
+  return { #expired, withdrawn, more }
 end
-redis.call('ZREMRANGEBYSCORE', K.gone, '-inf', fmt(now))
-redis.call('ZREMRANGEBYSCORE', K.reaped, '-inf', fmt(now))
-if #expired > 0 or withdrawn > 0 then
-  grant_pass(now, nil)
-end
-local more = 0
-if #expired == limit then
-  more = 1
-end
-return { #expired, withdrawn, more }

@@ -1,25 +1,27 @@
 -- withdraw.lua: a waiter gives up (timeout or cancellation).
--- ARGV: now-override, seq, lease id, release_if_granted ('1' for a cancelled waiter)
+-- ARGV: now-override, replica, seq, lease id, release_if_granted ('1' for a cancelled waiter)
 -- Reply: {'W', retry_after} withdrawn | {'G', granted_at, queued_s} the grant won the race (kept)
 --      | {'R'} the grant won the race and was released | {'U'} unknown (store lost it)
-local now = clock(ARGV[1])
-if not load_policy() then
-  return { 'U' }
+local function main()
+  local now = clock(ARGV[1])
+  if not load_policy() then
+    return { 'U' }
+  end
+  local tk = withdraw(ARGV[3])
+  if tk ~= nil then
+    -- A withdrawn ticket may have been holding pools for itself: others may now be granted.
+    grant_pass(now, nil)
+    return { 'W', fmt(retry_after(tk.d, now)) }
+  end
+  local lease = load_lease(ARGV[4])
+  if lease == nil then
+    return { 'U' }
+  end
+  if ARGV[5] == '1' then
+    delete_lease(lease.id)
+    give_back(lease.d, nil, now)
+    grant_pass(now, nil)
+    return { 'R' }
+  end
+  return { 'G', lease.granted_at, lease.queued_s }
 end
-local tk = withdraw(ARGV[2])
-if tk ~= nil then
-  -- A withdrawn ticket may have been holding pools for itself: others may now be granted.
-  grant_pass(now, nil)
-  return { 'W', fmt(retry_after(tk.d, now)) }
-end
-local lease = load_lease(ARGV[3])
-if lease == nil then
-  return { 'U' }
-end
-if ARGV[4] == '1' then
-  delete_lease(lease.id)
-  give_back(lease.d, nil, now)
-  grant_pass(now, nil)
-  return { 'R' }
-end
-return { 'G', lease.granted_at, lease.queued_s }
