@@ -65,7 +65,7 @@ def _run_one(
             f"running {', '.join(t.name for t in stack.targets)} ({spec.duration_s:g} s of arrivals each)"
         )
         options = run_options(spec, progress=not args.quiet)
-        runs = asyncio.run(compare(spec, stack.targets, options=options, pause_s=1.0))
+        runs = asyncio.run(compare(spec, stack.targets, options=options, pause_s=0.5))
     return write_outputs(out_dir, spec, runs, scenario.checks, plots=not args.no_plots)
 
 

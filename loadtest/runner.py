@@ -24,11 +24,15 @@ from loadtest.schedule import PlannedRequest
 
 @dataclass(frozen=True)
 class Target:
-    """Where to send: one base URL, or several that requests are spread over round-robin."""
+    """One column of a comparison: where to send (one base URL, or several used round-robin) and,
+    optionally, which part of the plan (``without`` some classes, only the requests planned inside
+    ``window``; a window run starts at the window's start, and times stay in plan time)."""
 
     name: str
     base_urls: tuple[str, ...]
     api_key: str | None = None  # overrides the tenants' keys (e.g. one key for a hosted endpoint)
+    without: frozenset[str] = frozenset()
+    window: tuple[float, float] | None = None
 
     def url_for(self, index: int, path: str) -> str:
         return self.base_urls[index % len(self.base_urls)].rstrip("/") + path
@@ -114,8 +118,14 @@ async def _consume_stream(resp: aiohttp.ClientResponse, rec: RequestRecord, cloc
             continue
         payload = line[5:].strip()
         if payload == b"[DONE]":
+            # The answer is complete; keep reading to the end of the body (the chunked-encoding
+            # terminator) so the connection goes back to the pool instead of being torn down,
+            # which a gateway would log as a client disconnect.
             done = True
-            break
+            rec.e2e_s = clock.now() - rec.sent_s
+            continue
+        if done:
+            continue
         chunk = orjson.loads(payload)
         if not isinstance(chunk, dict):
             continue
@@ -146,9 +156,11 @@ async def _consume_json(resp: aiohttp.ClientResponse, rec: RequestRecord, clock:
 
 
 class _Clock:
-    def __init__(self) -> None:
+    """Seconds of plan time; a run over a window starts at the window's start, not at 0."""
+
+    def __init__(self, start_s: float = 0.0) -> None:
         self._loop = asyncio.get_running_loop()
-        self.t0 = self._loop.time()
+        self.t0 = self._loop.time() - start_s
 
     def now(self) -> float:
         return self._loop.time() - self.t0
@@ -192,13 +204,23 @@ async def _send(
         rec.error = "cancelled"
         raise
     finally:
-        rec.e2e_s = clock.now() - rec.sent_s
+        if rec.e2e_s is None or rec.error is not None:
+            rec.e2e_s = clock.now() - rec.sent_s
 
 
-def bounded_plan(plan: Sequence[PlannedRequest], options: RunOptions) -> list[PlannedRequest]:
-    """The requests a run will send: those before ``duration_s``, at most ``max_requests``."""
+def bounded_plan(
+    plan: Sequence[PlannedRequest], options: RunOptions, target: Target | None = None
+) -> list[PlannedRequest]:
+    """The requests a run will send: those before ``duration_s``, at most ``max_requests``, and the
+    target's part of the plan."""
     out = [r for r in plan if options.duration_s is None or r.at_s < options.duration_s]
-    return out[: options.max_requests] if options.max_requests is not None else out
+    out = out[: options.max_requests] if options.max_requests is not None else out
+    if target is not None and target.without:
+        out = [r for r in out if r.cls not in target.without]
+    if target is not None and target.window is not None:
+        start, end = target.window
+        out = [r for r in out if start <= r.at_s < end]
+    return out
 
 
 def make_session(limit: int = 0) -> aiohttp.ClientSession:
@@ -220,18 +242,21 @@ async def run_plan(
     session: aiohttp.ClientSession | None = None,
 ) -> RunResult:
     """Runs the plan open-loop against ``target``; never raises for request failures (they are recorded)."""
-    todo = bounded_plan(plan, options)
+    todo = bounded_plan(plan, options, target)
+    start_s = target.window[0] if target.window is not None else 0.0
     prompts.prebuild(
         [r.prompt_tokens - options.chat_overhead_tokens for r in todo] + [r.prompt_tokens for r in todo]
     )
     own_session = session is None
     active = session if session is not None else make_session()
     horizon = options.duration_s if options.duration_s is not None else (todo[-1].at_s if todo else 0.0)
+    if target.window is not None:
+        horizon = min(horizon, target.window[1])
     progress = Progress(target.name, len(todo), horizon, options.progress)
     records: list[RequestRecord] = []
     tasks: set[asyncio.Task[None]] = set()
     started_unix = time.time()
-    clock = _Clock()
+    clock = _Clock(start_s)
 
     async def ticker() -> None:
         while True:
@@ -285,7 +310,7 @@ async def run_plan(
         target=target.name,
         base_urls=target.base_urls,
         records=records,
-        elapsed_s=max(ends) if ends else 0.0,
+        elapsed_s=max(ends) - start_s if ends else 0.0,
         planned=len(todo),
         started_unix=started_unix,
     )

@@ -13,6 +13,9 @@
             classes: [{name: reasoning, when: {min_prompt_tokens: 8000}, pool: long}, {name: short, pool: short}]
             pools: {short: {backends: [{backend: 0, capacity_tokens: 100000}]},
                     long: {backends: [{backend: 1, capacity_tokens: 100000}]}}
+        # The same gateway again, with the noisy class left out of the plan and only the requests
+        # planned in phase 'noisy' sent: the same short requests, without their neighbour.
+        - {name: tokengate-split-without-noisy, same_as: tokengate-split, without: [reasoning], phase: noisy}
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ class TargetSetup:
     direct: bool
     backends: tuple[int, ...] | None = None  # direct targets: which backends (None = all)
     gateway: Mapping[str, Any] = field(default_factory=dict)
+    same_as: str | None = None  # reuse another gateway target's process
+    without: tuple[str, ...] = ()  # classes left out of this target's plan
+    phase: str | None = None  # send only the requests planned inside this phase's span
 
 
 @dataclass(frozen=True)
@@ -84,25 +90,50 @@ def _parse_setup(raw: Any) -> SetupSpec:
         where = f"setup.targets[{i}]"
         if not isinstance(t, Mapping):
             raise SpecError(f"{where}: expected a mapping")
-        check_keys(t, ["name", "direct", "backends", "gateway"], where)
+        check_keys(t, ["name", "direct", "backends", "gateway", "same_as", "without", "phase"], where)
         name = t.get("name")
         if not isinstance(name, str) or not name or name in seen:
             raise SpecError(f"{where}.name: expected a unique non-empty name, got {name!r}")
         seen.add(name)
         direct = bool(t.get("direct", False))
-        if direct == ("gateway" in t):
-            raise SpecError(f"{where}: a target is either 'direct: true' or has a 'gateway' config")
+        same_as = t.get("same_as")
+        if sum((direct, "gateway" in t, same_as is not None)) != 1:
+            raise SpecError(
+                f"{where}: a target has exactly one of 'direct: true', a 'gateway' config or 'same_as'"
+            )
         indices = t.get("backends")
         if indices is not None and (
-            not isinstance(indices, list) or not all(isinstance(x, int) and 0 <= x < count for x in indices)
+            not direct
+            or not isinstance(indices, list)
+            or not all(isinstance(x, int) and 0 <= x < count for x in indices)
         ):
-            raise SpecError(f"{where}.backends: expected backend indices below {count}, got {indices!r}")
+            raise SpecError(f"{where}.backends: expected (for a direct target) backend indices below {count}")
         gateway = t.get("gateway", {}) or {}
         if not isinstance(gateway, Mapping):
             raise SpecError(f"{where}.gateway: expected a mapping")
+        without = t.get("without", []) or []
+        if not isinstance(without, list) or not all(isinstance(c, str) for c in without):
+            raise SpecError(f"{where}.without: expected a list of class names")
+        phase = t.get("phase")
         targets.append(
-            TargetSetup(name, direct, tuple(indices) if indices is not None else None, dict(gateway))
+            TargetSetup(
+                name,
+                direct,
+                tuple(indices) if indices is not None else None,
+                dict(gateway),
+                same_as=str(same_as) if same_as is not None else None,
+                without=tuple(without),
+                phase=str(phase) if phase is not None else None,
+            )
         )
+    by_name = {t.name: t for t in targets}
+    for i, t in enumerate(targets):
+        if t.same_as is not None:
+            ref = by_name.get(t.same_as)
+            if ref is None or ref.same_as is not None:
+                raise SpecError(
+                    f"setup.targets[{i}].same_as: {t.same_as!r} is not a direct or gateway target"
+                )
     return SetupSpec(count, tuple(str(a) for a in args), dict(base), tuple(targets))
 
 
@@ -111,6 +142,18 @@ def parse_scenario(raw: Mapping[str, Any], *, path: Path | None = None, syntheti
     workload = parse_workload(raw, base_dir=base_dir, synthetic=synthetic)
     setup = _parse_setup(raw["setup"]) if "setup" in raw else None
     checks = parse_checks(raw.get("checks"), workload)
+    if setup is not None:
+        classes = {c.name for c in workload.classes}
+        phases = {p.name for p in workload.phases}
+        for t in setup.targets:
+            if set(t.without) - classes:
+                raise SpecError(
+                    f"setup.targets {t.name}.without: unknown class(es) {sorted(set(t.without) - classes)}"
+                )
+            if t.phase is not None and t.phase not in phases:
+                raise SpecError(
+                    f"setup.targets {t.name}.phase: {t.phase!r} is not a phase ({sorted(phases)})"
+                )
     if setup is not None:
         names = {t.name for t in setup.targets}
         for c in checks:

@@ -85,10 +85,14 @@ def spawned_stack(
         targets: list[Target] = []
         configs: dict[str, Path] = {}
         gateways = []
-        for t in wanted:
+        base_urls: dict[str, tuple[str, ...]] = {}
+        needed = {t.same_as for t in wanted if t.same_as is not None}
+        for t in setup.targets:
+            if t.same_as is not None or (t not in wanted and t.name not in needed):
+                continue
             if t.direct:
                 indices = t.backends if t.backends is not None else tuple(range(setup.backend_count))
-                targets.append(Target(t.name, tuple(urls[i] for i in indices)))
+                base_urls[t.name] = tuple(urls[i] for i in indices)
                 continue
             port = free_port()
             config = gateway_config(scenario.workload, setup.gateway_base, t.gateway, urls, port)
@@ -99,6 +103,13 @@ def spawned_stack(
             child = group.start(t.name, gateway_command(path), logs / f"{t.name}.log")
             base = f"http://127.0.0.1:{port}"
             gateways.append((child, [f"{base}/readyz"]))
-            targets.append(Target(t.name, (base,)))
+            base_urls[t.name] = (base,)
         wait_ready(gateways, startup_timeout_s)
+        for t in wanted:
+            window = None
+            if t.phase is not None:
+                spans = scenario.workload.phase(t.phase).windows
+                window = (min(a for a, _ in spans), max(b for _, b in spans))
+            urls_of = base_urls[t.same_as if t.same_as is not None else t.name]
+            targets.append(Target(t.name, urls_of, without=frozenset(t.without), window=window))
         yield StackInfo(targets, urls, configs)
