@@ -418,6 +418,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", default="1,16,64", help="comma-separated concurrency levels")
     p.add_argument("--modes", default="plain,stream", help="plain, stream or both")
     p.add_argument("--json", metavar="FILE", help="also write the summary as JSON")
+    p.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the gateway with its access log (to /dev/null); default on",
+    )
     args = p.parse_args(argv)
     if args.role == "stub":
         _serve(_stub_app(), args.port)
