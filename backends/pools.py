@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,20 @@ class BreakerSettings:
     cooldown_s: float = 5.0  # the breaker stays open at least this long
 
 
+class LoadSignal(Protocol):
+    """What a backend's own metrics say about its load (set by a scraper, read per request).
+
+    ``penalty()`` is 0 for a backend with room, rising towards 1 as its KV cache fills; a
+    ``saturated`` backend (KV full, preemption thrash, stale metrics) is avoided while another
+    one can take the request.
+    """
+
+    @property
+    def saturated(self) -> bool: ...
+
+    def penalty(self) -> float: ...
+
+
 @dataclass(slots=True, eq=False)
 class Backend:
     """One backend's live state. Mutated only from the event loop thread."""
@@ -61,6 +76,7 @@ class Backend:
     consecutive_failures: int = 0
     down_since: float = 0.0
     discovered_models: tuple[str, ...] = ()
+    load: LoadSignal | None = None  # optional, from scraping the backend's /metrics
     _models: frozenset[str] = field(default_factory=frozenset)
 
     def __post_init__(self) -> None:
@@ -118,14 +134,22 @@ class BackendPool:
         return any(b.healthy and b.serves(model) for b in self.backends)
 
     def pick(self, model: str | None) -> Backend | None:
-        """The healthy backend serving ``model`` (None: any) with the most free tokens (first on ties)."""
+        """The healthy backend serving ``model`` (None: any) with the most free tokens (first on ties).
+
+        With a load signal, free tokens are scaled by ``1 - penalty()`` and saturated backends are
+        used only when no other one serves the model.
+        """
         best: Backend | None = None
-        best_free = 0
+        best_key = (False, 0.0)
         for b in self.backends:
             if b.healthy and (model is None or b.serves(model)):
-                free = b.free_tokens
-                if best is None or free > best_free:
-                    best, best_free = b, free
+                load = b.load
+                if load is None:
+                    key = (True, float(b.free_tokens))
+                else:
+                    key = (not load.saturated, b.free_tokens * (1.0 - load.penalty()))
+                if best is None or key > best_key:
+                    best, best_key = b, key
         return best
 
 

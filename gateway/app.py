@@ -32,6 +32,7 @@ from backends.pools import BreakerSettings, Router
 from backends.upstream import make_session
 from budgets.types import BudgetStore
 from classifiers import Classifier, Pricer, PricingSettings, TokenizerRegistry, parse_rules
+from gateway.accesslog import Record
 from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError, error_body
@@ -110,6 +111,9 @@ class Gateway:
             ),
         )
         self.flights: set[Flight] = set()
+        # Called once per finished request with its record and perf_counter end time (cheap,
+        # synchronous, on the event loop; exceptions are logged and ignored).
+        self.request_hooks: list[Callable[[Record, float], None]] = []
         self.draining = False
         self._drained = False
         self.session: aiohttp.ClientSession | None = None

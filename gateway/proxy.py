@@ -157,6 +157,7 @@ class Proxy:
         self.keeper = gw.keeper
         self.metrics = gw.metrics
         self.flights = gw.flights
+        self.hooks = gw.request_hooks  # the same list: hooks added later are seen
         self.max_body = cfg.limits.max_body_bytes
         self.passthrough_cost = cfg.limits.passthrough_cost_tokens
         self.default_max_tokens = cfg.pricing.default_max_tokens
@@ -249,6 +250,11 @@ class Proxy:
                     output=rec.completion_tokens,
                 )
             rec.emit(end)
+            for hook in self.hooks:
+                try:
+                    hook(rec, end)
+                except Exception:
+                    log.exception("request hook %r failed", hook)
 
     async def _fail(self, send: Send, flight: Flight, rec: Record, exc: ApiError) -> None:
         rec.error = exc.message

@@ -138,3 +138,13 @@ async def test_active_probe_closes_the_breaker(gateway_factory: GatewayFactory) 
             assert (await c.post("/v1/chat/completions", json=chat(max_tokens=1))).status_code == 200
         finally:
             await second.stop()
+
+
+async def test_request_hooks_see_every_finished_request(gateway: RunningGateway) -> None:
+    seen: list[tuple[str, int, str]] = []
+    gateway.app.request_hooks.append(lambda rec, end: seen.append((rec.klass, rec.status, rec.outcome)))
+    gateway.app.request_hooks.append(lambda rec, end: 1 / 0)  # a broken hook changes nothing
+    async with httpx.AsyncClient(base_url=gateway.url) as c:
+        assert (await c.post("/v1/chat/completions", json=chat(max_tokens=2))).status_code == 200
+        assert (await c.post("/v1/chat/completions", json={"model": "stub-model"})).status_code == 400
+    assert seen == [("default", 200, "ok"), ("unclassified", 400, "rejected")]

@@ -84,3 +84,25 @@ def test_models_listing_merges_configured_and_discovered() -> None:
     assert r.known_model("anything")  # b serves every model
     list(r.backends)[1].discovered_models = ("y", "x")
     assert r.served_models() == ["x", "y"]
+
+
+class FakeLoad:
+    def __init__(self, saturated: bool, penalty: float) -> None:
+        self.saturated = saturated
+        self._penalty = penalty
+
+    def penalty(self) -> float:
+        return self._penalty
+
+
+def test_load_signal_penalises_and_avoids_saturated() -> None:
+    pool = router().pools["short"]
+    a, b = pool.backends  # b has more free tokens
+    b.load = FakeLoad(False, 0.9)  # 2000 * 0.1 = 200 < a's 1000
+    assert pool.pick("m1") is a
+    b.load = FakeLoad(False, 0.0)
+    a.load = FakeLoad(True, 1.0)
+    assert pool.pick("m1") is b
+    b.load = FakeLoad(True, 1.0)
+    assert pool.pick("m1") is not None  # all saturated: still served
+    assert pool.pick("m2") is b
