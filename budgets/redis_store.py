@@ -78,6 +78,8 @@ class RedisOptions:
     # How often a down store probes Redis (defaults to poll_interval_s).
     probe_interval_s: float | None = None
     max_connections: int = 32
+    # Reap / liveness / layout-poll period; default min(poll_interval_s, lease TTL / 4).
+    maintenance_interval_s: float | None = None
 
 
 class _Down(Exception):
@@ -488,9 +490,7 @@ class RedisStore:
 
     async def snapshot(self) -> StoreSnapshot:
         if self._down:
-            if self._fallback is not None:
-                return await self._fallback.snapshot()
-            raise StoreUnavailable("budget store (redis) is unreachable")
+            return await self._local_snapshot()
         t = self._keys.tag
         try:
             async with self._client.pipeline(transaction=True) as pipe:
@@ -501,9 +501,7 @@ class RedisStore:
                 pipe.hkeys(f"{t}:tenants")
                 specs, used, tierq, twait, vtc, leases, tiers, tenants = await self._call(pipe.execute())
         except _Down:
-            if self._fallback is not None:
-                return await self._fallback.snapshot()
-            raise StoreUnavailable("budget store (redis) is unreachable") from None
+            return await self._local_snapshot()
         if not specs:  # Redis lost the layout: report this replica's view of it
             specs = {n: f"{p.capacity}|{int(p.shared)}" for n, p in self._layout.pools.items()}
             tiers, tenants = list(self._layout.tiers), list(self._layout.tenants)
@@ -524,6 +522,24 @@ class RedisStore:
             tenant_queue_depth=tenant_depth,
             virtual_service={k: float(v) for k, v in vtc.items()},
             leases=int(leases),
+        )
+
+    async def _local_snapshot(self) -> StoreSnapshot:
+        """While Redis is down: this replica's own view (its leases, full capacities), never an error."""
+        if self._fallback is not None:
+            return await self._fallback.snapshot()
+        layout = self._layout
+        used: dict[str, int] = {}
+        for held in self._held.values():
+            for name in held.lease.demand.pools:
+                used[name] = used.get(name, 0) + held.lease.demand.cost
+        pools = {n: PoolState(n, p.capacity, used.get(n, 0), p.shared) for n, p in layout.pools.items()}
+        return StoreSnapshot(
+            pools=pools,
+            queue_depth=dict.fromkeys(layout.tiers, 0),
+            tenant_queue_depth=dict.fromkeys(layout.tenants, 0),
+            virtual_service={},
+            leases=len(self._held),
         )
 
     # ---- Redis calls and failure handling ----
@@ -631,7 +647,8 @@ class RedisStore:
                 await asyncio.sleep(probe)
                 await self._recover()
                 continue
-            await asyncio.sleep(min(self._opts.poll_interval_s, max(0.05, ttl / 4)))
+            period = self._opts.maintenance_interval_s or min(self._opts.poll_interval_s, max(0.05, ttl / 4))
+            await asyncio.sleep(period)
             try:
                 await self.reap_expired()
                 if not self._down:

@@ -1,0 +1,313 @@
+"""Differential property test: the Redis store decides exactly what the memory store decides.
+
+Hypothesis drives random operation sequences (acquires of various tenants, tiers, costs and pool
+sets; releases with and without actual usage; clock advances; reaps; heartbeats; cancellations;
+live layout changes) through a MemoryStore and a RedisStore sharing one fake clock, and after
+every step requires identical outcomes: the same acquires granted (same queued time) or refused
+(same error and message), the same release and reap results, and identical snapshots (in-flight
+tokens, queue depths, exact fair-share counters, lease counts).
+
+Both stores' background work is switched off so that every reap happens at the same step.
+One deliberate difference is avoided rather than tested: heartbeating a lease that was already
+reaped re-registers it in Redis (its request is still running) but is a no-op in memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from budgets.memory import MemoryStore
+from budgets.redis_store import RedisOptions, RedisStore
+from budgets.types import BudgetLayout, Demand, Lease, PolicySpec, PoolSpec, StoreSnapshot, TenantSpec
+from tests.budgets.redis_fixtures import RedisServer, session_redis, unique_prefix
+from tests.budgets.support import TIERS, FakeClock
+
+P, Q = "backend:p", "backend:q"
+TENANTS = ("a", "b", "c")
+TIER_NAMES = ("critical", "standard", "batch")
+POOL_SETS: tuple[tuple[str, ...], ...] = ((P,), (Q,), (P, Q), ())
+TTL = 5.0
+
+
+def base_layout() -> BudgetLayout:
+    return BudgetLayout(
+        pools={
+            P: PoolSpec(P, 80),
+            Q: PoolSpec(Q, 50),
+            "tenant:a": PoolSpec("tenant:a", 60, shared=False),
+            "tenant:b": PoolSpec("tenant:b", 100, shared=False),
+            "tenant:c": PoolSpec("tenant:c", 200, shared=False),
+        },
+        tiers=dict(TIERS),
+        tenants={
+            "a": TenantSpec("a", weight=1.0, max_queue_len=4),
+            "b": TenantSpec("b", weight=2.0, max_queue_len=4),
+            "c": TenantSpec("c", weight=0.3, max_queue_len=2),
+        },
+        policy=PolicySpec(backfill_limit_s=2.0, lease_ttl_s=TTL, max_scan=5),
+    )
+
+
+def layout_variant(i: int) -> BudgetLayout:
+    base = base_layout()
+    if i == 0:
+        return base
+    if i == 1:  # P shrinks: big waiting tickets can never fit any more
+        return dataclasses.replace(base, pools={**base.pools, P: PoolSpec(P, 40)})
+    # tenant c leaves, P grows
+    tenants = {k: v for k, v in base.tenants.items() if k != "c"}
+    return dataclasses.replace(base, tenants=tenants, pools={**base.pools, P: PoolSpec(P, 150)})
+
+
+acquire = st.tuples(
+    st.just("acq"),
+    st.sampled_from(TENANTS),
+    st.sampled_from(TIER_NAMES),
+    # A few distinct sizes make pools fill up and tickets collide (blocked heads, backfill, holds).
+    st.sampled_from([1, 5, 10, 20, 35, 50]),
+    st.sampled_from([0, 0, 5, 15]),
+    st.sampled_from(POOL_SETS),
+)
+release = st.tuples(st.just("rel"), st.integers(0, 50), st.one_of(st.none(), st.integers(0, 40)))
+advance = st.tuples(st.just("adv"), st.sampled_from([0.1, 0.7, 1.5, 2.5, 6.0]))
+cancel = st.tuples(st.just("cancel"), st.integers(0, 50))
+heartbeat = st.tuples(st.just("hb"), st.integers(0, 50))
+reap = st.tuples(st.just("reap"))
+relayout = st.tuples(st.just("layout"), st.integers(0, 2))
+# Acquires dominate so that pools fill up and the queue, holds and backfill come into play.
+operation = st.one_of(
+    acquire,
+    acquire,
+    acquire,
+    acquire,
+    acquire,
+    release,
+    release,
+    release,
+    advance,
+    advance,
+    reap,
+    heartbeat,
+    cancel,
+    relayout,
+)
+
+
+def outcome(task: asyncio.Task[Lease]) -> Any:
+    if not task.done():
+        return "waiting"
+    if task.cancelled():
+        return "cancelled"
+    err = task.exception()
+    if err is not None:
+        retry = getattr(err, "retry_after_s", None)
+        return (type(err).__name__, str(err), None if retry is None else round(retry, 9))
+    lease = task.result()
+    return ("granted", lease.granted_at, round(lease.queued_s, 9), lease.demand)
+
+
+def comparable(snap: StoreSnapshot) -> Any:
+    return (
+        {n: (p.capacity, p.in_flight, p.shared) for n, p in snap.pools.items() if p.in_flight or p.capacity},
+        {k: v for k, v in snap.queue_depth.items() if v},
+        {k: v for k, v in snap.tenant_queue_depth.items() if v},
+        dict(snap.virtual_service),
+        snap.leases,
+    )
+
+
+async def settle(redis_store: RedisStore, tasks: Sequence[asyncio.Task[Lease]]) -> None:
+    """Until every Redis-side acquire is done or parked on an unresolved ticket."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5.0
+    while loop.time() < deadline:
+        for _ in range(5):
+            await asyncio.sleep(0)
+        pending = [t for t in tasks if not t.done()]
+        waiters = redis_store._waiters.values()
+        if (
+            len(pending) == len(waiters)
+            and not any(w.future.done() for w in waiters)
+            and not redis_store._background
+        ):
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError("redis store did not settle")
+
+
+async def run_scenario(server: RedisServer, ops: Sequence[tuple[Any, ...]]) -> None:
+    clock = FakeClock()
+    layout = base_layout()
+    mem = MemoryStore(layout, clock=clock, reap_interval_s=1e6)
+    red = RedisStore(
+        layout,
+        RedisOptions(
+            url=server.url, key_prefix=unique_prefix(), poll_interval_s=0.05, maintenance_interval_s=1e6
+        ),
+        clock=clock,
+    )
+    await mem.start()
+    await red.start()
+    tasks: list[tuple[asyncio.Task[Lease], asyncio.Task[Lease]]] = []
+    live: dict[int, float] = {}  # index into tasks -> model expiry (store clock)
+    dead: list[int] = []  # released or reaped
+    current = layout
+    try:
+        for step, op in enumerate(ops):
+            kind = op[0]
+            where = f"step {step} {op}"
+            if kind == "acq":
+                _, tenant, tier, prefill, decode, pools = op
+                d = Demand(tenant, tier, (f"tenant:{tenant}", *pools), prefill, decode)
+                tasks.append(
+                    (asyncio.create_task(mem.acquire(d, 100)), asyncio.create_task(red.acquire(d, 100)))
+                )
+            elif kind == "rel" and live:
+                idx = sorted(live)[op[1] % len(live)]
+                del live[idx]
+                dead.append(idx)
+                m_lease, r_lease = tasks[idx][0].result(), tasks[idx][1].result()
+                assert await mem.release(m_lease.id, op[2]) == await red.release(r_lease.id, op[2]), where
+            elif kind == "rel" and dead:  # releasing again is idempotent: False on both
+                idx = dead[op[1] % len(dead)]
+                m_lease, r_lease = tasks[idx][0].result(), tasks[idx][1].result()
+                assert await mem.release(m_lease.id) is False and await red.release(r_lease.id) is False, (
+                    where
+                )
+            elif kind == "adv":
+                clock.advance(op[1])
+            elif kind == "reap":
+                expected = sum(1 for expiry in live.values() if expiry <= clock.now)
+                got = (await mem.reap_expired(), await red.reap_expired())
+                assert got == (expected, expected), where
+                for idx in [i for i, expiry in live.items() if expiry <= clock.now]:
+                    del live[idx]
+                    dead.append(idx)
+            elif kind == "hb" and live:
+                idx = sorted(live)[op[1] % len(live)]
+                if live[idx] > clock.now:  # never a reaped lease (see module docstring)
+                    live[idx] = clock.now + current.policy.lease_ttl_s
+                    await mem.heartbeat([tasks[idx][0].result().id])
+                    await red.heartbeat([tasks[idx][1].result().id])
+            elif kind == "cancel":
+                waiting = [i for i, (m, r) in enumerate(tasks) if not m.done() and not r.done()]
+                if waiting:
+                    idx = waiting[op[1] % len(waiting)]
+                    for t in tasks[idx]:
+                        t.cancel()
+            elif kind == "layout":
+                current = layout_variant(op[1])
+                await mem.apply_layout(current)
+                await red.apply_layout(current)
+            await settle(red, [r for _, r in tasks])
+            for i, (m, r) in enumerate(tasks):
+                assert outcome(m) == outcome(r), f"{where}: acquire #{i} differs"
+                if (
+                    m.done()
+                    and not m.cancelled()
+                    and m.exception() is None
+                    and i not in live
+                    and i not in dead
+                ):
+                    live[i] = m.result().granted_at + current.policy.lease_ttl_s
+            m_snap, r_snap = comparable(await mem.snapshot()), comparable(await red.snapshot())
+            assert m_snap == r_snap, f"{where}: snapshots differ\nmemory {m_snap}\nredis  {r_snap}"
+        # Wind down: everything released, both back to zero.
+        for m, r in tasks:
+            m.cancel()
+            r.cancel()
+        await asyncio.gather(*(t for pair in tasks for t in pair), return_exceptions=True)
+        for idx in list(live):
+            await mem.release(tasks[idx][0].result().id)
+            await red.release(tasks[idx][1].result().id)
+        for snap in (await mem.snapshot(), await red.snapshot()):
+            assert not any(p.in_flight for p in snap.pools.values())
+            assert snap.leases == 0 and not any(snap.queue_depth.values())
+    finally:
+        await mem.close()
+        await red.close()
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(ops=st.lists(operation, min_size=4, max_size=60))
+def test_redis_store_makes_the_memory_stores_decisions(ops: list[tuple[Any, ...]]) -> None:
+    asyncio.run(run_scenario(session_redis(), ops))
+
+
+SCENARIOS: dict[str, list[tuple[Any, ...]]] = {
+    # A blocked critical ticket holds P against the batch tier at once.
+    "priority_hold": [
+        ("acq", "a", "critical", 30, 0, (P,)),
+        ("acq", "b", "critical", 20, 0, (P,)),
+        ("acq", "b", "critical", 40, 0, (P,)),
+        ("acq", "c", "batch", 5, 0, (P,)),
+        ("rel", 0, None),
+        ("rel", 0, 3),
+    ],
+    # Small tickets pass a blocked big one only until it has waited backfill_limit_s.
+    "backfill_then_hold": [
+        ("acq", "a", "critical", 60, 0, (P,)),
+        ("acq", "b", "critical", 40, 0, (P,)),
+        ("acq", "c", "critical", 10, 0, (P,)),
+        ("adv", 2.5),
+        ("acq", "c", "critical", 5, 0, (P,)),
+        ("rel", 0, None),
+        ("rel", 0, None),
+    ],
+    # More blocked tenants than max_scan: the pass stops after five examined tickets.
+    "bounded_scan": [("acq", "a", "critical", 50, 0, (P,))]
+    + [("acq", t, tier, 40, 0, (P,)) for t in ("b", "c") for tier in ("critical", "standard", "batch")]
+    + [("acq", "a", "batch", 1, 0, (Q,)), ("rel", 0, None)],
+    # An idle tenant rejoining is lifted to the busy tenant's counter.
+    "lift": [("acq", "a", "critical", 10, 5, (P,)), ("rel", 0, 2)]
+    + [op for _ in range(5) for op in (("acq", "b", "critical", 20, 10, (P,)), ("rel", 0, 1))]
+    + [("acq", "b", "critical", 70, 0, (P,)), ("acq", "a", "critical", 20, 0, (P,)), ("rel", 0, None)],
+    # Shrinking P fails the waiting ticket that can never fit; dropping tenant c fails its tickets.
+    "relayout": [
+        ("acq", "a", "critical", 50, 0, (P,)),
+        ("acq", "b", "critical", 45, 0, (P,)),
+        ("acq", "c", "critical", 10, 5, (P,)),
+        ("layout", 1),
+        ("layout", 2),
+        ("acq", "c", "critical", 1, 0, ()),
+        ("rel", 0, None),
+    ],
+    # Expiry, heartbeat and reap at the same clock on both stores.
+    "reap": [
+        ("acq", "a", "critical", 35, 0, (P,)),
+        ("acq", "b", "critical", 35, 0, (P,)),
+        ("acq", "c", "standard", 20, 0, (P,)),
+        ("adv", 2.5),
+        ("hb", 0),
+        ("adv", 2.5),
+        ("reap",),
+        ("adv", 6.0),
+        ("reap",),
+    ],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_policy_scenarios_match(name: str) -> None:
+    asyncio.run(run_scenario(session_redis(), SCENARIOS[name]))  # asserts at every step
+
+
+def test_counters_match_bit_for_bit() -> None:
+    # Tenant c's weight 0.3 makes every charge a non-terminating binary fraction: the counters
+    # Redis stores must still equal the memory store's doubles exactly.
+    ops: list[tuple[Any, ...]] = []
+    for i in range(12):
+        ops.append(("acq", TENANTS[i % 3], "critical", 7 + i, 3 * i % 11, (P,)))
+        ops.append(("rel", 0, i % 5))
+    asyncio.run(run_scenario(session_redis(), ops))  # asserts identical counters at every step
