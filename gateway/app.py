@@ -126,7 +126,7 @@ class Gateway:
                 Route("/healthz", self._healthz, methods=["GET"]),
                 Route("/readyz", self._readyz, methods=["GET"]),
             ],
-            exception_handlers={HTTPException: self._http_error},
+            exception_handlers={HTTPException: self._http_error, Exception: self._server_error},
         )
 
     # ---- lifecycle ----
@@ -294,6 +294,14 @@ class Gateway:
         err = ApiError(status, message, code=code)
         return Response(
             error_body(err.message, err.type, None, code), status_code=status, media_type="application/json"
+        )
+
+    async def _server_error(self, request: Request, exc: Exception) -> Response:
+        log.exception("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+        return Response(
+            error_body("Internal gateway error", "server_error", None, "internal_error"),
+            status_code=500,
+            media_type="application/json",
         )
 
 

@@ -148,3 +148,14 @@ async def test_request_hooks_see_every_finished_request(gateway: RunningGateway)
         assert (await c.post("/v1/chat/completions", json=chat(max_tokens=2))).status_code == 200
         assert (await c.post("/v1/chat/completions", json={"model": "stub-model"})).status_code == 400
     assert seen == [("default", 200, "ok"), ("unclassified", 400, "rejected")]
+
+
+async def test_ops_route_errors_keep_the_openai_shape(gateway: RunningGateway) -> None:
+    async def broken() -> None:
+        raise RuntimeError("store exploded")
+
+    gateway.app.store.snapshot = broken  # /metrics reads a snapshot first
+    async with httpx.AsyncClient(base_url=gateway.url) as c:
+        r = await c.get("/metrics")
+    assert r.status_code == 500
+    assert r.json()["error"]["code"] == "internal_error"
