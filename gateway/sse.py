@@ -13,7 +13,14 @@ from typing import Any
 
 import orjson
 
-_USAGE = b'"usage"'
+# A usage object, not ``"usage": null`` (vLLM puts that on every chunk once include_usage is
+# on): only events matching this are parsed.
+_USAGE = b'"usage":{'
+_USAGE_SPACED = b'"usage": {'
+
+
+def _has_usage(data: bytes) -> bool:
+    return _USAGE in data or _USAGE_SPACED in data
 
 
 def _last_boundary(data: bytes) -> int:
@@ -87,11 +94,11 @@ class UsageRelay:
             self._buf = data
             return b"" if self._drop else chunk
         complete, self._buf = data[:end], data[end:]
-        if _USAGE not in complete:
+        if not _has_usage(complete):
             return complete if self._drop else chunk
         kept = []
         for event in _events(complete):
-            if _USAGE in event:
+            if _has_usage(event):
                 usage, usage_only = _usage_of(event)
                 if usage is not None:
                     self.usage = usage
@@ -103,7 +110,7 @@ class UsageRelay:
     def flush(self) -> bytes:
         """What is left at the end of the stream (an unterminated last event)."""
         rest, self._buf = self._buf, b""
-        if rest and _USAGE in rest:
+        if rest and _has_usage(rest):
             usage, usage_only = _usage_of(rest)
             if usage is not None:
                 self.usage = usage

@@ -74,3 +74,11 @@ def test_complete_frames_pass_immediately_in_drop_mode() -> None:
     assert relay.feed(CONTENT[0]) == CONTENT[0]  # no added latency for whole events
     assert relay.feed(CONTENT[1][:5]) == b""
     assert relay.feed(CONTENT[1][5:]) == CONTENT[1]
+
+
+def test_spaced_json_and_null_usage() -> None:
+    spaced = b'data: {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2}}\n\n'
+    null = b'data: {"choices": [{"index": 0, "delta": {}}], "usage": null}\n\n'
+    relay = UsageRelay(drop_usage=True)
+    assert relay.feed(null + spaced + DONE) == null + DONE
+    assert relay.usage == {"prompt_tokens": 1, "completion_tokens": 2}
