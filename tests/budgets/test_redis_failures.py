@@ -1,0 +1,273 @@
+"""The Redis store when things go wrong: Redis killed, hung or restarted (both fail modes),
+scripts flushed, pub/sub messages lost, a replica dying with tokens and tickets, layout changes
+reaching other replicas. Every test runs against a real redis-server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+from redis.asyncio import Redis
+
+from budgets.redis_store import RedisOptions, RedisStore
+from budgets.types import BudgetLayout, QueueTimeout, StoreUnavailable
+from tests.budgets.redis_fixtures import RedisServer, fresh_redis, redis_server, unique_prefix
+from tests.budgets.support import (
+    assert_idle,
+    demand,
+    eventually,
+    in_flight,
+    layout,
+    private,
+    shared,
+    wait_queued,
+)
+
+__all__ = ["fresh_redis", "redis_server"]  # fixtures used below
+
+P = "backend:p"
+FAST = {"connect_timeout_s": 0.2, "op_timeout_s": 0.2, "poll_interval_s": 0.05}
+
+StoreMaker = Callable[..., RedisStore]
+
+
+@pytest.fixture
+async def make_store() -> AsyncIterator[StoreMaker]:
+    made: list[RedisStore] = []
+
+    def make(
+        server: RedisServer, lay: BudgetLayout, prefix: str | None = None, **options: object
+    ) -> RedisStore:
+        opts = RedisOptions(url=server.url, key_prefix=prefix or unique_prefix(), **{**FAST, **options})  # type: ignore[arg-type]
+        store = RedisStore(lay, opts)
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        await store.close()
+
+
+async def crash(store: RedisStore) -> None:
+    """What SIGKILL does to a replica: no more heartbeats, liveness, withdrawals or releases."""
+    store._closed = True
+    for task in store._tasks:
+        task.cancel()
+    await asyncio.wait(store._tasks, timeout=2)
+    await store._client.aclose()
+
+
+def small_layout(ttl: float = 10.0) -> BudgetLayout:
+    return layout([shared(P, 100), private("tenant:a", 100)], ["a", "b"], lease_ttl_s=ttl)
+
+
+async def test_noscript_after_script_flush_reloads(redis_server: RedisServer, make_store: StoreMaker) -> None:
+    store = make_store(redis_server, small_layout())
+    await store.start()
+    await Redis.from_url(redis_server.url).script_flush()
+    lease = await store.acquire(demand("a", 10, P), 1)
+    assert store._scripts.reloads >= 1
+    assert await store.release(lease.id)
+    await assert_idle(store)
+
+
+async def test_fail_closed_answers_fast_while_redis_is_down_and_recovers(
+    fresh_redis: RedisServer, make_store: StoreMaker
+) -> None:
+    store = make_store(fresh_redis, small_layout(ttl=2.0))
+    await store.start()
+    held = await store.acquire(demand("a", 30, P, "tenant:a"), 1)
+    fresh_redis.kill()
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable) as info:
+        await store.acquire(demand("b", 10, P), 5)
+    assert info.value.status == 503
+    # Bounded by the configured timeouts (0.2 s each), not by the request's 5 s wait.
+    assert time.monotonic() - started < 1.5
+    assert not await store.healthy()
+    with pytest.raises(StoreUnavailable):  # while down: refused at once, without touching Redis
+        await store.acquire(demand("b", 10, P), 5)
+    fresh_redis.restart()  # empty: layout, leases and scripts are gone
+
+    async def healthy() -> bool:
+        return await store.healthy()
+
+    await eventually(healthy, timeout_s=5)
+    # The in-flight lease was re-registered before anything else was granted.
+    assert await in_flight(store, P) == 30
+    assert await in_flight(store, "tenant:a") == 30
+    lease = await store.acquire(demand("b", 70, P), 1)
+    assert await store.release(held.id) is True
+    assert await store.release(held.id) is False
+    assert await store.release(lease.id)
+    await assert_idle(store)
+
+
+async def test_fail_closed_times_out_on_a_hung_redis(
+    fresh_redis: RedisServer, make_store: StoreMaker
+) -> None:
+    store = make_store(fresh_redis, small_layout())
+    await store.start()
+    assert fresh_redis.proc is not None
+    os.kill(fresh_redis.proc.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            await store.acquire(demand("a", 10, P), 5)
+        assert time.monotonic() - started < 1.5
+    finally:
+        os.kill(fresh_redis.proc.pid, signal.SIGCONT)
+
+    async def healthy() -> bool:
+        return await store.healthy()
+
+    await eventually(healthy, timeout_s=5)
+    lease = await store.acquire(demand("a", 10, P), 1)
+    assert await store.release(lease.id)
+    await assert_idle(store)
+
+
+async def test_fail_open_admits_a_local_share_and_hands_it_back(
+    fresh_redis: RedisServer, make_store: StoreMaker
+) -> None:
+    store = make_store(fresh_redis, small_layout(ttl=2.0), fail_mode="open", replicas=4)
+    await store.start()
+    before = await store.acquire(demand("a", 20, P), 1)
+    fresh_redis.kill()
+    # Down: admitted against 100 // 4 = 25 tokens of P on this replica.
+    local = await store.acquire(demand("b", 25, P), 1)
+    assert store.degraded and await store.healthy()
+    with pytest.raises(QueueTimeout):
+        await store.acquire(demand("b", 1, P), 0.05)
+    fresh_redis.restart()
+
+    async def recovered() -> bool:
+        return not store.degraded
+
+    await eventually(recovered, timeout_s=5)
+    # Both the pre-outage lease and the fail-open one are now counted in Redis.
+    assert await in_flight(store, P) == 45
+    for lease in (before, local):
+        assert await store.release(lease.id)
+    await assert_idle(store)
+
+
+async def test_release_during_an_outage_is_applied_on_recovery(
+    redis_server: RedisServer, make_store: StoreMaker
+) -> None:
+    store = make_store(redis_server, small_layout())
+    await store.start()
+    lease = await store.acquire(demand("a", 40, P), 1)
+    store._mark_down(RuntimeError("simulated partition"))  # Redis keeps its data this time
+    assert await store.release(lease.id) is True
+
+    async def recovered() -> bool:
+        return not store.degraded
+
+    await eventually(recovered, timeout_s=5)
+    await assert_idle(store)
+
+
+async def test_grant_wakes_another_replica_through_pubsub(
+    redis_server: RedisServer, make_store: StoreMaker
+) -> None:
+    prefix = unique_prefix()
+    lay = small_layout()
+    # Polling every 30 s: a grant that arrives within a second came by pub/sub.
+    a = make_store(redis_server, lay, prefix, poll_interval_s=30.0, maintenance_interval_s=0.1)
+    b = make_store(redis_server, lay, prefix)
+    await a.start()
+    await b.start()
+    blocker = await b.acquire(demand("b", 100, P), 1)
+    task = asyncio.create_task(a.acquire(demand("a", 50, P), 10))
+    await wait_queued(b, 1)
+    await b.release(blocker.id)
+    lease = await asyncio.wait_for(task, 1.0)
+    assert lease.queued_s > 0
+    assert await a.release(lease.id)
+    await assert_idle(b)
+
+
+async def test_lost_wakeup_is_found_by_polling(redis_server: RedisServer, make_store: StoreMaker) -> None:
+    prefix = unique_prefix()
+    a = make_store(redis_server, small_layout(), prefix)
+    b = make_store(redis_server, small_layout(), prefix)
+    await a.start()
+    await b.start()
+    a._tasks[0].cancel()  # a's pub/sub listener is gone: every wake-up message is lost
+    blocker = await b.acquire(demand("b", 100, P), 1)
+    task = asyncio.create_task(a.acquire(demand("a", 50, P), 10))
+    await wait_queued(b, 1)
+    await b.release(blocker.id)
+    lease = await asyncio.wait_for(task, 2.0)
+    assert await a.release(lease.id)
+    await assert_idle(b)
+
+
+async def test_dead_replica_returns_its_tokens_and_tickets(
+    redis_server: RedisServer, make_store: StoreMaker
+) -> None:
+    prefix = unique_prefix()
+    lay = small_layout(ttl=0.5)
+    doomed = make_store(redis_server, lay, prefix)
+    survivor = make_store(redis_server, lay, prefix)
+    await doomed.start()
+    await survivor.start()
+    await doomed.acquire(demand("a", 60, P), 1)
+    queued = asyncio.create_task(doomed.acquire(demand("a", 60, P), 30))
+    await wait_queued(survivor, 1)
+    await crash(doomed)
+    queued.cancel()
+
+    async def drained() -> bool:
+        snap = await survivor.snapshot()
+        return snap.pools[P].in_flight == 0 and sum(snap.queue_depth.values()) == 0
+
+    # One lease TTL (0.5 s) plus a reap period, with room for a loaded machine.
+    await eventually(drained, timeout_s=3.0)
+    lease = await survivor.acquire(demand("b", 100, P), 1)
+    assert await survivor.release(lease.id)
+    await assert_idle(survivor)
+
+
+async def test_heartbeat_reregisters_a_lease_redis_forgot(
+    redis_server: RedisServer, make_store: StoreMaker
+) -> None:
+    store = make_store(redis_server, small_layout())
+    await store.start()
+    lease = await store.acquire(demand("a", 25, P, "tenant:a"), 1)
+    # Redis loses the lease state but keeps the layout (say a failover to a lagging replica).
+    raw = Redis.from_url(redis_server.url)
+    await raw.delete(*(f"{store.keys.tag}:{k}" for k in ("used", "leases", "lexp", "tleases")))
+    await raw.aclose()
+    assert await in_flight(store, P) == 0
+    await store.heartbeat([lease.id])
+    assert store.restored_leases == 1
+    assert (await store.snapshot()).leases == 1
+    assert await store.release(lease.id) is True
+    await assert_idle(store)
+
+
+async def test_layout_change_reaches_other_replicas(
+    redis_server: RedisServer, make_store: StoreMaker
+) -> None:
+    prefix = unique_prefix()
+    a = make_store(redis_server, small_layout(), prefix)
+    b = make_store(redis_server, small_layout(), prefix)
+    await a.start()
+    await b.start()
+    bigger = layout([shared(P, 500), private("tenant:a", 100)], ["a", "b", "c"])
+    await a.apply_layout(bigger)
+
+    def adopted() -> bool:
+        return b.layout.pools[P].capacity == 500 and "c" in b.layout.tenants
+
+    await eventually(adopted, timeout_s=2.0)
+    lease = await b.acquire(demand("c", 400, P), 1)
+    assert await b.release(lease.id)
+    await assert_idle(a)
