@@ -51,6 +51,7 @@ class StackInfo:
     targets: list[Target]
     backend_urls: list[str]
     config_paths: dict[str, Path]
+    pids: tuple[int, ...]  # of the children (backends, then gateways)
 
 
 @contextmanager
@@ -112,4 +113,5 @@ def spawned_stack(
                 window = (min(a for a, _ in spans), max(b for _, b in spans))
             urls_of = base_urls[t.same_as if t.same_as is not None else t.name]
             targets.append(Target(t.name, urls_of, without=frozenset(t.without), window=window))
-        yield StackInfo(targets, urls, configs)
+        pids = tuple(c.pid for c in group.children if c.pid is not None)
+        yield StackInfo(targets, urls, configs, pids)

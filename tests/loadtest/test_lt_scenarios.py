@@ -1,0 +1,111 @@
+"""Every shipped scenario loads (with and without the trace files), plans requests, and generates gateway
+configs that the gateway's own loader accepts."""
+
+from pathlib import Path
+
+import pytest
+
+from loadtest.distributions import SpecError
+from loadtest.gateway_config import deep_merge, gateway_config
+from loadtest.scenario import SCENARIOS_DIR, load_scenario, parse_scenario
+from loadtest.schedule import build_schedule
+
+SHIPPED = sorted(p.stem for p in SCENARIOS_DIR.glob("*.yaml"))
+
+
+def test_the_four_scenarios_are_shipped() -> None:
+    assert {"noisy_neighbour", "priority_inversion", "pool_split", "fairness"} <= set(SHIPPED)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+@pytest.mark.parametrize("synthetic", [False, True])
+def test_shipped_scenario_loads_and_plans(name: str, synthetic: bool) -> None:
+    scenario = load_scenario(name, synthetic=synthetic)
+    plan = build_schedule(scenario.workload)
+    assert plan, "the scenario plans requests"
+    assert {r.group for r in plan} == set(scenario.workload.groups)
+    assert max(r.at_s for r in plan) < scenario.workload.duration_s
+    assert scenario.setup is not None and scenario.checks
+    target_names = {t.name for t in scenario.setup.targets}
+    assert all(c.target in target_names for c in scenario.checks)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_generated_gateway_configs_pass_the_gateway_loader(name: str) -> None:
+    config_loader = pytest.importorskip("gateway.config_loader")
+    scenario = load_scenario(name, synthetic=True)
+    assert scenario.setup is not None
+    urls = [f"http://127.0.0.1:{9000 + i}" for i in range(scenario.setup.backend_count)]
+    for target in scenario.setup.targets:
+        if target.direct or target.same_as:
+            continue
+        raw = gateway_config(scenario.workload, scenario.setup.gateway_base, target.gateway, urls, 18080)
+        config = config_loader.parse_config(raw)
+        assert config.listen.port == 18080
+        assert {t.name for t in config.tenants} == set(scenario.workload.tenants)
+        backend_urls = {b.url for pool in config.pools for b in pool.backends}
+        assert backend_urls <= set(urls) and backend_urls
+
+
+def test_gateway_config_merges_tenants_and_resolves_backends() -> None:
+    scenario = parse_scenario(
+        {
+            "duration_s": 5,
+            "tenants": {
+                "a": {"key": "sk-a", "weight": 2, "tier": "batch", "gateway": {"budget_tokens": 100}}
+            },
+            "classes": {"c": {"tenant": "a", "rate": 1, "prompt_tokens": 10, "output_tokens": 5}},
+            "setup": {
+                "backends": {"count": 2},
+                "gateway": {"classes": [{"name": "c", "pool": "p"}]},
+                "targets": [
+                    {
+                        "name": "gw",
+                        "gateway": {
+                            "pools": {"p": {"backends": [{"backend": 1, "capacity_tokens": 5000}]}},
+                            "tenants": {"a": {"budget_tokens": 300}},
+                        },
+                    }
+                ],
+            },
+        }
+    )
+    assert scenario.setup is not None
+    target = scenario.setup.targets[0]
+    cfg = gateway_config(
+        scenario.workload, scenario.setup.gateway_base, target.gateway, ["http://x:1", "http://y:2"], 7
+    )
+    assert cfg["listen"] == {"host": "127.0.0.1", "port": 7}
+    assert cfg["tenants"] == {"a": {"keys": ["sk-a"], "weight": 2.0, "tier": "batch", "budget_tokens": 300}}
+    assert cfg["pools"] == {"p": {"backends": [{"capacity_tokens": 5000, "url": "http://y:2"}]}}
+    assert cfg["classes"] == [{"name": "c", "pool": "p"}]
+    assert deep_merge({"a": {"b": 1, "c": 2}}, {"a": {"c": 3}, "d": 4}) == {"a": {"b": 1, "c": 3}, "d": 4}
+
+
+@pytest.mark.parametrize(
+    ("targets", "message"),
+    [
+        ([{"name": "x"}], "exactly one of"),
+        ([{"name": "x", "direct": True}, {"name": "x", "direct": True}], "unique"),
+        ([{"name": "x", "same_as": "nope"}], "same_as"),
+        ([{"name": "x", "direct": True, "without": ["nope"]}], "unknown class"),
+        ([{"name": "x", "direct": True, "phase": "nope"}], "is not a phase"),
+        ([{"name": "x", "direct": True, "backends": [3]}], "backend indices"),
+    ],
+)
+def test_bad_setups_name_the_problem(targets: list[dict[str, object]], message: str) -> None:
+    raw = {
+        "duration_s": 5,
+        "tenants": {"a": {}},
+        "classes": {"c": {"tenant": "a", "rate": 1, "prompt_tokens": 10, "output_tokens": 5}},
+        "setup": {"backends": {"count": 1}, "targets": targets},
+    }
+    with pytest.raises(SpecError) as err:
+        parse_scenario(raw)
+    assert message in str(err.value)
+
+
+def test_unknown_scenario_lists_the_shipped_ones(tmp_path: Path) -> None:
+    with pytest.raises(SpecError) as err:
+        load_scenario(str(tmp_path / "nope.yaml"))
+    assert "noisy_neighbour" in str(err.value)
