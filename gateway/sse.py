@@ -3,8 +3,10 @@
 The gateway always asks the backend for ``stream_options.include_usage`` so it learns the real
 token counts. With include_usage the last event before ``data: [DONE]`` is a chunk with
 ``"choices": []`` and a ``usage`` object. If the client asked for usage itself the stream is
-relayed byte for byte and only read; if not, that one event is cut out again and everything
-else still passes unchanged. Events are separated by a blank line (``\\n\\n``, or ``\\r\\n\\r\\n``).
+relayed byte for byte and only read; if not, that one event is cut out again, and so is the
+``"usage": null`` field that include_usage adds to every other chunk (OpenAI and vLLM omit the
+field entirely without it), so the client sees the stream it would have seen. Events are
+separated by a blank line (``\\n\\n``, or ``\\r\\n\\r\\n``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,19 @@ import orjson
 # on): only events matching this are parsed.
 _USAGE = b'"usage":{'
 _USAGE_SPACED = b'"usage": {'
+
+
+# The null field include_usage adds, as compact and as spaced JSON serializers write it.
+_NULL_USAGE = (b',"usage":null', b', "usage": null', b'"usage":null,', b'"usage": null, ')
+
+
+def _strip_null_usage(data: bytes) -> bytes:
+    if b"null" not in data:
+        return data
+    for pattern in _NULL_USAGE:
+        if pattern in data:
+            data = data.replace(pattern, b"")
+    return data
 
 
 def _has_usage(data: bytes) -> bool:
@@ -94,18 +109,18 @@ class UsageRelay:
             self._buf = data
             return b"" if self._drop else chunk
         complete, self._buf = data[:end], data[end:]
-        if not _has_usage(complete):
-            return complete if self._drop else chunk
-        kept = []
-        for event in _events(complete):
-            if _has_usage(event):
-                usage, usage_only = _usage_of(event)
-                if usage is not None:
-                    self.usage = usage
-                    if usage_only and self._drop:
-                        continue
-            kept.append(event)
-        return b"".join(kept) if self._drop else chunk
+        if _has_usage(complete):
+            kept = []
+            for event in _events(complete):
+                if _has_usage(event):
+                    usage, usage_only = _usage_of(event)
+                    if usage is not None:
+                        self.usage = usage
+                        if usage_only and self._drop:
+                            continue
+                kept.append(event)
+            complete = b"".join(kept)
+        return _strip_null_usage(complete) if self._drop else chunk
 
     def flush(self) -> bytes:
         """What is left at the end of the stream (an unterminated last event)."""
@@ -116,4 +131,4 @@ class UsageRelay:
                 self.usage = usage
                 if usage_only and self._drop:
                     return b""
-        return rest if self._drop else b""
+        return _strip_null_usage(rest) if self._drop else b""

@@ -50,7 +50,7 @@ def test_passthrough_is_byte_exact_and_reads_usage(cuts: list[int]) -> None:
 def test_drop_mode_removes_only_the_usage_event(cuts: list[int]) -> None:
     relay = UsageRelay(drop_usage=True)
     out = b"".join(relay.feed(c) for c in split(STREAM, cuts)) + relay.flush()
-    assert out == b"".join(CONTENT) + DONE
+    assert out == b"".join(CONTENT).replace(b',"usage":null', b"") + DONE
     assert relay.usage == USAGE
 
 
@@ -58,7 +58,8 @@ def test_crlf_separators_and_unterminated_tail() -> None:
     crlf = STREAM.replace(b"\n\n", b"\r\n\r\n")
     relay = UsageRelay(drop_usage=True)
     out = relay.feed(crlf[:-4]) + relay.flush()  # the last separator never arrives
-    assert out == b"".join(CONTENT).replace(b"\n\n", b"\r\n\r\n") + b"data: [DONE]"
+    content = b"".join(CONTENT).replace(b',"usage":null', b"")
+    assert out == content.replace(b"\n\n", b"\r\n\r\n") + b"data: [DONE]"
     assert relay.usage == USAGE
 
 
@@ -71,14 +72,28 @@ def test_continuous_usage_chunks_are_kept() -> None:
 
 def test_complete_frames_pass_immediately_in_drop_mode() -> None:
     relay = UsageRelay(drop_usage=True)
-    assert relay.feed(CONTENT[0]) == CONTENT[0]  # no added latency for whole events
+    plain = [c.replace(b',"usage":null', b"") for c in CONTENT]
+    assert relay.feed(CONTENT[0]) == plain[0]  # no added latency for whole events
     assert relay.feed(CONTENT[1][:5]) == b""
-    assert relay.feed(CONTENT[1][5:]) == CONTENT[1]
+    assert relay.feed(CONTENT[1][5:]) == plain[1]
 
 
 def test_spaced_json_and_null_usage() -> None:
     spaced = b'data: {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2}}\n\n'
     null = b'data: {"choices": [{"index": 0, "delta": {}}], "usage": null}\n\n'
     relay = UsageRelay(drop_usage=True)
-    assert relay.feed(null + spaced + DONE) == null + DONE
+    # The null field include_usage added is removed too: the client sees what it asked for.
+    assert relay.feed(null + spaced + DONE) == b'data: {"choices": [{"index": 0, "delta": {}}]}\n\n' + DONE
     assert relay.usage == {"prompt_tokens": 1, "completion_tokens": 2}
+
+
+def test_drop_mode_restores_the_stream_without_include_usage() -> None:
+    # What the backend sends without include_usage has no usage field at all.
+    with_usage = frame({"id": "x", "choices": [{"index": 0, "delta": {"content": "hi"}}], "usage": None})
+    without = frame({"id": "x", "choices": [{"index": 0, "delta": {"content": "hi"}}]})
+    leading = b'data: {"usage":null,"id":"x","choices":[]}\n\n'
+    relay = UsageRelay(drop_usage=True)
+    assert relay.feed(with_usage + leading) == without + b'data: {"id":"x","choices":[]}\n\n'
+    # Escaped quotes inside content are never touched.
+    text = frame({"choices": [{"index": 0, "delta": {"content": '{"usage":null,'}}]})
+    assert UsageRelay(drop_usage=True).feed(text) == text
