@@ -40,6 +40,8 @@ from gateway.layout import build_layout
 from gateway.leases import LeaseKeeper
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.modeltable import ModelTable
+from gateway.observe import Observer, ScrapeTarget, StatsSources, observe_routes
+from gateway.observe.stats import config_view
 from gateway.proxy import (
     CHAT,
     COMPLETION,
@@ -114,6 +116,26 @@ class Gateway:
         # Called once per finished request with its record and perf_counter end time (cheap,
         # synchronous, on the event loop; exceptions are logged and ignored).
         self.request_hooks: list[Callable[[Record, float], None]] = []
+        # Request-class observability: per-class windows, HOL fingerprint, pool shape, and each
+        # engine's own load scraped from its /metrics (routing reads it through Backend.load).
+        self.observer = Observer(
+            config.observability,
+            targets=[
+                ScrapeTarget(b.pool, b.name, b.spec.capacity_tokens, b.spec.url + "/metrics")
+                for b in self.router.backends
+            ],
+            store_health=self.store.healthy,
+        )
+        for collector in self.observer.collectors():
+            self.metrics.registry.register(collector)
+        for b in self.router.backends:
+            b.load = self.observer.loads.get(b.name)
+        self.request_hooks.append(self.observer.finished)
+        stats_sources = StatsSources(
+            self.observer,
+            snapshot=self.store.snapshot,
+            config_view=lambda: config_view(config.classes, config.pools),
+        )
         self.draining = False
         self._drained = False
         self.session: aiohttp.ClientSession | None = None
@@ -125,6 +147,7 @@ class Gateway:
                 Route("/metrics", self._metrics, methods=["GET"]),
                 Route("/healthz", self._healthz, methods=["GET"]),
                 Route("/readyz", self._readyz, methods=["GET"]),
+                *observe_routes(stats_sources),
             ],
             exception_handlers={HTTPException: self._http_error, Exception: self._server_error},
         )
@@ -138,6 +161,7 @@ class Gateway:
         await self.store.start()
         self.keeper.start()
         await self.health.start()
+        await self.observer.start()
         # Off the hot path and best effort: /v1/models lists what model-agnostic backends serve.
         self._discovery = asyncio.create_task(self.health.discover_models(), name="tokengate-discovery")
         self._proxy = Proxy(self, self.session)
@@ -152,6 +176,7 @@ class Gateway:
         if leaked:
             log.warning("released %d leases still held at shutdown", leaked)
         await self.health.close()
+        await self.observer.close()
         if self.session is not None:
             await self.session.close()
         await self.store.close()

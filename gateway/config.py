@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backends.pools import BackendPoolSpec, BackendSpec, Timeouts
+from gateway.observe.settings import ObserveSettings
 
 DEFAULT_CONTEXT_LENGTH = 32768
 DEFAULT_TOKENIZER = "cl100k_base"
@@ -154,6 +155,8 @@ class GatewayConfig:
     # Inject max_tokens = the reserved per-choice decode when the client set neither max_tokens
     # nor max_completion_tokens, so the backend cannot run past what was reserved.
     enforce_max_tokens: bool = True
+    # Request-class observability (windows, HOL, shape, backend scraping, per-class SLOs).
+    observability: ObserveSettings = field(default_factory=ObserveSettings)
 
     @property
     def open_mode(self) -> bool:

@@ -40,6 +40,7 @@ from gateway.config import (
     TimeoutsConfig,
     UpstreamConfig,
 )
+from gateway.observe.settings import ObserveConfigError, ObserveSettings
 
 
 class ConfigError(ValueError):
@@ -98,8 +99,16 @@ def parse_config(data: Any) -> GatewayConfig:
         embedded_backend=_embedded(root.get("embedded_backend")),
         drain_timeout_s=_float(root, "drain_timeout_s", "", 30.0, minimum=0.0),
         enforce_max_tokens=_bool(root, "enforce_max_tokens", "", True),
+        observability=_observability(root.get("observability")),
     )
     return cfg
+
+
+def _observability(v: Any) -> ObserveSettings:
+    try:
+        return ObserveSettings.from_dict(v)
+    except ObserveConfigError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def check_workers(config: GatewayConfig, workers: int) -> None:
@@ -137,6 +146,7 @@ _TOP_KEYS = (
     "embedded_backend",
     "drain_timeout_s",
     "enforce_max_tokens",
+    "observability",
 )
 
 

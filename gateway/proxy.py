@@ -158,6 +158,7 @@ class Proxy:
         self.metrics = gw.metrics
         self.flights = gw.flights
         self.hooks = gw.request_hooks  # the same list: hooks added later are seen
+        self.observer = gw.observer
         self.max_body = cfg.limits.max_body_bytes
         self.passthrough_cost = cfg.limits.passthrough_cost_tokens
         self.default_max_tokens = cfg.pricing.default_max_tokens
@@ -450,6 +451,7 @@ class Proxy:
             raise
         rec.queue_s = perf_counter() - t_queue
         self.keeper.add(lease.id)
+        self.observer.admitted(rec)
         actual_decode: int | None = None
         try:
             actual_decode = await self._forward(

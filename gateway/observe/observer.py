@@ -1,6 +1,12 @@
 """The one object the gateway talks to: a cheap hook on the request path plus background work.
 
-Request path (each call is a few dict/deque operations, no locks, no I/O)::
+Request path (each call is a few dict/deque operations, no locks, no I/O). With the gateway's
+request record (see :class:`RequestRecord`)::
+
+    obs.admitted(rec)        # the lease was granted: the request's tokens are now in flight
+    obs.finished(rec, end)   # every finished request (a Gateway.request_hooks entry)
+
+or, without records::
 
     obs.on_admit(klass, pool, cost)              # lease granted, request goes to a backend
     obs.on_done(klass, cost, queue_wait_s=..., ttft_s=..., backend_s=..., e2e_s=..., ok=...)
@@ -17,7 +23,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -27,6 +33,24 @@ from gateway.observe.scrape import BackendLoadCollector, BackendLoads, BackendSc
 from gateway.observe.settings import ObserveSettings
 from gateway.observe.shape import ShapeReading, ShapeTracker
 from gateway.observe.windows import ClassWindows
+
+
+class RequestRecord(Protocol):
+    """The fields of the gateway's per-request record (gateway.accesslog.Record) read here."""
+
+    klass: str
+    pool: str | None
+    prefill: int
+    decode: int
+    start: float  # perf_counter at arrival
+    outcome: str
+    queue_s: float | None
+    ttft_s: float | None
+    backend_s: float | None
+
+
+# Requests that never got a class (bad key, malformed body) say nothing about a class's latency.
+UNCLASSIFIED = "unclassified"
 
 
 class Observer:
@@ -53,8 +77,32 @@ class Observer:
         self._readings: list[ShapeReading] = []
         self._task: asyncio.Task[None] | None = None
         self._seen_closed = -1
+        # Admitted requests whose tokens are in flight, by record identity -> (class, cost).
+        self._in_flight: dict[int, tuple[str, int]] = {}
 
-    # ---- the request-path hook ----
+    # ---- the request-path hook, on the gateway's records ----
+
+    def admitted(self, rec: RequestRecord) -> None:
+        cost = rec.prefill + rec.decode
+        self._in_flight[id(rec)] = (rec.klass, cost)
+        self.on_admit(rec.klass, rec.pool or "-", cost)
+
+    def finished(self, rec: RequestRecord, end: float) -> None:
+        held = self._in_flight.pop(id(rec), None)
+        if held is not None:
+            self.windows.released(*held)
+        if rec.klass == UNCLASSIFIED:
+            return
+        self.windows.record(
+            rec.klass,
+            queue_wait_s=rec.queue_s,
+            ttft_s=rec.ttft_s,
+            backend_s=rec.backend_s,
+            e2e_s=end - rec.start,
+            ok=rec.outcome == "ok",
+        )
+
+    # ---- the request-path hook, plain values ----
 
     def on_admit(self, klass: str, pool: str, cost: int) -> None:
         self.windows.admitted(klass, cost)

@@ -236,3 +236,31 @@ async def test_store_down_is_a_metric_and_a_finding() -> None:
 
     st = await build_stats(StatsSources(obs, snapshot=broken_snapshot))
     assert st["store_error"] and st["findings"][0]["topic"] == "store"
+
+
+def test_records_drive_in_flight_and_windows() -> None:
+    from gateway.accesslog import Record
+
+    clock = Clock()
+    obs = Observer(ObserveSettings.from_dict({"window_s": 1}), clock=clock)
+    long_rec = Record(
+        method="POST", path="/v1/completions", start=0.0, klass="long", pool="p", prefill=9000, decode=100
+    )
+    obs.admitted(long_rec)
+    assert obs.windows.inflight("long") == 9100
+    rejected = Record(
+        method="POST", path="/v1/completions", start=0.0, klass="short", queue_s=2.0, outcome="rejected"
+    )
+    obs.finished(rejected, 2.5)  # never admitted: nothing to release, its queue wait still counts
+    bad_key = Record(method="POST", path="/v1/completions", start=0.0, status=401, outcome="rejected")
+    obs.finished(bad_key, 0.01)
+    long_rec.ttft_s, long_rec.queue_s, long_rec.backend_s = 0.8, 0.0, 1.0
+    obs.finished(long_rec, 1.2)
+    assert obs.windows.inflight_all() == {"long": 0, "short": 0}
+    clock.t += 2.5
+    obs.refresh()
+    assert obs.windows.classes() == ["long", "short"]  # "unclassified" is not a class
+    (sw,) = obs.windows.history("short")
+    assert sw.count == 1 and sw.errors == 1 and sw.queue_wait.p99 == 2.0
+    (lw,) = obs.windows.history("long")
+    assert lw.ttft.p99 == 0.8 and lw.admitted_cost_sum == 9100
