@@ -26,6 +26,8 @@ class Finding:
 def fmt_s(v: float | None) -> str:
     if v is None:
         return "-"
+    if v < 0.01:
+        return f"{v * 1000:.1f} ms"
     return f"{v * 1000:.0f} ms" if v < 1 else f"{v:.2f} s"
 
 
