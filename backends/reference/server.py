@@ -334,11 +334,15 @@ async def _collect(outputs: AsyncIterator[RequestOutput]) -> tuple[str, str | No
 async def _sse_body(
     kind: Kind, frames: SseFrames, outputs: AsyncIterator[RequestOutput], n_prompt: int, include_usage: bool
 ) -> AsyncGenerator[bytes, None]:
-    if kind == "chat":
-        yield frames.role()
+    # The chat role chunk goes out with the first token, after prefill, as vLLM does: sending it
+    # at once would make time-to-first-byte hide exactly the prefill stalls a gateway must see.
+    role_pending = kind == "chat"
     n_out = 0
     try:
         async for out in outputs:
+            if role_pending:
+                role_pending = False
+                yield frames.role()
             n_out = out.num_output_tokens
             if out.finished:
                 yield frames.finish(out.text, out.finish_reason or "stop")
@@ -348,6 +352,8 @@ async def _sse_body(
         yield error_frame(str(exc))
         yield DONE
         return
+    if role_pending:
+        yield frames.role()
     if include_usage:
         yield frames.usage(n_prompt, n_out)
     yield DONE

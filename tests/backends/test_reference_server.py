@@ -390,3 +390,29 @@ async def test_torch_executor_behind_the_server(reference_server: Start) -> None
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1])
     assert text == whole.json()["choices"][0]["message"]["content"]  # greedy: same tokens batched or not
     assert srv.backend.scheduler.blocks.num_used_blocks == 0
+
+
+async def test_chat_stream_first_byte_waits_for_prefill(reference_server: Start) -> None:
+    # The role chunk must not go out before prefill: a gateway measures TTFT at the first byte,
+    # and an early role chunk would hide a 20k-token prefill stall (~0.4 s on the cost model).
+    srv = await reference_server(time_scale=1.0, max_model_len=32768, enable_chunked_prefill=False)
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "word " * 20_000}],
+        "max_tokens": 2,
+        "stream": True,
+    }
+    loop = asyncio.get_running_loop()
+    async with httpx.AsyncClient(base_url=srv.url, timeout=30) as client:
+        start = loop.time()
+        async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+            first_at = None
+            raw = b""
+            async for chunk in resp.aiter_raw():
+                if first_at is None:
+                    first_at = loop.time() - start
+                raw += chunk
+    assert first_at is not None and first_at >= 0.25
+    chunks = [orjson.loads(e) for e in sse_events(raw)[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[1]["choices"][0]["delta"]["content"]
