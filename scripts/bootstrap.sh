@@ -19,6 +19,8 @@ fi
 need_apt=()
 command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
 command -v promtool >/dev/null 2>&1 || need_apt+=(prometheus)
+# Headless Chromium renders the live dashboard in its end-to-end test.
+command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
   $SUDO apt-get update -qq

@@ -143,6 +143,13 @@ class StubBackend:
         if path == "/health":
             await _json(send, self.health_status, {"status": "ok"})
             return
+        if path == "/metrics":
+            # Scraped by the gateway's observer: answered, never recorded as a proxied request.
+            await send(
+                {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]}
+            )
+            await send({"type": "http.response.body", "body": b"# no engine metrics in the stub\n"})
+            return
         if path == "/v1/models":
             await _json(
                 send, 200, {"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]}
