@@ -10,11 +10,12 @@ Keys (``T`` = ``{tg:<prefix>}``):
 
 =========================  ======  ==========================================================
 ``T:layout``               hash    ``ver`` (int, bumped on change), ``digest``, ``json`` (the
-                                   whole layout, for replicas), ``tiers`` (tier names in grant
-                                   order), ``pw``/``dw``/``backfill``/``ttl``/``max_scan``
-``T:pools``                hash    pool -> ``"<capacity>|<shared 0/1>"``
-``T:tiers``                hash    tier -> ``"<rank>|<ceiling>|<max_queue_wait_s>"``
-``T:tenants``              hash    tenant -> ``"<weight>|<max_queue_len>"``
+                                   whole layout, for replicas)
+``T:spec``                 hash    what the scripts read, one HMGET per call: ``ver``, ``pw``,
+                                   ``dw``, ``backfill``, ``ttl``, ``max_scan``, ``tiers`` (tier
+                                   names in grant order), ``p:<pool>`` = ``"<capacity>|<0/1>"``
+                                   (shared), ``t:<tier>`` = ``"<rank>|<ceiling>|<max_wait_s>"``,
+                                   ``n:<tenant>`` = ``"<weight>|<max_queue_len>"``
 ``T:used``                 hash    pool -> tokens in flight (absent when 0)
 ``T:vtc``                  hash    tenant -> virtual token counter (``%.17g``, exact)
 ``T:tleases``              hash    tenant -> live leases (absent when 0)
@@ -77,7 +78,7 @@ class KeyLayout:
 
     def all_fixed(self) -> list[str]:
         """Every key name without a variable part (for tests and docs)."""
-        names = ["layout", "pools", "tiers", "tenants", "used", "vtc", "tleases", "twait", "tierq", "rate"]
+        names = ["layout", "spec", "used", "vtc", "tleases", "twait", "tierq", "rate"]
         names += ["leases", "lexp", "gone", "reaped", "seq", "tickets", "replicas"]
         return [f"{self.tag}:{n}" for n in names]
 
@@ -158,12 +159,12 @@ def layout_args(layout: BudgetLayout) -> list[str]:
     text = layout_json(layout)
     p = layout.policy
     order = sorted(layout.tiers.values(), key=lambda t: (t.rank, t.name))
-    pools = [f"{n}{SEP}{s.capacity}|{int(s.shared)}" for n, s in layout.pools.items()]
+    pools = [f"p:{n}{SEP}{s.capacity}|{int(s.shared)}" for n, s in layout.pools.items()]
     tiers = [
-        f"{n}{SEP}{t.rank}|{fmt_float(t.ceiling)}|{fmt_float(t.max_queue_wait_s)}"
+        f"t:{n}{SEP}{t.rank}|{fmt_float(t.ceiling)}|{fmt_float(t.max_queue_wait_s)}"
         for n, t in layout.tiers.items()
     ]
-    tenants = [f"{n}{SEP}{fmt_float(t.weight)}|{t.max_queue_len}" for n, t in layout.tenants.items()]
+    tenants = [f"n:{n}{SEP}{fmt_float(t.weight)}|{t.max_queue_len}" for n, t in layout.tenants.items()]
     return [
         layout_digest(text),
         text,

@@ -46,6 +46,7 @@ from budgets import policy
 from budgets.keys import KeyLayout, layout_args, layout_from_json, pack_demand
 from budgets.lua import ScriptRunner
 from budgets.memory import MemoryStore
+from budgets.redis_batch import ScriptBatcher
 from budgets.types import (
     BudgetLayout,
     Demand,
@@ -131,6 +132,7 @@ class RedisStore:
         self._ids = itertools.count(1)
         self._client = client or Redis(connection_pool=self._pool())
         self._scripts = ScriptRunner()
+        self._batcher = ScriptBatcher(self._eval_batch, max_in_flight=max(1, self._opts.max_connections // 2))
         self._held: dict[str, _Held] = {}
         self._waiters: dict[int, _Waiter] = {}
         self._pending_release: dict[str, int | None] = {}
@@ -225,6 +227,7 @@ class RedisStore:
                 w.future.set_exception(StoreUnavailable("shutting down"))
         if self._background:
             await asyncio.wait(list(self._background), timeout=self._opts.op_timeout_s)
+        await self._batcher.drain(self._opts.op_timeout_s)
         if self._fallback is not None:
             await self._fallback.close()
         with contextlib.suppress(Exception):
@@ -282,14 +285,7 @@ class RedisStore:
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:
-            # Shielded: if the caller is cancelled mid-call, the script still ran (or will), and
-            # its grant or ticket must be given back, not left to expire.
-            call = asyncio.ensure_future(self._enqueue(lease_id, demand))
-            try:
-                reply = await asyncio.shield(call)
-            except asyncio.CancelledError:
-                await self._finish_cleanup(self._abandon_enqueued(call, lease_id))
-                raise
+            reply = await self._enqueue(lease_id, demand)
             if reply[0] == "G":
                 return self._hold(lease_id, demand, reply)
             return await self._wait(int(reply[1]), lease_id, demand, float(reply[3]), max_wait_s, started)
@@ -299,7 +295,15 @@ class RedisStore:
 
     async def _enqueue(self, lease_id: str, demand: Demand) -> list[str]:
         """One acquire script call; returns a 'G' or 'Q' reply, raises every refusal."""
-        reply = await self._eval_layout("acquire", [lease_id, *pack_demand(demand)])
+        args = [lease_id, *pack_demand(demand)]
+        reply = await self._acquire_call(lease_id, args)
+        if reply[:1] == ["NOLAYOUT"]:
+            self._mark_down(RuntimeError("redis lost the budget layout (restarted?)"))
+            if not await self._recover():
+                raise _Down("redis lost its data and recovery failed")
+            reply = await self._acquire_call(lease_id, args)
+            if reply[:1] == ["NOLAYOUT"]:
+                raise _Down("redis lost the budget layout again")
         kind = reply[0]
         if kind in ("G", "Q"):
             return list(reply)
@@ -360,14 +364,31 @@ class RedisStore:
         finally:
             self._waiters.pop(seq, None)
 
+    async def _acquire_call(self, lease_id: str, args: list[str]) -> list[str]:
+        """The acquire script, batched with concurrent calls, safe against cancellation.
+
+        The future is shielded: if the caller is cancelled mid-call, the script still runs (it
+        may already have), and its grant or ticket is given back before the cancellation
+        propagates, instead of being left to expire.
+        """
+        if self._down:
+            raise _Down("redis is down")
+        fut = self._batcher.submit("acquire", args)
+        try:
+            reply: list[str] = await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            await self._finish_cleanup(self._abandon_enqueued(fut, lease_id))
+            raise
+        return reply
+
     async def _abandon_enqueued(self, call: asyncio.Future[list[str]], lease_id: str) -> None:
         try:
             reply = await call
-        except Exception:
-            return  # refused or Redis down: nothing was granted or queued that we could know of
+        except (Exception, asyncio.CancelledError):
+            return  # Redis down or shutting down: nothing was granted or queued that we know of
         if reply[0] == "G":
             await self.release(lease_id)
-        else:
+        elif reply[0] == "Q":
             await self._withdraw_quietly(int(reply[1]), lease_id)
 
     async def _finish_cleanup(self, coro: Any) -> None:
@@ -434,7 +455,7 @@ class RedisStore:
             self._pending_release[lease_id] = actual_decode
             return True
         try:
-            done = await self._eval("release", [lease_id, _opt(actual_decode)])
+            done = await self._batcher.submit("release", [lease_id, _opt(actual_decode)])
         except _Down:
             if held is None:
                 return False
@@ -494,15 +515,16 @@ class RedisStore:
         t = self._keys.tag
         try:
             async with self._client.pipeline(transaction=True) as pipe:
-                for name in ("pools", "used", "tierq", "twait", "vtc"):
+                for name in ("spec", "used", "tierq", "twait", "vtc"):
                     pipe.hgetall(f"{t}:{name}")
                 pipe.hlen(f"{t}:leases")
-                pipe.hkeys(f"{t}:tiers")
-                pipe.hkeys(f"{t}:tenants")
-                specs, used, tierq, twait, vtc, leases, tiers, tenants = await self._call(pipe.execute())
+                spec, used, tierq, twait, vtc, leases = await self._call(pipe.execute())
         except _Down:
             return await self._local_snapshot()
-        if not specs:  # Redis lost the layout: report this replica's view of it
+        specs = {k[2:]: v for k, v in spec.items() if k.startswith("p:")}
+        tiers = [k[2:] for k in spec if k.startswith("t:")]
+        tenants = [k[2:] for k in spec if k.startswith("n:")]
+        if not spec:  # Redis lost the layout: report this replica's view of it
             specs = {n: f"{p.capacity}|{int(p.shared)}" for n, p in self._layout.pools.items()}
             tiers, tenants = list(self._layout.tiers), list(self._layout.tenants)
         pools: dict[str, PoolState] = {}
@@ -568,6 +590,9 @@ class RedisStore:
         for payload in mine:
             self._on_wake(payload)
         return reply
+
+    async def _eval_batch(self, args: list[str]) -> Any:
+        return await self._eval("batch", args)
 
     async def _eval_layout(self, name: str, args: Sequence[str], *, internal: bool = False) -> Any:
         """A script that needs the layout: if Redis lost it (restart), recover first and retry once."""

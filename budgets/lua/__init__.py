@@ -1,9 +1,9 @@
 """The Redis store's Lua scripts: loaded once from package data, run with EVALSHA, reloaded on NOSCRIPT.
 
 Redis scripts cannot include each other, so ``lib.lua`` (the port of budgets/policy.py) is
-prepended to every entry script here and ``return { main(), LOCAL }`` appended (the entry's reply
-plus the wake-ups for the calling replica); each result is one self-contained source with its
-own SHA1. A restarted Redis has an empty script cache: the first EVALSHA then answers
+prepended to every entry script here and a call of its ``<name>_main(A)`` appended, returning
+``{ reply, LOCAL }`` (the reply plus the wake-ups for the calling replica); each result is one
+self-contained source with its own SHA1. A restarted Redis has an empty script cache: the first EVALSHA then answers
 NOSCRIPT, the runner loads the source and retries once.
 """
 
@@ -18,16 +18,18 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
-ENTRY_SCRIPTS = (
-    "acquire",
-    "release",
-    "withdraw",
-    "status",
-    "heartbeat",
-    "restore",
-    "reap",
-    "apply_layout",
-)
+# Entry script -> the files it is made of (after lib.lua); each file defines <file>_main(A).
+ENTRY_SCRIPTS: dict[str, tuple[str, ...]] = {
+    "acquire": ("acquire",),
+    "release": ("release",),
+    "batch": ("acquire", "release", "batch"),
+    "withdraw": ("withdraw",),
+    "status": ("status",),
+    "heartbeat": ("heartbeat",),
+    "restore": ("restore",),
+    "reap": ("reap",),
+    "apply_layout": ("apply_layout",),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,11 +43,21 @@ def _read(name: str) -> str:
     return resources.files(__package__).joinpath(f"{name}.lua").read_text(encoding="utf-8")
 
 
+_CALL = """
+local A = {}
+for i = 3, #ARGV do
+  A[#A + 1] = ARGV[i]
+end
+return { %s_main(A), LOCAL }
+"""
+
+
 def load_scripts() -> dict[str, Script]:
     lib = _read("lib")
     scripts = {}
-    for name in ENTRY_SCRIPTS:
-        source = f"{lib}\n-- ==== {name}.lua ====\n{_read(name)}\nreturn {{ main(), LOCAL }}\n"
+    for name, parts in ENTRY_SCRIPTS.items():
+        bodies = "\n".join(f"-- ==== {part}.lua ====\n{_read(part)}" for part in parts)
+        source = f"{lib}\n{bodies}{_CALL % name}"
         scripts[name] = Script(name, source, hashlib.sha1(source.encode()).hexdigest())
     return scripts
 

@@ -1,21 +1,21 @@
 -- acquire.lua: validate, fast-path grant, or enqueue + grant pass (MemoryStore.acquire up to the wait).
--- ARGV: now-override, replica, lease id, tenant, tier, prefill, decode, pools (LSEP-joined)
+-- A (ARGV after now-override and replica): lease id, tenant, tier, prefill, decode, pools (LSEP-joined)
 -- Reply: {'G', granted_at, queued_s} | {'Q', seq, enqueued_at, max_queue_wait_s}
 --      | {'FULL', queued, max_queue_len, retry_after} | {'E', kind, name[, limit]} | {'NOLAYOUT'}
-local function main()
-  local now = clock(ARGV[1])
-  if not load_policy() then
+local function acquire_main(A)
+  local now = script_now()
+  local replica, lease_id = CALLER, A[1]
+  local d = demand(A[2], A[3], A[4], A[5], A[6])
+  if not load_policy(d) then
     return { 'NOLAYOUT' }
   end
-  local replica, lease_id = ARGV[2], ARGV[3]
-  local d = demand(ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8])
   local err = check_demand(d)
   if err then
     return err
   end
   -- policy.grant_immediately: nothing waiting at all and the demand fits.
   if redis.call('HLEN', K.tickets) == 0 and fits(d) then
-    lift(d.tenant)
+    lift(d.tenant, true)
     charge(d)
     store_lease(lease_id, d, replica, now, 0.0)
     return { 'G', fmt(now), '0' }

@@ -1,31 +1,35 @@
 -- apply_layout.lua: write a layout (MemoryStore.apply_layout): replace the specs, bump the version
 -- when the digest changed, fail waiting tickets that can now never be granted (their owners are
 -- told by pub/sub), run a grant pass, announce the version on the layout channel.
--- ARGV: now-override, replica, digest, json, pw, dw, backfill, ttl, max_scan, tier order, pools, tiers,
+-- A (ARGV after now-override and replica): digest, json, pw, dw, backfill, ttl, max_scan, tier order, pools, tiers,
 -- tenants
 -- Reply: {changed 0/1, version}
-local function main()
-  local now = clock(ARGV[1])
-  local digest = ARGV[3]
+local function apply_layout_main(A)
+  local now = script_now()
+  local digest = A[1]
   local changed = 0
-  if redis.call('HGET', K.layout, 'digest') ~= digest then
+  if redis.call('HGET', K.layout, 'digest') ~= digest or redis.call('EXISTS', K.spec) == 0 then
     changed = 1
-    for _, pair in ipairs({ { K.pools, ARGV[11] }, { K.tiers, ARGV[12] }, { K.tenants, ARGV[13] } }) do
-      redis.call('DEL', pair[1])
-      local entries = split(pair[2], LSEP)
+    local ver = redis.call('HINCRBY', K.layout, 'ver', 1)
+    redis.call('HSET', K.layout, 'digest', digest, 'json', A[2])
+    -- T:spec: the policy, then p:/t:/n: fields for pools, tiers and tenants (see lib.lua).
+    local fields = {
+      'ver', ver, 'pw', A[3], 'dw', A[4], 'backfill', A[5], 'ttl', A[6], 'max_scan', A[7],
+      'tiers', A[8],
+    }
+    for _, packed in ipairs({ A[9], A[10], A[11] }) do
+      local entries = split(packed, LSEP)
       for i = 1, #entries do
         local j = string.find(entries[i], SEP, 1, true)
-        redis.call('HSET', pair[1], string.sub(entries[i], 1, j - 1), string.sub(entries[i], j + 1))
+        fields[#fields + 1] = string.sub(entries[i], 1, j - 1)
+        fields[#fields + 1] = string.sub(entries[i], j + 1)
       end
     end
-    redis.call('HINCRBY', K.layout, 'ver', 1)
-    redis.call(
-      'HSET', K.layout, 'digest', digest, 'json', ARGV[4], 'pw', ARGV[5], 'dw', ARGV[6], 'backfill', ARGV[7],
-      'ttl', ARGV[8], 'max_scan', ARGV[9], 'tiers', ARGV[10]
-    )
+    redis.call('DEL', K.spec)
+    hset_many(K.spec, fields)
   end
-  load_policy()
   reset_layout_cache()
+  load_policy()
   if changed == 1 then
     -- policy.drop_invalid
     local all = redis.call('HKEYS', K.tickets)

@@ -1,17 +1,17 @@
 -- heartbeat.lua: extend live leases (MemoryStore.heartbeat) and report the ones Redis does not
 -- know (lost in a restart, or reaped after missed heartbeats) so the owner can restore them.
--- ARGV: now-override, replica, lease ids...
+-- A (ARGV after now-override and replica): lease ids...
 -- Reply: {'NOLAYOUT'} | list of unknown, non-tombstoned lease ids
-local function main()
-  local now = clock(ARGV[1])
+local function heartbeat_main(A)
+  local now = script_now()
   if not load_policy() then
     return { 'NOLAYOUT' }
   end
-  beat(ARGV[2], now)
+  beat(CALLER, now)
   local expiry = fmt(now + P.ttl)
   local unknown = {}
-  for i = 3, #ARGV do
-    local id = ARGV[i]
+  for i = 1, #A do
+    local id = A[i]
     if redis.call('ZSCORE', K.lexp, id) then
       redis.call('ZADD', K.lexp, expiry, id)
     elseif not redis.call('ZSCORE', K.gone, id) then

@@ -8,15 +8,15 @@
 -- KEYS[1] is "{tg:<prefix>}:layout"; every other key is derived from its hash tag, so all keys of
 -- one budget domain share one cluster slot. ARGV[1] is always the clock override: empty in
 -- production (server TIME is used), a number only when a test drives the store's clock. ARGV[2]
--- is always the calling replica. Each entry script defines ``main()``; the loader appends
--- ``return { main(), LOCAL }``: the reply plus the wake-ups meant for the caller itself.
+-- is always the calling replica. Each entry file defines ``<name>_main(A)`` with ``A`` = its own
+-- arguments (ARGV[3..]); the loader appends the call and ``return { reply, LOCAL }``: the reply
+-- plus the wake-ups meant for the caller itself. ``batch`` runs several acquire/release
+-- operations in one call (see batch.lua).
 
 local T = string.sub(KEYS[1], 1, -8) -- strip ":layout"
 local K = {
   layout = KEYS[1],
-  pools = T .. ':pools',
-  tiers = T .. ':tiers',
-  tenants = T .. ':tenants',
+  spec = T .. ':spec',
   used = T .. ':used',
   vtc = T .. ':vtc',
   tleases = T .. ':tleases',
@@ -53,6 +53,13 @@ local function split(s, sep)
   end
 end
 
+-- HSET of a long field/value list, in chunks (Lua's unpack has a limit of a few thousand values).
+local function hset_many(key, fields)
+  for i = 1, #fields, 1000 do
+    redis.call('HSET', key, unpack(fields, i, math.min(i + 999, #fields)))
+  end
+end
+
 local function fmt(x)
   return string.format('%.17g', x)
 end
@@ -63,6 +70,15 @@ local function clock(arg)
   end
   local t = redis.call('TIME')
   return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+
+-- One instant per script call: every operation of a batch happens "at the same time".
+local now_c = nil
+local function script_now()
+  if now_c == nil then
+    now_c = clock(ARGV[1])
+  end
+  return now_c
 end
 
 local function qkey(tier, tenant)
@@ -95,81 +111,99 @@ local function notify(owner, payload)
 end
 
 -- ---- layout (cached per script call) ----
+--
+-- One hash T:spec holds the whole layout as the scripts read it: the policy fields, and one field
+-- per pool ("p:<name>" = "capacity|shared"), tier ("t:<name>" = "rank|ceiling|max_wait") and
+-- tenant ("n:<name>" = "weight|max_queue_len"). A call fetches the policy plus every spec its
+-- demand names with a single HMGET.
 
 local P = nil
-local function load_policy()
-  local v = redis.call('HMGET', K.layout, 'ver', 'pw', 'dw', 'backfill', 'ttl', 'max_scan', 'tiers')
-  if not v[1] then
+local spec_c = {} -- field -> parsed spec, or false when absent
+
+local function parse_spec(field, v)
+  if not v then
     return false
   end
-  P = {
-    ver = v[1],
-    pw = tonumber(v[2]),
-    dw = tonumber(v[3]),
-    backfill = tonumber(v[4]),
-    ttl = tonumber(v[5]),
-    max_scan = tonumber(v[6]),
-    tier_order = split(v[7], LSEP),
-  }
-  return true
+  local kind = string.sub(field, 1, 1)
+  if kind == 'p' then
+    local cap, shared = string.match(v, '^(.-)|(.)$')
+    return { cap = tonumber(cap), shared = (shared == '1') }
+  elseif kind == 't' then
+    local f = split(v, '|')
+    return { name = string.sub(field, 3), rank = tonumber(f[1]), ceiling = tonumber(f[2]), maxwait = tonumber(f[3]) }
+  end
+  local w, q = string.match(v, '^(.-)|(.-)$')
+  return { weight = tonumber(w), maxq = tonumber(q) }
 end
 
-local pool_c, tier_c, tenant_c = {}, {}, {}
+local function spec(field)
+  local v = spec_c[field]
+  if v == nil then
+    v = parse_spec(field, redis.call('HGET', K.spec, field))
+    spec_c[field] = v
+  end
+  return v
+end
 
 local function pool_spec(name)
-  local p = pool_c[name]
-  if p == nil then
-    local v = redis.call('HGET', K.pools, name)
-    if v then
-      local cap, shared = string.match(v, '^(.-)|(.)$')
-      p = { cap = tonumber(cap), shared = (shared == '1') }
-    else
-      p = false
-    end
-    pool_c[name] = p
-  end
-  return p
+  return spec('p:' .. name)
 end
 
 local function tier_spec(name)
-  local t = tier_c[name]
-  if t == nil then
-    local v = redis.call('HGET', K.tiers, name)
-    if v then
-      local f = split(v, '|')
-      t = { name = name, rank = tonumber(f[1]), ceiling = tonumber(f[2]), maxwait = tonumber(f[3]) }
-    else
-      t = false
-    end
-    tier_c[name] = t
-  end
-  return t
+  return spec('t:' .. name)
 end
 
 local function tenant_spec(name)
-  local t = tenant_c[name]
-  if t == nil then
-    local v = redis.call('HGET', K.tenants, name)
-    if v then
-      local w, q = string.match(v, '^(.-)|(.-)$')
-      t = { weight = tonumber(w), maxq = tonumber(q) }
-    else
-      t = false
-    end
-    tenant_c[name] = t
+  return spec('n:' .. name)
+end
+
+-- The policy and (optionally) a demand's specs in one round trip; false when Redis has no layout.
+-- Within one script call (a batch) the policy is read once; later calls fetch only new specs.
+local function load_policy(d)
+  local fields = {}
+  if P == nil then
+    fields = { 'ver', 'pw', 'dw', 'backfill', 'ttl', 'max_scan', 'tiers' }
   end
-  return t
+  local first = #fields + 1
+  if d then
+    local want = { 'n:' .. d.tenant, 't:' .. d.tier }
+    for i = 1, #d.pools do
+      want[#want + 1] = 'p:' .. d.pools[i]
+    end
+    for i = 1, #want do
+      if spec_c[want[i]] == nil then
+        fields[#fields + 1] = want[i]
+      end
+    end
+  end
+  if #fields == 0 then
+    return true
+  end
+  local v = redis.call('HMGET', K.spec, unpack(fields))
+  if P == nil then
+    if not v[1] then
+      return false
+    end
+    P = {
+      ver = v[1],
+      pw = tonumber(v[2]),
+      dw = tonumber(v[3]),
+      backfill = tonumber(v[4]),
+      ttl = tonumber(v[5]),
+      max_scan = tonumber(v[6]),
+      tier_order = split(v[7], LSEP),
+    }
+  end
+  for i = first, #fields do
+    spec_c[fields[i]] = parse_spec(fields[i], v[i])
+  end
+  return true
 end
 
 local function reset_layout_cache()
-  for k in pairs(pool_c) do
-    pool_c[k] = nil
-  end
-  for k in pairs(tier_c) do
-    tier_c[k] = nil
-  end
-  for k in pairs(tenant_c) do
-    tenant_c[k] = nil
+  P = nil
+  for k in pairs(spec_c) do
+    spec_c[k] = nil
   end
 end
 
@@ -193,16 +227,47 @@ local function used(name)
   return u
 end
 
--- policy._charge / policy.release: an entry at or below zero is dropped.
-local function add_used(name, delta)
-  local left = used(name) + delta
-  if left > 0 then
-    redis.call('HSET', K.used, name, left)
-  else
-    redis.call('HDEL', K.used, name)
-    left = 0
+-- Fetch the in-flight tokens of several pools at once.
+local function prefetch_used(pools)
+  local missing = {}
+  for i = 1, #pools do
+    if used_c[pools[i]] == nil then
+      missing[#missing + 1] = pools[i]
+    end
   end
-  used_c[name] = left
+  if #missing > 0 then
+    local v = redis.call('HMGET', K.used, unpack(missing))
+    for i = 1, #missing do
+      used_c[missing[i]] = tonumber(v[i] or '0')
+    end
+  end
+end
+
+-- policy._charge / policy.release: add delta to every pool; an entry at or below zero is dropped.
+local function add_used(pools, delta)
+  if #pools == 0 then
+    return
+  end
+  prefetch_used(pools)
+  local set, del = {}, {}
+  for i = 1, #pools do
+    local name = pools[i]
+    local left = used_c[name] + delta
+    if left > 0 then
+      set[#set + 1] = name
+      set[#set + 1] = left
+    else
+      del[#del + 1] = name
+      left = 0
+    end
+    used_c[name] = left
+  end
+  if #set > 0 then
+    redis.call('HSET', K.used, unpack(set))
+  end
+  if #del > 0 then
+    redis.call('HDEL', K.used, unpack(del))
+  end
 end
 
 local vtc_c = {}
@@ -217,6 +282,22 @@ local function vtc(tenant) -- nil when the tenant has no counter
     return nil
   end
   return c
+end
+
+-- Fetch several tenants' counters at once.
+local function prefetch_vtc(names)
+  local missing = {}
+  for i = 1, #names do
+    if vtc_c[names[i]] == nil then
+      missing[#missing + 1] = names[i]
+    end
+  end
+  if #missing > 0 then
+    local v = redis.call('HMGET', K.vtc, unpack(missing))
+    for i = 1, #missing do
+      vtc_c[missing[i]] = v[i] and tonumber(v[i]) or false
+    end
+  end
 end
 
 local function set_vtc(tenant, x)
@@ -311,6 +392,7 @@ end
 -- policy.fits
 local function fits(d)
   local t = tier_spec(d.tier)
+  prefetch_used(d.pools)
   for i = 1, #d.pools do
     local name = d.pools[i]
     if used(name) + d.cost > pool_limit(pool_spec(name), t) then
@@ -328,6 +410,7 @@ local function service(d, weight)
 end
 
 local function min_counter_of(names, except)
+  prefetch_vtc(names)
   local base = nil
   for i = 1, #names do
     local other = names[i]
@@ -341,11 +424,17 @@ local function min_counter_of(names, except)
   return base
 end
 
--- policy.lift (the caller guarantees the tenant is not backlogged)
-local function lift(tenant)
-  local base = min_counter_of(redis.call('HKEYS', K.twait), tenant)
+-- policy.lift (the caller guarantees the tenant is not backlogged). ``nobody_waits``: the caller
+-- knows no ticket is waiting at all, so there is no backlogged tenant to look up.
+local function lift(tenant, nobody_waits)
+  local base = nil
+  if not nobody_waits then
+    base = min_counter_of(redis.call('HKEYS', K.twait), tenant)
+  end
   if base == nil then
-    base = min_counter_of(redis.call('HKEYS', K.tleases), tenant)
+    local names = redis.call('HKEYS', K.tleases)
+    names[#names + 1] = tenant -- fetched along with the others: lift reads it next
+    base = min_counter_of(names, tenant)
   end
   local own = vtc(tenant)
   if own == nil then
@@ -366,9 +455,7 @@ end
 
 -- policy._charge
 local function charge(d)
-  for i = 1, #d.pools do
-    add_used(d.pools[i], d.cost)
-  end
+  add_used(d.pools, d.cost)
   local spec = tenant_spec(d.tenant)
   set_vtc(d.tenant, (vtc(d.tenant) or 0.0) + service(d, spec.weight))
   redis.call('HINCRBY', K.tleases, d.tenant, 1)
@@ -384,16 +471,22 @@ local function rate_value(v, now)
   return tonumber(r) * math.exp(-dt / RATE_TAU)
 end
 
-local function rate_add(pool, amount, now)
-  local r = rate_value(redis.call('HGET', K.rate, pool), now) + amount / RATE_TAU
-  redis.call('HSET', K.rate, pool, fmt(r) .. '|' .. fmt(now))
+local function rate_add(pools, amount, now)
+  if #pools == 0 then
+    return
+  end
+  local v = redis.call('HMGET', K.rate, unpack(pools))
+  local set = {}
+  for i = 1, #pools do
+    set[#set + 1] = pools[i]
+    set[#set + 1] = fmt(rate_value(v[i], now) + amount / RATE_TAU) .. '|' .. fmt(now)
+  end
+  redis.call('HSET', K.rate, unpack(set))
 end
 
 -- policy.release + MemoryStore._return (release-rate meters)
 local function give_back(d, actual, now)
-  for i = 1, #d.pools do
-    add_used(d.pools[i], -d.cost)
-  end
+  add_used(d.pools, -d.cost)
   if tonumber(redis.call('HINCRBY', K.tleases, d.tenant, -1)) <= 0 then
     redis.call('HDEL', K.tleases, d.tenant)
   end
@@ -404,9 +497,7 @@ local function give_back(d, actual, now)
       set_vtc(d.tenant, math.max(0.0, c + P.dw * (actual - d.decode) / spec.weight))
     end
   end
-  for i = 1, #d.pools do
-    rate_add(d.pools[i], d.cost, now)
-  end
+  rate_add(d.pools, d.cost, now)
 end
 
 -- ---- the queue ----

@@ -2,16 +2,16 @@
 -- replicas whose liveness expired, drop old tombstones; one grant pass if anything changed.
 -- Reaped ids are remembered for a while (T:reaped) so a late release can tell "reaped" (False)
 -- from "lost in a restart" and a late heartbeat can still re-register a request that is running.
--- ARGV: now-override, replica (the caller: alive by definition), max leases per call
+-- A (ARGV after now-override and the caller, alive by definition): max leases per call
 -- Reply: {leases reaped, tickets withdrawn, more leases left (0/1)}
-local function main()
-  local now = clock(ARGV[1])
+local function reap_main(A)
+  local now = script_now()
   if not load_policy() then
     return { 0, 0, 0 }
   end
-  local me = ARGV[2]
+  local me = CALLER
   beat(me, now)
-  local limit = tonumber(ARGV[3])  -- leases per call
+  local limit = tonumber(A[1])  -- leases per call
   local expired = redis.call('ZRANGEBYSCORE', K.lexp, '-inf', fmt(now), 'LIMIT', 0, limit)
   local remember = fmt(now + math.max(60, 10 * P.ttl))
   for i = 1, #expired do

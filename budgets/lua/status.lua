@@ -1,11 +1,11 @@
 -- status.lua: a waiter's poll (the fallback for a lost pub/sub message).
--- ARGV: now-override, replica, seq, lease id
+-- A (ARGV after now-override and replica): seq, lease id
 -- Reply: {'W'} still waiting | {'G', granted_at, queued_s} | {'U'} unknown (store lost it)
-local function main()
-  if redis.call('HEXISTS', K.tickets, ARGV[3]) == 1 then
+local function status_main(A)
+  if redis.call('HEXISTS', K.tickets, A[1]) == 1 then
     return { 'W' }
   end
-  local lease = load_lease(ARGV[4])
+  local lease = load_lease(A[2])
   if lease == nil then
     return { 'U' }
   end

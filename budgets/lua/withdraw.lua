@@ -1,23 +1,23 @@
 -- withdraw.lua: a waiter gives up (timeout or cancellation).
--- ARGV: now-override, replica, seq, lease id, release_if_granted ('1' for a cancelled waiter)
+-- A (ARGV after now-override and replica): seq, lease id, release_if_granted ('1' for a cancelled waiter)
 -- Reply: {'W', retry_after} withdrawn | {'G', granted_at, queued_s} the grant won the race (kept)
 --      | {'R'} the grant won the race and was released | {'U'} unknown (store lost it)
-local function main()
-  local now = clock(ARGV[1])
+local function withdraw_main(A)
+  local now = script_now()
   if not load_policy() then
     return { 'U' }
   end
-  local tk = withdraw(ARGV[3])
+  local tk = withdraw(A[1])
   if tk ~= nil then
     -- A withdrawn ticket may have been holding pools for itself: others may now be granted.
     grant_pass(now, nil)
     return { 'W', fmt(retry_after(tk.d, now)) }
   end
-  local lease = load_lease(ARGV[4])
+  local lease = load_lease(A[2])
   if lease == nil then
     return { 'U' }
   end
-  if ARGV[5] == '1' then
+  if A[3] == '1' then
     delete_lease(lease.id)
     give_back(lease.d, nil, now)
     grant_pass(now, nil)
