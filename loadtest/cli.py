@@ -70,7 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--backend-arg", action="append", default=[], help="with --spawn: extra backend argument"
     )
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG charts")
-    parser.add_argument("--quiet", action="store_true", help="no progress line")
+    parser.add_argument(
+        "--quiet", action="store_true", help="no progress line (it is shown only when stderr is a terminal)"
+    )
     parser.add_argument("--strict", action="store_true", help="exit 3 when a check is not met")
 
 
@@ -89,7 +91,9 @@ def prepare_scenario(args: argparse.Namespace) -> Scenario:
 async def _run_targets(
     scenario: Scenario, targets: list[Target], args: argparse.Namespace
 ) -> list[RunResult]:
-    options = run_options(scenario.workload, progress=not args.quiet, stream=not args.no_stream)
+    options = run_options(
+        scenario.workload, progress=not args.quiet and sys.stderr.isatty(), stream=not args.no_stream
+    )
     if args.api_key:
         targets = [replace(t, api_key=args.api_key) for t in targets]
     return await compare(scenario.workload, targets, options=options, pause_s=args.pause)

@@ -44,7 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--fairness-scenario", default="fairness", help="the fairness scenario (name or file)"
     )
-    parser.add_argument("--quiet", action="store_true", help="no progress line")
+    parser.add_argument(
+        "--quiet", action="store_true", help="no progress line (it is shown only when stderr is a terminal)"
+    )
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG charts")
     parser.add_argument("--strict", action="store_true", help="exit 3 when a check is not met")
 
@@ -64,7 +66,7 @@ def _run_one(
             f"{len(stack.config_paths)} gateway(s) up in {time.monotonic() - started:.1f} s; "
             f"running {', '.join(t.name for t in stack.targets)} ({spec.duration_s:g} s of arrivals each)"
         )
-        options = run_options(spec, progress=not args.quiet)
+        options = run_options(spec, progress=not args.quiet and sys.stderr.isatty())
         runs = asyncio.run(compare(spec, stack.targets, options=options, pause_s=0.5))
     return write_outputs(out_dir, spec, runs, scenario.checks, plots=not args.no_plots)
 
