@@ -37,10 +37,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NoReturn
 
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
 
 from budgets import policy
 from budgets.keys import KeyLayout, layout_args, layout_from_json, pack_demand
@@ -167,6 +167,7 @@ class RedisStore:
             # One immediate retry on a broken connection (a restarted Redis leaves every pooled
             # connection dead); none on timeouts, which would double the configured bound.
             retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+            retry_on_error=[RedisConnectionError],  # without it redis-py re-raises instead of retrying
             decode_responses=True,
         )
 

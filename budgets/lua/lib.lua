@@ -600,6 +600,16 @@ end
 local function grant_ticket(tk, now, own)
   local queued = now - tk.enq
   store_lease(tk.lease, tk.d, tk.owner, now, queued)
+  if tk.owner ~= CALLER then
+    -- The lease lives no longer than its owner's last sign of life + TTL (T:replicas holds
+    -- last beat + TTL): a ticket of a replica that just died gives its grant back within one
+    -- TTL of the death, not one TTL after the grant. A live owner beats every TTL/4 or sooner,
+    -- so its new lease still has >= 3/4 TTL to receive its first heartbeat.
+    local alive_until = redis.call('ZSCORE', K.replicas, tk.owner)
+    if alive_until and tonumber(alive_until) < now + P.ttl then
+      redis.call('ZADD', K.lexp, alive_until, tk.lease)
+    end
+  end
   if tk.seq ~= own then
     notify(tk.owner, 'G' .. SEP .. tk.seq .. SEP .. fmt(now) .. SEP .. fmt(queued))
   end
