@@ -119,6 +119,21 @@ def _too_large(limit: int) -> ApiError:
     )
 
 
+def _max_wait_header(value: bytes) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0 or seconds == float("inf"):
+        raise ApiError(
+            400,
+            f"x-tokengate-max-queue-wait must be a non-negative number of seconds, got {value.decode('latin-1')!r}",
+            param="x-tokengate-max-queue-wait",
+            code="invalid_header",
+        )
+    return seconds
+
+
 def _usage_counts(usage: Any) -> tuple[int | None, int | None]:
     if not isinstance(usage, dict):
         return None, None
@@ -295,6 +310,7 @@ class Proxy:
         alt_key: str | None = None
         raw_auth: str | None = None
         tier_name: str | None = None
+        max_wait_s: float | None = None
         content_length = -1
         has_ct = False
         fwd: list[tuple[str, str]] = []
@@ -315,6 +331,8 @@ class Proxy:
             if name.startswith(b"x-tokengate-"):
                 if name == b"x-tokengate-tier":
                     tier_name = value.decode("latin-1").strip()
+                elif name == b"x-tokengate-max-queue-wait":
+                    max_wait_s = _max_wait_header(value)
                 continue
             if name == b"content-type":
                 has_ct = True
@@ -340,7 +358,9 @@ class Proxy:
         raw = await read_body(receive, content_length, self.max_body)
         watcher = asyncio.create_task(_watch_disconnect(receive, flight))
         try:
-            await self._priced(scope, send, kind, rec, flight, raw, fwd, has_ct, tenant, tier)
+            # A client may ask to wait less than its tier allows, never more.
+            wait_s = tier.max_queue_wait_s if max_wait_s is None else min(max_wait_s, tier.max_queue_wait_s)
+            await self._priced(scope, send, kind, rec, flight, raw, fwd, has_ct, tenant, tier, wait_s)
         finally:
             flight.done = True
             watcher.cancel()
@@ -357,6 +377,7 @@ class Proxy:
         has_ct: bool,
         tenant: Any,
         tier: Any,
+        max_wait_s: float,
     ) -> None:
         body: Any = None
         if kind == PASSTHROUGH:
@@ -442,7 +463,7 @@ class Proxy:
         flight.phase = QUEUED
         t_queue = perf_counter()
         try:
-            lease = await self.store.acquire(demand, tier.max_queue_wait_s)
+            lease = await self.store.acquire(demand, max_wait_s)
         except AdmissionError as exc:
             rec.queue_s = perf_counter() - t_queue
             raise from_admission(exc) from None

@@ -228,6 +228,41 @@ async def test_queue_timeout_is_429_with_retry_after(
     assert await gw.wait_idle() == {"tenant:t": 0, "backend:default": 0}
 
 
+async def test_client_may_shorten_the_queue_wait_with_a_header(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
+) -> None:
+    _, url = stub_backend
+    gw = await gateway_factory(
+        {
+            "pools": stub_pools(url),
+            "tiers": {"standard": {"rank": 0, "max_queue_wait_s": 30}},
+            "tenants": {
+                "t": {"keys": ["k"], "budget_tokens": 1200, "default_max_tokens": 1000, "max_queue_len": 4}
+            },
+        }
+    )
+    auth = {"authorization": "Bearer k"}
+    holder = await RawRequest.post(
+        gw.url,
+        "/v1/chat/completions",
+        chat(stream=True),
+        {**auth, "x-stub-chunks": "1000", "x-stub-interval": "0.01"},
+    )
+    assert (await holder.read_head())[0] == 200
+    async with httpx.AsyncClient(base_url=gw.url, headers=auth, timeout=10) as c:
+        t0 = asyncio.get_running_loop().time()
+        r = await c.post("/v1/chat/completions", json=chat(), headers={"x-tokengate-max-queue-wait": "0.2"})
+        waited = asyncio.get_running_loop().time() - t0
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_timeout"
+        assert waited < 5  # the tier would have let it wait 30 s
+        bad = await c.post(
+            "/v1/chat/completions", json=chat(), headers={"x-tokengate-max-queue-wait": "soon"}
+        )
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-tokengate-max-queue-wait"
+    await holder.close()
+    assert await gw.wait_idle() == {"tenant:t": 0, "backend:default": 0}
+
+
 async def test_drain_finishes_in_flight_rejects_new_and_queued(
     stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
 ) -> None:
