@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 import time
@@ -111,13 +112,18 @@ async def start_gateways(
         port = free_port()
         cfg = tmp_path / f"gw{i}.yaml"
         cfg.write_text(config_yaml(port, redis.url, prefix, backend_url, fail_mode, n))
-        # Logs go to files (an unread pipe would fill up and stall the process).
-        with open(tmp_path / f"gw{i}.log", "wb") as log:
+        log_path = tmp_path / f"gw{i}.log"
+        # Logs go to a file (an unread pipe would fill up and stall the process); the child
+        # inherits the descriptor, ours is closed right after the spawn.
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg),
-                cwd=ROOT, stdout=asyncio.subprocess.DEVNULL, stderr=log,
+                cwd=ROOT, stdout=asyncio.subprocess.DEVNULL, stderr=log_fd,
             )  # fmt: skip
-        gateways.append(Gateway(port, proc, tmp_path / f"gw{i}.log"))
+        finally:
+            os.close(log_fd)
+        gateways.append(Gateway(port, proc, log_path))
     async with aiohttp.ClientSession() as session:
         deadline = time.monotonic() + 60
         for gw in gateways:
