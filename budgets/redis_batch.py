@@ -84,6 +84,11 @@ class ScriptBatcher:
                 self._schedule(asyncio.get_running_loop())
 
     async def drain(self, timeout_s: float) -> None:
-        """Wait (bounded) for batches on the wire, e.g. before closing the connection."""
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=timeout_s)
+        """Wait (bounded) until every queued operation has been sent and answered."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while (self._pending or self._tasks) and loop.time() < deadline:
+            if self._tasks:
+                await asyncio.wait(list(self._tasks), timeout=max(0.0, deadline - loop.time()))
+            else:
+                await asyncio.sleep(0)  # a flush is scheduled: let it run

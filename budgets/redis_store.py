@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import secrets
@@ -89,10 +90,16 @@ class _Down(Exception):
 
 @dataclass(slots=True)
 class _Held:
-    """A lease this replica holds; ``local`` when granted by the fail-open fallback store."""
+    """A lease this replica holds; ``local`` when granted by the fail-open fallback store.
+
+    ``safe_until`` (event-loop time): until then Redis provably still has the lease (its expiry
+    was set at or after a moment we know, plus the TTL), so it cannot have been reaped and a
+    release may be acknowledged before Redis applies it.
+    """
 
     lease: Lease
     local: bool = False
+    safe_until: float = 0.0
 
 
 @dataclass(slots=True)
@@ -137,6 +144,8 @@ class RedisStore:
         self._waiters: dict[int, _Waiter] = {}
         self._pending_release: dict[str, int | None] = {}
         self._pending_withdraw: dict[int, str] = {}
+        self._releasing: dict[str, asyncio.Future[Any]] = {}  # write-behind releases on their way
+        self._last_beat_sent = 0.0  # loop time of the last liveness refresh sent (see _granted_after)
         self._fallback: MemoryStore | None = None
         if self._opts.fail_mode == "open":
             scaled = scaled_layout(layout, self._opts.replicas)
@@ -201,6 +210,9 @@ class RedisStore:
             await self._fallback.start()
         try:
             await self._apply(self._layout)
+            sent = asyncio.get_running_loop().time()
+            await self._eval("reap", [str(_REAP_BATCH)])  # also announces this replica as alive
+            self._last_beat_sent = sent
         except _Down:
             _log.warning("redis at %s unreachable at start; store is down until it answers", self._opts.url)
         loop = asyncio.get_running_loop()
@@ -288,7 +300,7 @@ class RedisStore:
         try:
             reply = await self._enqueue(lease_id, demand)
             if reply[0] == "G":
-                return self._hold(lease_id, demand, reply)
+                return self._hold(lease_id, demand, reply, started)
             return await self._wait(int(reply[1]), lease_id, demand, float(reply[3]), max_wait_s, started)
         except _Down:
             left = max_wait_s - (loop.time() - started)
@@ -335,7 +347,9 @@ class RedisStore:
                     else await self._eval("status", [str(seq), lease_id])
                 )
                 if reply[0] == "G":
-                    return self._hold(lease_id, demand, [reply[0], reply[-2], reply[-1]])
+                    return self._hold(
+                        lease_id, demand, [reply[0], reply[-2], reply[-1]], self._granted_after(started)
+                    )
                 if reply[0] == "F":
                     await self._raise_invalid(demand, ["E", *reply[2:]])
                 if reply[0] == "U":
@@ -343,13 +357,13 @@ class RedisStore:
                     # queue again under the same lease id, keeping the original deadline.
                     again = await self._enqueue(lease_id, demand)
                     if again[0] == "G":
-                        return self._hold(lease_id, demand, again)
+                        return self._hold(lease_id, demand, again, started)
                     self._waiters.pop(seq, None)
                     seq = waiter.seq = int(again[1])
                     self._waiters[seq] = waiter
             reply = await self._eval("withdraw", [str(seq), lease_id, "0"])
             if reply[0] == "G":
-                return self._hold(lease_id, demand, reply)
+                return self._hold(lease_id, demand, reply, self._granted_after(started))
             retry = float(reply[1]) if reply[0] == "W" else None
             raise QueueTimeout(
                 f"waited {wait_s:.3g}s for {demand.cost} tokens in tier {demand.tier} without a grant",
@@ -420,10 +434,20 @@ class RedisStore:
         self._held[lease.id] = _Held(lease, local=True)
         return lease
 
-    def _hold(self, lease_id: str, demand: Demand, reply: Sequence[str]) -> Lease:
+    def _hold(self, lease_id: str, demand: Demand, reply: Sequence[str], confirmed_at: float) -> Lease:
         lease = Lease(id=lease_id, demand=demand, granted_at=float(reply[1]), queued_s=float(reply[2]))
-        self._held[lease_id] = _Held(lease)
+        self._held[lease_id] = _Held(lease, safe_until=self._safe_until(confirmed_at))
         return lease
+
+    def _granted_after(self, enqueued_at: float) -> float:
+        # A queued ticket's lease expires at min(grant + TTL, our last liveness beat + TTL).
+        return min(enqueued_at, self._last_beat_sent)
+
+    def _safe_until(self, confirmed_at: float) -> float:
+        """Lease expiry in Redis is >= confirmed_at + TTL; keep a margin for clock rates."""
+        if self._clock is not None:
+            return 0.0  # a test-driven store clock says nothing about real time: never assume
+        return confirmed_at + 0.9 * self._layout.policy.lease_ttl_s - 0.05
 
     async def _raise_invalid(self, demand: Demand, reply: Sequence[Any]) -> NoReturn:
         """Turn a script's validation reply into the exact error the memory store would raise."""
@@ -446,6 +470,8 @@ class RedisStore:
 
     async def release(self, lease_id: str, actual_decode: int | None = None) -> bool:
         held = self._held.pop(lease_id, None)
+        if held is None and lease_id in self._releasing:
+            return False  # a write-behind release of it is on its way
         if held is not None and held.local:
             assert self._fallback is not None
             await self._fallback.release(lease_id, actual_decode)
@@ -454,6 +480,14 @@ class RedisStore:
             if held is None:
                 return False
             self._pending_release[lease_id] = actual_decode
+            return True
+        if held is not None and asyncio.get_running_loop().time() < held.safe_until:
+            # Write-behind: the lease cannot have been reaped, so the answer is True whatever
+            # Redis says; the release goes out with the next batch (one loop turn) instead of
+            # costing the caller a round trip. Later calls of this replica queue behind it.
+            fut = self._batcher.submit("release", [lease_id, _opt(actual_decode)])
+            self._releasing[lease_id] = fut
+            fut.add_done_callback(functools.partial(self._released, lease_id, actual_decode))
             return True
         try:
             done = await self._batcher.submit("release", [lease_id, _opt(actual_decode)])
@@ -465,6 +499,14 @@ class RedisStore:
         # Held here but unknown to Redis (lost in a restart before re-registration): released.
         # A reaped lease (-1) is gone for good, as in the memory store.
         return int(done) == 1 or (int(done) == 0 and held is not None)
+
+    def _released(self, lease_id: str, actual_decode: int | None, fut: asyncio.Future[Any]) -> None:
+        self._releasing.pop(lease_id, None)
+        err = None if fut.cancelled() else fut.exception()
+        if fut.cancelled() or isinstance(err, _Down):
+            self._pending_release[lease_id] = actual_decode  # applied by the recovery
+        elif err is not None:
+            _log.error("write-behind release of %s failed", lease_id, exc_info=err)
 
     async def heartbeat(self, lease_ids: Sequence[str]) -> None:
         remote = [i for i in lease_ids if not ((h := self._held.get(i)) is not None and h.local)]
@@ -478,10 +520,16 @@ class RedisStore:
             pass
 
     async def _heartbeat(self, ids: Sequence[str], *, internal: bool = False) -> None:
+        sent = asyncio.get_running_loop().time()
         unknown = await self._eval_layout("heartbeat", ids, internal=internal)
         lost = [i for i in unknown if (h := self._held.get(i)) is not None and not h.local]
         if lost:
             await self._restore([self._held[i].lease for i in lost], internal=internal)
+        safe = self._safe_until(sent)
+        for lease_id in ids:
+            held = self._held.get(lease_id)
+            if held is not None and not held.local and safe > held.safe_until:
+                held.safe_until = safe
 
     async def _restore(self, leases: Sequence[Lease], *, internal: bool = False) -> int:
         args: list[str] = []
@@ -511,6 +559,9 @@ class RedisStore:
     # ---- snapshot ----
 
     async def snapshot(self) -> StoreSnapshot:
+        if self._releasing:
+            # Read your own writes: write-behind releases land before the snapshot is taken.
+            await asyncio.wait(list(self._releasing.values()), timeout=self._call_timeout_s)
         if self._down:
             return await self._local_snapshot()
         t = self._keys.tag
@@ -570,9 +621,13 @@ class RedisStore:
     def _now_arg(self) -> str:
         return "" if self._clock is None else repr(float(self._clock()))
 
+    @property
+    def _call_timeout_s(self) -> float:
+        return self._opts.op_timeout_s + self._opts.connect_timeout_s
+
     async def _call(self, awaitable: Any) -> Any:
         try:
-            async with asyncio.timeout(self._opts.op_timeout_s + self._opts.connect_timeout_s):
+            async with asyncio.timeout(self._call_timeout_s):
                 return await awaitable
         except (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError) as err:
             self._mark_down(err)
@@ -676,8 +731,10 @@ class RedisStore:
             period = self._opts.maintenance_interval_s or min(self._opts.poll_interval_s, max(0.05, ttl / 4))
             await asyncio.sleep(period)
             try:
-                await self.reap_expired()
+                sent = asyncio.get_running_loop().time()
+                await self.reap_expired()  # the reap script also refreshes this replica's liveness
                 if not self._down:
+                    self._last_beat_sent = sent
                     await self._reload_layout()
             except _Down:
                 pass

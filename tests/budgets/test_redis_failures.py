@@ -190,7 +190,7 @@ async def test_grant_wakes_another_replica_through_pubsub(
     lease = await asyncio.wait_for(task, 1.0)
     assert lease.queued_s > 0
     assert await a.release(lease.id)
-    await assert_idle(b)
+    await assert_idle(a)  # a store reads its own (write-behind) releases
 
 
 async def test_lost_wakeup_is_found_by_polling(redis_server: RedisServer, make_store: StoreMaker) -> None:
@@ -206,7 +206,7 @@ async def test_lost_wakeup_is_found_by_polling(redis_server: RedisServer, make_s
     await b.release(blocker.id)
     lease = await asyncio.wait_for(task, 2.0)
     assert await a.release(lease.id)
-    await assert_idle(b)
+    await assert_idle(a)  # a store reads its own (write-behind) releases
 
 
 async def test_dead_replica_returns_its_tokens_and_tickets(
@@ -270,4 +270,32 @@ async def test_layout_change_reaches_other_replicas(
     await eventually(adopted, timeout_s=2.0)
     lease = await b.acquire(demand("c", 400, P), 1)
     assert await b.release(lease.id)
-    await assert_idle(a)
+    await assert_idle(b)
+
+
+async def test_write_behind_release_is_idempotent_and_read_by_its_store(
+    redis_server: RedisServer, make_store: StoreMaker
+) -> None:
+    store = make_store(redis_server, small_layout(ttl=5.0))
+    await store.start()
+    lease = await store.acquire(demand("a", 40, P), 1)
+    assert await store.release(lease.id) is True  # acknowledged before Redis applied it
+    assert await store.release(lease.id) is False  # while on its way
+    assert await in_flight(store, P) == 0  # the store's own snapshot waits for it
+    assert await store.release(lease.id) is False  # and after
+    await assert_idle(store)
+
+
+async def test_release_after_the_ttl_asks_redis_and_reports_a_reaped_lease(
+    redis_server: RedisServer, make_store: StoreMaker
+) -> None:
+    store = make_store(redis_server, small_layout(ttl=0.3), maintenance_interval_s=0.05)
+    await store.start()
+    lease = await store.acquire(demand("a", 40, P), 1)
+
+    async def reaped() -> bool:
+        return await in_flight(store, P) == 0
+
+    await eventually(reaped, timeout_s=3.0)  # never heartbeated: reaped by the maintenance loop
+    assert await store.release(lease.id) is False
+    await assert_idle(store)
