@@ -144,6 +144,7 @@ class RedisStore:
         self._waiters: dict[int, _Waiter] = {}
         self._pending_release: dict[str, int | None] = {}
         self._pending_withdraw: dict[int, str] = {}
+        self._listeners: list[Callable[[BudgetLayout], None]] = []
         self._releasing: dict[str, asyncio.Future[Any]] = {}  # write-behind releases on their way
         self._last_beat_sent = 0.0  # loop time of the last liveness refresh sent (see _granted_after)
         self._fallback: MemoryStore | None = None
@@ -266,8 +267,18 @@ class RedisStore:
         reply = await self._eval("apply_layout", layout_args(layout), internal=internal)
         self._layout_ver = int(reply[1])
 
-    def _set_layout(self, layout: BudgetLayout) -> None:
+    def add_layout_listener(self, listener: Callable[[BudgetLayout], None]) -> None:
+        """Call ``listener(layout)`` whenever a layout written by another replica is adopted."""
+        self._listeners.append(listener)
+
+    def _set_layout(self, layout: BudgetLayout, *, announce: bool = False) -> None:
         self._layout = layout
+        if announce:
+            for listener in self._listeners:
+                try:
+                    listener(layout)
+                except Exception:
+                    _log.exception("layout listener failed")
         if self._fallback is not None:
             fallback = self._fallback
 
@@ -284,7 +295,8 @@ class RedisStore:
         ver, text = await self._call(self._client.hmget(self._keys.layout, ["ver", "json"]))  # type: ignore[misc]
         if ver is not None and text is not None:
             self._layout_ver = int(ver)
-            self._set_layout(layout_from_json(text))
+            layout = layout_from_json(text)
+            self._set_layout(layout, announce=layout != self._layout)
 
     # ---- acquire ----
 

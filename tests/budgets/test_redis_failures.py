@@ -261,6 +261,8 @@ async def test_layout_change_reaches_other_replicas(
     b = make_store(redis_server, small_layout(), prefix)
     await a.start()
     await b.start()
+    seen: list[BudgetLayout] = []
+    b.add_layout_listener(seen.append)
     bigger = layout([shared(P, 500), private("tenant:a", 100)], ["a", "b", "c"])
     await a.apply_layout(bigger)
 
@@ -268,6 +270,7 @@ async def test_layout_change_reaches_other_replicas(
         return b.layout.pools[P].capacity == 500 and "c" in b.layout.tenants
 
     await eventually(adopted, timeout_s=2.0)
+    assert seen == [b.layout]
     lease = await b.acquire(demand("c", 400, P), 1)
     assert await b.release(lease.id)
     await assert_idle(b)
