@@ -3,8 +3,9 @@
 Under load many requests reach the store in the same event-loop turn. Sending each as its own
 EVALSHA costs a round trip, a script start and a fresh script-level cache per operation; sending
 them together costs one of each, and Redis runs them in submission order, exactly as if they had
-been separate calls at the same instant. With nothing else pending an operation goes out on the
-next loop turn, so a lone request pays one turn, not a timer.
+been separate calls at the same instant. A sender task is started as soon as an operation is
+queued and takes whatever is queued when it first runs, so a lone request pays one loop turn, not
+a timer.
 
 At most ``max_in_flight`` batches are on the wire at once; while they are, new operations queue
 and leave together with the next batch (that is what makes batches grow with load).
@@ -44,21 +45,27 @@ class ScriptBatcher:
         return fut
 
     def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
+        # The sender task takes its operations when it starts running, so everything submitted
+        # until then (this loop turn) leaves in the same batch.
         if not self._scheduled and self._in_flight < self._max_in_flight:
             self._scheduled = True
-            loop.call_soon(self._flush)
+            self._in_flight += 1
+            task = loop.create_task(self._send())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
-    def _flush(self) -> None:
+    async def _send(self) -> None:
         self._scheduled = False
-        if not self._pending or self._in_flight >= self._max_in_flight:
-            return
         items, self._pending = self._pending[: self._max_ops], self._pending[self._max_ops :]
-        self._in_flight += 1
-        task = asyncio.get_running_loop().create_task(self._send(items))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        try:
+            if items:
+                await self._send_items(items)
+        finally:
+            self._in_flight -= 1
+            if self._pending:
+                self._schedule(asyncio.get_running_loop())
 
-    async def _send(self, items: list[tuple[str, Sequence[str], asyncio.Future[Any]]]) -> None:
+    async def _send_items(self, items: list[tuple[str, Sequence[str], asyncio.Future[Any]]]) -> None:
         args: list[str] = []
         for name, op_args, _ in items:
             args += [name, str(len(op_args)), *op_args]
@@ -78,10 +85,6 @@ class ScriptBatcher:
             for (_, _, fut), reply in zip(items, replies, strict=True):
                 if not fut.done():
                     fut.set_result(reply)
-        finally:
-            self._in_flight -= 1
-            if self._pending:
-                self._schedule(asyncio.get_running_loop())
 
     async def drain(self, timeout_s: float) -> None:
         """Wait (bounded) until every queued operation has been sent and answered."""
