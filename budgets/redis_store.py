@@ -367,6 +367,8 @@ class RedisStore:
                 if reply[0] == "U":
                     # Redis forgot the ticket (restart, or this replica was presumed dead):
                     # queue again under the same lease id, keeping the original deadline.
+                    if self._closed:
+                        raise StoreUnavailable("shutting down")
                     again = await self._enqueue(lease_id, demand)
                     if again[0] == "G":
                         return self._hold(lease_id, demand, again, started)
