@@ -12,19 +12,28 @@ Every server runs in its own process, the load generator too:
   access log on, written to /dev/null);
 * **load**: an aiohttp client with N concurrent workers in a closed loop for a fixed time.
 
-Targets are measured interleaved (direct, bare, gateway, direct, ...) in one run so drift on a
-shared machine hits all three alike. Reported per target, concurrency and streaming mode: p50/p99
-latency, requests/s, and CPU seconds per request of the proxy/gateway process (utime+stime from
-/proc/<pid>/stat around each load run); plus gateway CPU/req ÷ bare CPU/req and the time to price
-a 28k-token prompt (``classifiers.bench_pricing``).
+With ``--redis`` a private ``redis-server`` (free port, temp dir, no persistence) is started too,
+and a fourth target, **gateway-redis**, runs the same gateway config with
+``store: {kind: redis, url: ...}`` pointing at it.
+
+Targets are measured interleaved (direct, bare, gateway[, gateway-redis], direct, ...) in one run so
+drift on a shared machine hits all of them alike. Reported per target, concurrency and streaming
+mode: p50/p99 latency, requests/s, and CPU seconds per request of the proxy/gateway process
+(utime+stime from /proc/<pid>/stat around each load run); plus gateway CPU/req ÷ bare CPU/req and
+the time to price a 28k-token prompt (``classifiers.bench_pricing``). With ``--redis`` also Redis's
+own CPU per request (``INFO cpu`` used_cpu_sys + used_cpu_user around each gateway-redis run) and
+the p50 the Redis store adds over the memory store per scenario.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import ctypes
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -273,6 +282,62 @@ def _spawn(args: Sequence[str], *, quiet_stdout: bool = True) -> subprocess.Pope
     )
 
 
+def _die_with_parent() -> None:
+    # Linux: SIGKILL the child when the benchmark dies however it dies (kill -9 included), so a
+    # private redis-server never outlives its run; the ``finally`` in run() covers every other path.
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class PrivateRedis:
+    """A throw-away ``redis-server`` on a free port in a temp dir, no persistence."""
+
+    def __init__(self) -> None:
+        self.port = _free_port()
+        self.dir = tempfile.mkdtemp(prefix="tg-bench-overhead-redis-")
+        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
+             "--save", "", "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+            start_new_session=True,  # a terminal's Ctrl-C reaches us, not Redis: gateways release first
+        )  # fmt: skip
+        self._client: Any = None
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("redis-server did not start") from None
+                time.sleep(0.02)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def cpu_seconds(self) -> float:
+        """Redis's own CPU time so far (``INFO cpu``: used_cpu_sys + used_cpu_user)."""
+        if self._client is None:
+            import redis
+
+            self._client = redis.Redis.from_url(self.url)
+        info = self._client.info("cpu")
+        return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+
+    def stop(self) -> None:
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                self._client.close()
+            self._client = None
+        if self.proc.poll() is None:
+            self.proc.kill()  # nothing to save: no persistence
+        self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 def _pct(xs: list[float], p: float) -> float:
     if not xs:
         return float("nan")
@@ -280,64 +345,86 @@ def _pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(p * len(xs)))]
 
 
+def _spawn_gateway(cfg: Path, port: int, access_log: bool) -> subprocess.Popen[bytes]:
+    log_flag = "--access-log" if access_log else "--no-access-log"
+    return _spawn(
+        ["-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(port),
+         "--log-level", "warning", log_flag]
+    )  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     procs: list[subprocess.Popen[bytes]] = []
     tmp = tempfile.TemporaryDirectory()
+    redis: PrivateRedis | None = None
     try:
         stub_port, bare_port, gw_port = _free_port(), _free_port(), _free_port()
         stub_url = f"http://127.0.0.1:{stub_port}"
         procs.append(_spawn([__file__, "--role", "stub", "--port", str(stub_port)]))
         procs.append(_spawn([__file__, "--role", "bare", "--port", str(bare_port), "--upstream", stub_url]))
+        pools = (
+            f"pools:\n  default:\n    backends:\n"
+            f"      - {{url: {stub_url}, capacity_tokens: 100000000, models: [{MODEL}]}}\n"
+        )
         cfg = Path(tmp.name) / "gw.yaml"
-        cfg.write_text(
-            f"pools:\n  default:\n    backends:\n      - {{url: {stub_url}, capacity_tokens: 100000000, models: [{MODEL}]}}\n"
-        )
-        gw = _spawn(
-            [
-                "-m",
-                "gateway.cli",
-                "serve",
-                "--config",
-                str(cfg),
-                "--port",
-                str(gw_port),
-                "--log-level",
-                "warning",
-            ]
-        )
+        cfg.write_text(pools)
+        gw = _spawn_gateway(cfg, gw_port, args.access_log)
         procs.append(gw)
-        _wait_ready(f"{stub_url}/v1/models")
-        _wait_ready(f"http://127.0.0.1:{gw_port}/readyz")
-        time.sleep(0.5)
         targets = {
             "direct": (f"{stub_url}/v1/chat/completions", None),
             "bare": (f"http://127.0.0.1:{bare_port}/v1/chat/completions", procs[1].pid),
             "gateway": (f"http://127.0.0.1:{gw_port}/v1/chat/completions", gw.pid),
         }
+        if args.redis:
+            redis = PrivateRedis()
+            gwr_port = _free_port()
+            cfg_redis = Path(tmp.name) / "gw-redis.yaml"
+            cfg_redis.write_text(pools + f'store: {{kind: redis, url: "{redis.url}", key_prefix: bench}}\n')
+            gwr = _spawn_gateway(cfg_redis, gwr_port, args.access_log)
+            procs.append(gwr)
+            targets["gateway-redis"] = (f"http://127.0.0.1:{gwr_port}/v1/chat/completions", gwr.pid)
+        _wait_ready(f"{stub_url}/v1/models")
+        for name, (url, _) in targets.items():
+            if name.startswith("gateway"):
+                _wait_ready(url.replace("/v1/chat/completions", "/readyz"))
+        time.sleep(0.5)
         results: dict[str, Any] = {}
         for rnd in range(args.rounds):
             for stream in args.modes:
                 for conc in args.concurrency:
                     for name, (url, pid) in targets.items():
                         key = f"{name}|c{conc}|{'stream' if stream else 'plain'}"
+                        # Redis's CPU is charged to the one target that talks to it.
+                        meter = redis if name == "gateway-redis" else None
                         cpu0 = _cpu_seconds(pid) if pid else 0.0
+                        rcpu0 = meter.cpu_seconds() if meter else 0.0
                         out = subprocess.run(
                             [sys.executable, __file__, "--role", "load", "--url", url, "--c", str(conc),
                              "--duration", str(args.duration), "--warmup", str(args.warmup), "--stream", str(int(stream))],
                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, check=True,
                         )  # fmt: skip
                         cpu1 = _cpu_seconds(pid) if pid else 0.0
+                        rcpu1 = meter.cpu_seconds() if meter else 0.0
                         data = json.loads(out.stdout)
                         agg = results.setdefault(
-                            key, {"latencies": [], "errors": 0, "seconds": 0.0, "cpu": 0.0, "n_all": 0}
+                            key,
+                            {
+                                "latencies": [],
+                                "errors": 0,
+                                "seconds": 0.0,
+                                "cpu": 0.0,
+                                "redis_cpu": 0.0,
+                                "n_all": 0,
+                            },
                         )
                         agg["latencies"] += data["latencies"]
                         agg["errors"] += data["errors"]
                         agg["seconds"] += data["duration"]
                         agg["n_all"] += data["n_all"]
                         agg["cpu"] += cpu1 - cpu0
+                        agg["redis_cpu"] += rcpu1 - rcpu0
                         print(
-                            f"round {rnd + 1} {key:<24} n={len(data['latencies']):>6} "
+                            f"round {rnd + 1} {key:<30} n={len(data['latencies']):>6} "
                             f"p50={_pct(data['latencies'], 0.5) * 1e3:7.3f} ms",
                             file=sys.stderr,
                         )
@@ -353,6 +440,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 # CPU is read around the whole load run (warm-up included): divide by all requests.
                 "cpu_ms_per_req": (agg["cpu"] / agg["n_all"] * 1e3) if agg["n_all"] and agg["cpu"] else None,
             }
+            if key.startswith("gateway-redis|"):
+                summary[key]["redis_cpu_ms_per_req"] = (
+                    agg["redis_cpu"] / agg["n_all"] * 1e3 if agg["n_all"] else None
+                )
         return summary
     finally:
         for p in procs:
@@ -362,24 +453,66 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
+        # After the gateways: a gateway shutting down still releases to Redis.
+        if redis is not None:
+            redis.stop()
         tmp.cleanup()
 
 
-def report(summary: dict[str, Any], args: argparse.Namespace, pricing: dict[str, float] | None) -> str:
-    lines = [
-        "| mode | concurrency | target | p50 ms | p99 ms | req/s | CPU ms/req (proxy process) |",
-        "|---|---:|---|---:|---:|---:|---:|",
-    ]
+REDIS_ADDED_P50_TARGET_MS = 0.3
+
+
+def redis_checks(summary: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """What the Redis store adds over the memory store, per scenario (``--redis`` runs only)."""
+    added: dict[str, float] = {}
+    redis_cpu: dict[str, float | None] = {}
+    for stream in args.modes:
+        mode = "stream" if stream else "plain"
+        for conc in args.concurrency:
+            mem, red = summary[f"gateway|c{conc}|{mode}"], summary[f"gateway-redis|c{conc}|{mode}"]
+            added[f"{mode}|c{conc}"] = red["p50_ms"] - mem["p50_ms"]
+            redis_cpu[f"{mode}|c{conc}"] = red.get("redis_cpu_ms_per_req")
+    top = max(args.concurrency)
+    rps = {
+        mode: {"gateway": summary[f"gateway|c{top}|{mode}"]["rps"], "gateway-redis": summary[f"gateway-redis|c{top}|{mode}"]["rps"]}
+        for mode in ("stream" if s else "plain" for s in args.modes)
+    }  # fmt: skip
+    at_c1 = {k: v for k, v in added.items() if k.endswith("|c1")}
+    return {
+        "added_p50_ms": added,
+        "redis_cpu_ms_per_req": redis_cpu,
+        "target_added_p50_ms": REDIS_ADDED_P50_TARGET_MS,
+        "target_met_at_c1": {k: v <= REDIS_ADDED_P50_TARGET_MS for k, v in at_c1.items()},
+        "throughput_concurrency": top,
+        "rps_at_top_concurrency": rps,
+    }
+
+
+def report(
+    summary: dict[str, Any],
+    args: argparse.Namespace,
+    pricing: dict[str, float] | None,
+    redis: dict[str, Any] | None = None,
+) -> str:
+    names = ("direct", "bare", "gateway", "gateway-redis") if redis else ("direct", "bare", "gateway")
+    header = "| mode | concurrency | target | p50 ms | p99 ms | req/s | CPU ms/req (proxy process) |"
+    rule = "|---|---:|---|---:|---:|---:|---:|"
+    if redis:
+        header += " Redis CPU ms/req |"
+        rule += "---:|"
+    lines = [header, rule]
     checks = []
     for stream in args.modes:
         mode = "stream" if stream else "plain"
         for conc in args.concurrency:
-            for name in ("direct", "bare", "gateway"):
+            for name in names:
                 s = summary[f"{name}|c{conc}|{mode}"]
                 cpu = f"{s['cpu_ms_per_req']:.3f}" if s["cpu_ms_per_req"] else "-"
-                lines.append(
-                    f"| {mode} | {conc} | {name} | {s['p50_ms']:.3f} | {s['p99_ms']:.3f} | {s['rps']:.0f} | {cpu} |"
-                )
+                row = f"| {mode} | {conc} | {name} | {s['p50_ms']:.3f} | {s['p99_ms']:.3f} | {s['rps']:.0f} | {cpu} |"
+                if redis:
+                    rc = s.get("redis_cpu_ms_per_req")
+                    row += f" {rc:.3f} |" if rc is not None else " - |"
+                lines.append(row)
             g, b, d = (summary[f"{n}|c{conc}|{mode}"] for n in ("gateway", "bare", "direct"))
             if g["cpu_ms_per_req"] and b["cpu_ms_per_req"]:
                 ratio = g["cpu_ms_per_req"] / b["cpu_ms_per_req"]
@@ -394,6 +527,19 @@ def report(summary: dict[str, Any], args: argparse.Namespace, pricing: dict[str,
         rps = summary[f"gateway|c{top}|plain"]["rps"]
         checks.append(f"- saturated (c={top}, plain) gateway throughput **{rps:.0f} req/s**"
                       f" (target >= 1200: {'met' if rps >= 1200 else 'NOT met'})")  # fmt: skip
+    if redis:
+        target = redis["target_added_p50_ms"]
+        for scenario, added in redis["added_p50_ms"].items():
+            mode, conc = scenario.split("|")
+            verdict = (
+                f" (target <= {target} ms: {'met' if added <= target else 'NOT met'})" if conc == "c1" else ""
+            )
+            checks.append(f"- {mode} {conc.replace('c', 'c=')}: Redis store adds **{added:.3f} ms** p50"
+                          f" over the memory store{verdict}")  # fmt: skip
+        for mode, r in redis["rps_at_top_concurrency"].items():
+            ratio = r["gateway-redis"] / r["gateway"]
+            checks.append(f"- saturated (c={redis['throughput_concurrency']}, {mode}) gateway-redis throughput"
+                          f" **{r['gateway-redis']:.0f} req/s** vs memory store {r['gateway']:.0f} ({ratio:.2f}x)")  # fmt: skip
     if pricing:
         checks.append(
             f"- pricing a {pricing['prompt_tokens']:.0f}-token chat prompt: **{pricing['cold_ms']:.2f} ms** cold, "
@@ -419,6 +565,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="plain,stream", help="plain, stream or both")
     p.add_argument("--json", metavar="FILE", help="also write the summary as JSON")
     p.add_argument(
+        "--redis",
+        action="store_true",
+        help="also measure gateway-redis: the same gateway on a private redis-server (store kind redis)",
+    )
+    p.add_argument(
         "--access-log",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -439,15 +590,25 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.modes = [m == "stream" for m in args.modes.split(",")]
+    # Ctrl-C raises KeyboardInterrupt; make SIGTERM unwind the same way so run()'s cleanup stops
+    # the servers (and the private Redis).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     summary = run(args)
     from classifiers.bench_pricing import measure
 
     pricing = measure()
-    text = report(summary, args, pricing)
-    print(f"\ncommand: python loadtest/bench_overhead.py --duration {args.duration} --rounds {args.rounds}\n")
+    redis = redis_checks(summary, args) if args.redis else None
+    text = report(summary, args, pricing, redis)
+    flags = " --redis" if args.redis else ""
+    print(
+        f"\ncommand: python loadtest/bench_overhead.py{flags} --duration {args.duration} --rounds {args.rounds}\n"
+    )
     print(text)
     if args.json:
-        Path(args.json).write_text(json.dumps({"summary": summary, "pricing": pricing}, indent=2))
+        result: dict[str, Any] = {"summary": summary, "pricing": pricing}
+        if redis is not None:
+            result["redis"] = redis
+        Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
 
 
