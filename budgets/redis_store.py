@@ -47,7 +47,8 @@ from budgets import policy
 from budgets.keys import KeyLayout, layout_args, layout_from_json, pack_demand
 from budgets.lua import ScriptRunner
 from budgets.memory import MemoryStore
-from budgets.redis_batch import ScriptBatcher
+from budgets.redis_batch import FastSend, ScriptBatcher, SendAgain
+from budgets.resp import NoScriptError, RespConnection, address_from_url
 from budgets.types import (
     BudgetLayout,
     Demand,
@@ -138,8 +139,23 @@ class RedisStore:
         self._replica = replica_id or secrets.token_hex(6)
         self._ids = itertools.count(1)
         self._client = client or Redis(connection_pool=self._pool())
+        # Script calls (the request path) go over one lean pipelined connection (budgets/resp.py);
+        # redis-py keeps pub/sub, the snapshot and layout reads. TLS URLs and an injected client
+        # send scripts through redis-py too.
+        address = address_from_url(self._opts.url) if client is None else None
+        self._resp = (
+            RespConnection(
+                address, connect_timeout_s=self._opts.connect_timeout_s, op_timeout_s=self._opts.op_timeout_s
+            )
+            if address is not None
+            else None
+        )
         self._scripts = ScriptRunner()
-        self._batcher = ScriptBatcher(self._eval_batch, max_in_flight=max(1, self._opts.max_connections // 2))
+        self._batcher = ScriptBatcher(
+            self._eval_batch,
+            max_in_flight=max(1, self._opts.max_connections // 2),
+            fast=FastSend(self._batch_start, self._batch_finish) if self._resp is not None else None,
+        )
         self._held: dict[str, _Held] = {}
         self._waiters: dict[int, _Waiter] = {}
         self._pending_release: dict[str, int | None] = {}
@@ -244,6 +260,8 @@ class RedisStore:
         await self._batcher.drain(self._opts.op_timeout_s)
         if self._fallback is not None:
             await self._fallback.close()
+        if self._resp is not None:
+            await self._resp.close()
         with contextlib.suppress(Exception):
             await self._client.aclose()
 
@@ -652,9 +670,18 @@ class RedisStore:
         # the in-flight leases are re-registered could overcommit a pool.
         if self._down and not internal:
             raise _Down("redis is down")
-        keys = [self._keys.layout]
         argv = [self._now_arg(), self._replica, *args]
-        reply, mine = await self._call(self._scripts.call(self._client, name, keys, argv))
+        if self._resp is not None:
+            # Bounded by the connection itself (connect_s to connect, op_s per request; an expiry
+            # tears the connection down), without a timeout context per call.
+            try:
+                reply, mine = await self._scripts.call_resp(self._resp, name, self._keys.layout, argv)
+            except (OSError, TimeoutError) as err:
+                self._mark_down(err)
+                raise _Down(str(err)) from err
+        else:
+            keys = [self._keys.layout]
+            reply, mine = await self._call(self._scripts.call(self._client, name, keys, argv))
         # Wake-ups for this replica's own tickets come back in the reply (not pub/sub): hand them
         # over now, before the caller resumes, exactly as the memory store would.
         for payload in mine:
@@ -663,6 +690,28 @@ class RedisStore:
 
     async def _eval_batch(self, args: list[str]) -> Any:
         return await self._eval("batch", args)
+
+    def _batch_start(self, args: list[str]) -> asyncio.Future[Any] | None:
+        """The batch script written at once on the open lean connection (the batcher's fast path)."""
+        if self._down or self._resp is None:
+            return None  # _eval_batch raises _Down (or the recovery is the one talking to Redis)
+        argv = [self._now_arg(), self._replica, *args]
+        return self._scripts.send_resp_nowait(self._resp, "batch", self._keys.layout, argv)
+
+    def _batch_finish(self, wire: asyncio.Future[Any]) -> Sequence[Any]:
+        """_eval's reply handling for a batch sent by _batch_start."""
+        err = wire.exception() if not wire.cancelled() else asyncio.CancelledError()
+        if err is None:
+            reply, mine = wire.result()
+            for payload in mine:
+                self._on_wake(payload)
+            return reply  # type: ignore[no-any-return]
+        if isinstance(err, NoScriptError):
+            raise SendAgain("script not loaded") from err  # nothing ran: reload and retry
+        if isinstance(err, (OSError, TimeoutError, asyncio.CancelledError)):
+            self._mark_down(err)
+            raise _Down(str(err)) from err
+        raise err
 
     async def _eval_layout(self, name: str, args: Sequence[str], *, internal: bool = False) -> Any:
         """A script that needs the layout: if Redis lost it (restart), recover first and retry once."""
@@ -688,6 +737,8 @@ class RedisStore:
                 return True
             try:
                 async with asyncio.timeout(self._opts.connect_timeout_s + self._opts.op_timeout_s):
+                    if self._resp is not None:
+                        await self._resp.execute("PING")  # the connection the scripts use
                     await self._client.ping()  # type: ignore[misc]
             except Exception:
                 return False
