@@ -124,6 +124,16 @@ async def start_gateways(
         finally:
             os.close(log_fd)
         gateways.append(Gateway(port, proc, log_path))
+    try:
+        await _wait_ready(gateways)
+    except BaseException:
+        # The caller never gets them, so it cannot stop them: do it here.
+        await stop_gateways(gateways)
+        raise
+    return gateways, prefix
+
+
+async def _wait_ready(gateways: list[Gateway]) -> None:
     async with aiohttp.ClientSession() as session:
         deadline = time.monotonic() + 60
         for gw in gateways:
@@ -136,7 +146,6 @@ async def start_gateways(
                     raise AssertionError(f"gateway exited: {gw.log.read_text()[-2000:]}")
                 assert time.monotonic() < deadline, "gateway did not become ready"
                 await asyncio.sleep(0.1)
-    return gateways, prefix
 
 
 async def stop_gateways(gateways: list[Gateway]) -> None:
