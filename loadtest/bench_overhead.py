@@ -398,14 +398,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         meter = redis if name == "gateway-redis" else None
                         cpu0 = _cpu_seconds(pid) if pid else 0.0
                         rcpu0 = meter.cpu_seconds() if meter else 0.0
-                        out = subprocess.run(
+                        result_path = os.path.join(tmp.name, "load.json")
+                        subprocess.run(
                             [sys.executable, __file__, "--role", "load", "--url", url, "--c", str(conc),
-                             "--duration", str(args.duration), "--warmup", str(args.warmup), "--stream", str(int(stream))],
-                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, check=True,
+                             "--duration", str(args.duration), "--warmup", str(args.warmup), "--stream", str(int(stream)),
+                             "--out", result_path],
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True,
                         )  # fmt: skip
                         cpu1 = _cpu_seconds(pid) if pid else 0.0
                         rcpu1 = meter.cpu_seconds() if meter else 0.0
-                        data = json.loads(out.stdout)
+                        with open(result_path) as f:
+                            data = json.load(f)
                         agg = results.setdefault(
                             key,
                             {
@@ -556,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--upstream", help=argparse.SUPPRESS)
     p.add_argument("--url", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--c", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--stream", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--duration", type=float, default=3.0, help="measured seconds per load run")
@@ -586,7 +590,10 @@ def main(argv: list[str] | None = None) -> int:
         import uvloop
 
         out = uvloop.run(_load(args.url, args.c, args.duration, args.warmup, bool(args.stream)))
-        print(json.dumps(out))
+        # The result goes to a file, not stdout: a large result read back through the stdout pipe
+        # was twice seen cut short at a 32 KiB boundary while the machine was loaded.
+        with open(args.out, "w") as f:
+            json.dump(out, f)
         return 0
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.modes = [m == "stream" for m in args.modes.split(",")]
