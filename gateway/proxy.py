@@ -303,6 +303,16 @@ class Proxy:
 
     # ---- the request ----
 
+    def _refuse_if_draining(self) -> None:
+        # Checked on arrival and again just before queueing: drain may begin while a body is read.
+        if self.gw.draining:
+            raise ApiError(
+                503,
+                "The gateway is shutting down; retry on another replica",
+                code="draining",
+                retry_after_s=1.0,
+            )
+
     async def _serve(
         self, scope: Scope, receive: Receive, send: Send, kind: int, rec: Record, flight: Flight
     ) -> None:
@@ -347,13 +357,7 @@ class Proxy:
             # backend (unless the backend has its own key configured, which replaces it).
             fwd.append(("Authorization", raw_auth))
 
-        if self.gw.draining:
-            raise ApiError(
-                503,
-                "The gateway is shutting down; retry on another replica",
-                code="draining",
-                retry_after_s=1.0,
-            )
+        self._refuse_if_draining()
 
         raw = await read_body(receive, content_length, self.max_body)
         watcher = asyncio.create_task(_watch_disconnect(receive, flight))
@@ -453,13 +457,7 @@ class Proxy:
             self._demand_pools[pools_key] = pools
         demand = Demand(tenant.name, tier.name, pools, prefill, decode)
 
-        if self.gw.draining:
-            raise ApiError(
-                503,
-                "The gateway is shutting down; retry on another replica",
-                code="draining",
-                retry_after_s=1.0,
-            )
+        self._refuse_if_draining()
         flight.phase = QUEUED
         t_queue = perf_counter()
         try:

@@ -198,28 +198,42 @@ async def test_pools_back_to_zero_after_concurrent_load(
     assert all(b.in_flight_tokens == 0 for b in gw.app.router.backends)
 
 
-async def test_queue_timeout_is_429_with_retry_after(
-    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
-) -> None:
-    _, url = stub_backend
+AUTH_K = {"authorization": "Bearer k"}
+
+
+async def _full_budget(
+    url: str, gateway_factory: GatewayFactory, *, max_queue_wait_s: float, max_queue_len: int
+) -> tuple[RunningGateway, RawRequest]:
+    """A gateway whose only tenant's budget is held by one slow stream: the next request queues."""
     gw = await gateway_factory(
         {
             "pools": stub_pools(url),
-            "tiers": {"standard": {"rank": 0, "max_queue_wait_s": 0.2}},
+            "tiers": {"standard": {"rank": 0, "max_queue_wait_s": max_queue_wait_s}},
             "tenants": {
-                "t": {"keys": ["k"], "budget_tokens": 1200, "default_max_tokens": 1000, "max_queue_len": 1}
+                "t": {
+                    "keys": ["k"],
+                    "budget_tokens": 1200,
+                    "default_max_tokens": 1000,
+                    "max_queue_len": max_queue_len,
+                }
             },
         }
     )
-    auth = {"authorization": "Bearer k"}
     holder = await RawRequest.post(
         gw.url,
         "/v1/chat/completions",
         chat(stream=True),
-        {**auth, "x-stub-chunks": "1000", "x-stub-interval": "0.01"},
+        {**AUTH_K, "x-stub-chunks": "1000", "x-stub-interval": "0.01"},
     )
     assert (await holder.read_head())[0] == 200
-    async with httpx.AsyncClient(base_url=gw.url, headers=auth) as c:
+    return gw, holder
+
+
+async def test_queue_timeout_is_429_with_retry_after(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
+) -> None:
+    gw, holder = await _full_budget(stub_backend[1], gateway_factory, max_queue_wait_s=0.2, max_queue_len=1)
+    async with httpx.AsyncClient(base_url=gw.url, headers=AUTH_K) as c:
         r = await c.post("/v1/chat/completions", json=chat())
     assert r.status_code == 429
     assert r.json()["error"]["code"] == "queue_timeout"
@@ -231,25 +245,8 @@ async def test_queue_timeout_is_429_with_retry_after(
 async def test_client_may_shorten_the_queue_wait_with_a_header(
     stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
 ) -> None:
-    _, url = stub_backend
-    gw = await gateway_factory(
-        {
-            "pools": stub_pools(url),
-            "tiers": {"standard": {"rank": 0, "max_queue_wait_s": 30}},
-            "tenants": {
-                "t": {"keys": ["k"], "budget_tokens": 1200, "default_max_tokens": 1000, "max_queue_len": 4}
-            },
-        }
-    )
-    auth = {"authorization": "Bearer k"}
-    holder = await RawRequest.post(
-        gw.url,
-        "/v1/chat/completions",
-        chat(stream=True),
-        {**auth, "x-stub-chunks": "1000", "x-stub-interval": "0.01"},
-    )
-    assert (await holder.read_head())[0] == 200
-    async with httpx.AsyncClient(base_url=gw.url, headers=auth, timeout=10) as c:
+    gw, holder = await _full_budget(stub_backend[1], gateway_factory, max_queue_wait_s=30, max_queue_len=4)
+    async with httpx.AsyncClient(base_url=gw.url, headers=AUTH_K, timeout=10) as c:
         t0 = asyncio.get_running_loop().time()
         r = await c.post("/v1/chat/completions", json=chat(), headers={"x-tokengate-max-queue-wait": "0.2"})
         waited = asyncio.get_running_loop().time() - t0
