@@ -9,7 +9,7 @@ open it for a cooldown) plus an active probe (:mod:`backends.health`) that close
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -133,8 +133,9 @@ class BackendPool:
     def has_healthy(self, model: str) -> bool:
         return any(b.healthy and b.serves(model) for b in self.backends)
 
-    def pick(self, model: str | None) -> Backend | None:
-        """The healthy backend serving ``model`` (None: any) with the most free tokens (first on ties).
+    def pick(self, model: str | None, exclude: Collection[Backend] = ()) -> Backend | None:
+        """The healthy backend serving ``model`` (None: any) with the most free tokens (first on ties),
+        leaving out ``exclude`` (backends a request already failed to connect to).
 
         With a load signal, free tokens are scaled by ``1 - penalty()`` and saturated backends are
         used only when no other one serves the model.
@@ -142,7 +143,7 @@ class BackendPool:
         best: Backend | None = None
         best_key = (False, 0.0)
         for b in self.backends:
-            if b.healthy and (model is None or b.serves(model)):
+            if b.healthy and (model is None or b.serves(model)) and b not in exclude:
                 load = b.load
                 if load is None:
                     key = (True, float(b.free_tokens))

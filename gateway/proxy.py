@@ -507,10 +507,13 @@ class Proxy:
     def _payload(
         self, kind: int, body: Any, raw: bytes, decode: int, backend: Backend, tier: Any
     ) -> tuple[bytes, bool]:
-        """(bytes to send, client_wants_usage). Re-serialize only when something must change."""
+        """(bytes to send, client_wants_usage). Re-serialize only when something must change.
+
+        ``body`` is left as the client sent it (a retry on another backend builds its payload again).
+        """
         if kind == PASSTHROUGH or kind == EMBEDDING:
             return raw, False
-        changed = False
+        changes: dict[str, Any] = {}
         wants_usage = True
         if body.get("stream") is True:
             opts = body.get("stream_options")
@@ -518,19 +521,30 @@ class Proxy:
             if not wants_usage:
                 opts = dict(opts) if isinstance(opts, dict) else {}
                 opts["include_usage"] = True
-                body["stream_options"] = opts
-                changed = True
+                changes["stream_options"] = opts
         if (
             self.enforce_max_tokens
             and body.get("max_tokens") is None
             and body.get("max_completion_tokens") is None
         ):
-            body["max_tokens"] = max(decode // self._sequences(kind, body), 1)
-            changed = True
+            changes["max_tokens"] = max(decode // self._sequences(kind, body), 1)
         if backend.spec.accepts_priority and body.get("priority") != tier.rank:
-            body["priority"] = tier.rank
-            changed = True
-        return (orjson.dumps(body) if changed else raw), wants_usage
+            changes["priority"] = tier.rank
+        if not changes:
+            return raw, wants_usage
+        return orjson.dumps({**body, **changes}), wants_usage
+
+    def _request_headers(
+        self, backend: Backend, fwd: list[tuple[str, str]], has_ct: bool, kind: int
+    ) -> list[tuple[str, str]]:
+        headers = fwd
+        auth = self._auth_header[id(backend)]
+        if auth is not None:
+            headers = [h for h in fwd if h[0] != "Authorization"] if self.open_mode else fwd.copy()
+            headers.append(auth)
+        if not has_ct and kind != PASSTHROUGH:
+            headers = [*headers, ("Content-Type", "application/json")]
+        return headers
 
     @staticmethod
     def _sequences(kind: int, body: Any) -> int:
@@ -561,7 +575,8 @@ class Proxy:
         lease: Lease,
         decode: int,
     ) -> int | None:
-        backend = self.router.pools[pool_name].pick(model or None)
+        pool = self.router.pools[pool_name]
+        backend = pool.pick(model or None)
         if backend is None:
             raise ApiError(
                 503, f"No healthy backend in pool {pool_name!r}", code="no_healthy_backend", retry_after_s=1.0
@@ -573,40 +588,52 @@ class Proxy:
         flight.phase = UPSTREAM
         resp: aiohttp.ClientResponse | None = None
         complete = False
+        tried: list[Backend] = []
         try:
-            payload, wants_usage = self._payload(kind, body, raw, decode, backend, tier)
-            headers = fwd
-            auth = self._auth_header[id(backend)]
-            if auth is not None:
-                headers = [h for h in fwd if h[0] != "Authorization"] if self.open_mode else fwd.copy()
-                headers.append(auth)
-            if not has_ct and kind != PASSTHROUGH:
-                headers = [*headers, ("Content-Type", "application/json")]
-            path = scope["path"]
-            qs = scope.get("query_string")
-            url = backend.spec.url + (path if not qs else f"{path}?{qs.decode('latin-1')}")
-            t_up = perf_counter()
-            try:
-                resp = await self.session.request(
-                    scope["method"], url, data=payload, headers=headers, timeout=self._timeouts[id(backend)]
-                )
-            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-                failure = classify_error(exc, backend.name)
-                if failure.connect_failure and backend.record_connect_failure():
-                    log.warning(
-                        "backend %s marked unhealthy after %d connect failures",
-                        backend.name,
-                        backend.consecutive_failures,
+            while True:
+                payload, wants_usage = self._payload(kind, body, raw, decode, backend, tier)
+                headers = self._request_headers(backend, fwd, has_ct, kind)
+                path = scope["path"]
+                qs = scope.get("query_string")
+                url = backend.spec.url + (path if not qs else f"{path}?{qs.decode('latin-1')}")
+                t_up = perf_counter()
+                try:
+                    resp = await self.session.request(
+                        scope["method"],
+                        url,
+                        data=payload,
+                        headers=headers,
+                        timeout=self._timeouts[id(backend)],
                     )
-                raise ApiError(
-                    failure.status,
-                    failure.message,
-                    code="upstream_unreachable"
-                    if failure.connect_failure
-                    else "upstream_timeout"
-                    if failure.status == 504
-                    else "upstream_error",
-                ) from None
+                    break
+                except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                    failure = classify_error(exc, backend.name)
+                    if failure.connect_failure and backend.record_connect_failure():
+                        log.warning(
+                            "backend %s marked unhealthy after %d connect failures",
+                            backend.name,
+                            backend.consecutive_failures,
+                        )
+                    # A connect failure means the request never reached the backend: try the
+                    # pool's next healthy backend. Anything later may have started generating.
+                    tried.append(backend)
+                    nxt = pool.pick(model or None, exclude=tried) if failure.connect_failure else None
+                    if nxt is None:
+                        raise ApiError(
+                            failure.status,
+                            failure.message,
+                            code="upstream_unreachable"
+                            if failure.connect_failure
+                            else "upstream_timeout"
+                            if failure.status == 504
+                            else "upstream_error",
+                        ) from None
+                    backend.in_flight_tokens -= cost
+                    backend.in_flight_requests -= 1
+                    backend = nxt
+                    backend.in_flight_tokens += cost
+                    backend.in_flight_requests += 1
+                    rec.backend = backend.name
             backend.record_success()
             status = resp.status
             is_sse = kind != EMBEDDING and status == 200 and resp.content_type == "text/event-stream"

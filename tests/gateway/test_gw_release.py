@@ -129,6 +129,41 @@ async def test_connect_refused_is_502_and_opens_breaker(gateway_factory: Gateway
     assert await gw.wait_idle() == ZERO
 
 
+async def test_connect_failure_retries_the_pools_next_backend(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
+) -> None:
+    stub, url = stub_backend
+    dead = f"http://127.0.0.1:{free_port()}"
+    gw = await gateway_factory(
+        {
+            # Equal capacity: the dead backend is listed first, so it is picked first.
+            "pools": {
+                "default": {
+                    "backends": [
+                        {"url": dead, "capacity_tokens": 100_000, "models": ["stub-model"], "name": "dead"},
+                        {"url": url, "capacity_tokens": 100_000, "models": ["stub-model"], "name": "live"},
+                    ]
+                }
+            },
+            "health": {"failure_threshold": 2, "cooldown_s": 60},
+        }
+    )
+    async with httpx.AsyncClient(base_url=gw.url) as c:
+        for stream in (False, True, False):
+            r = await c.post("/v1/chat/completions", json=chat(stream=stream))
+            assert r.status_code == 200, r.text
+    # The request never reached the dead backend, so it went to the live one; after two connect
+    # failures the breaker keeps the dead one out of the rotation.
+    assert len(stub.requests) == 3
+    dead_backend, live_backend = gw.app.router.pools["default"].backends
+    assert not dead_backend.healthy and live_backend.healthy
+    # A retried request was re-serialized from the client's own body: usage was asked for upstream
+    # only on the stream, and the client's body was not changed for the next attempt.
+    assert [r.body.get("stream_options") for r in stub.requests] == [None, {"include_usage": True}, None]
+    assert await gw.wait_idle() == ZERO
+    assert all(b.in_flight_tokens == 0 and b.in_flight_requests == 0 for b in gw.app.router.backends)
+
+
 async def test_upstream_timeout_is_504_released_and_cancelled(
     stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
 ) -> None:
