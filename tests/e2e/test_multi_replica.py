@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,16 +53,6 @@ class Tally:
     statuses: Counter[int] = field(default_factory=Counter)
     served: Counter[str] = field(default_factory=Counter)  # tenant -> 200s
     transport_errors: int = 0
-
-
-@pytest.fixture
-def redis_proc() -> Iterator[RedisServer]:
-    server = RedisServer()
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
@@ -228,10 +218,10 @@ async def wait_drained(redis: Redis, prefix: str, timeout_s: float) -> float:
 
 
 async def test_replicas_share_one_budget_fairly_and_a_killed_replica_gives_its_tokens_back(
-    tmp_path: Path, redis_proc: RedisServer, backend: str
+    tmp_path: Path, fresh_redis: RedisServer, backend: str
 ) -> None:
-    gateways, prefix = await start_gateways(tmp_path, 3, redis_proc, backend, "closed")
-    redis = Redis.from_url(redis_proc.url, decode_responses=True)
+    gateways, prefix = await start_gateways(tmp_path, 3, fresh_redis, backend, "closed")
+    redis = Redis.from_url(fresh_redis.url, decode_responses=True)
     peaks: Counter[str] = Counter()
     sampling = True
 
@@ -302,18 +292,18 @@ async def find_dead_replica(redis: Redis, prefix: str, owners: set[str]) -> str:
 
 @pytest.mark.parametrize("fail_mode", ["closed", "open"])
 async def test_redis_killed_and_restarted_mid_load(
-    tmp_path: Path, redis_proc: RedisServer, backend: str, fail_mode: str
+    tmp_path: Path, fresh_redis: RedisServer, backend: str, fail_mode: str
 ) -> None:
-    gateways, prefix = await start_gateways(tmp_path, 2, redis_proc, backend, fail_mode)
+    gateways, prefix = await start_gateways(tmp_path, 2, fresh_redis, backend, fail_mode)
     try:
         async with load(gateways, workers_per_tenant=3) as tally:
             await asyncio.sleep(1.5)
             before = Counter(tally.statuses)
-            redis_proc.kill()
+            fresh_redis.kill()
             await asyncio.sleep(1.5)
             during = tally.statuses - before
             print(f"{fail_mode}: before {dict(before)} during the outage {dict(during)}")
-            redis_proc.restart()  # empty: layout, leases and scripts are gone
+            fresh_redis.restart()  # empty: layout, leases and scripts are gone
             await asyncio.sleep(2.5)
             after_mark = Counter(tally.statuses)
             await asyncio.sleep(1.5)
@@ -330,7 +320,7 @@ async def test_redis_killed_and_restarted_mid_load(
             assert set(during) <= {200, 429}, during
         assert after[200] > 20 and set(after) <= {200, 429}, after
         assert all(gw.proc.returncode is None for gw in gateways), "a gateway crashed"
-        redis = Redis.from_url(redis_proc.url, decode_responses=True)
+        redis = Redis.from_url(fresh_redis.url, decode_responses=True)
         try:
             await wait_drained(redis, prefix, timeout_s=TTL_S + 3.0)
         finally:
