@@ -42,6 +42,7 @@ from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.modeltable import ModelTable
 from gateway.observe import Observer, ScrapeTarget, StatsSources, observe_routes
 from gateway.observe.stats import config_view
+from gateway.paths import path_problem
 from gateway.proxy import (
     CHAT,
     COMPLETION,
@@ -64,6 +65,16 @@ _ROUTES = {
     "/v1/completions": COMPLETION,
     "/v1/embeddings": EMBEDDING,
 }
+# The hot routes by raw path: one dict lookup, and a path that matches needs no further checks.
+_RAW_ROUTES = {path.encode(): kind for path, kind in _ROUTES.items()}
+
+
+async def _send_error(send: Send, exc: ApiError) -> None:
+    body = exc.body()
+    headers = exc.headers()
+    headers.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 class Gateway:
@@ -208,8 +219,16 @@ class Gateway:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
+            raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
+            kind = _RAW_ROUTES.get(raw_path)
+            if kind is None:
+                problem = path_problem(raw_path)
+                if problem is not None:
+                    await _send_error(
+                        send, ApiError(400, f"Invalid request path: {problem}", code="invalid_path")
+                    )
+                    return
             path = scope["path"]
-            kind = _ROUTES.get(path)
             if kind is not None:
                 assert self._proxy is not None, "the app's lifespan has not run"
                 await self._proxy.handle(scope, receive, send, kind)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
+from yarl import URL
 
 from backends.pools import Backend, NoBackend
 from backends.upstream import REQUEST_DROP, classify_error, response_headers
@@ -180,6 +181,7 @@ class Proxy:
         self.enforce_max_tokens = cfg.enforce_max_tokens
         self.open_mode = cfg.open_mode
         self._demand_pools: dict[tuple[str, str, str | None], tuple[str, ...]] = {}
+        self._urls: dict[tuple[int, bytes], URL] = {}
         # Per-backend constants, computed once.
         self._timeouts: dict[int, aiohttp.ClientTimeout] = {}
         self._auth_header: dict[int, tuple[str, str] | None] = {}
@@ -593,9 +595,7 @@ class Proxy:
             while True:
                 payload, wants_usage = self._payload(kind, body, raw, decode, backend, tier)
                 headers = self._request_headers(backend, fwd, has_ct, kind)
-                path = scope["path"]
-                qs = scope.get("query_string")
-                url = backend.spec.url + (path if not qs else f"{path}?{qs.decode('latin-1')}")
+                url = self._upstream_url(backend, scope)
                 t_up = perf_counter()
                 try:
                     resp = await self.session.request(
@@ -662,6 +662,20 @@ class Proxy:
                     # Closing (not releasing) drops the connection: the backend sees the
                     # disconnect and aborts the generation.
                     resp.close()
+
+    def _upstream_url(self, backend: Backend, scope: Scope) -> URL:
+        """The backend's base URL + the request's raw path (checked by ``gateway.paths``), sent as is."""
+        raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
+        qs: bytes = scope.get("query_string") or b""
+        if not qs:
+            key = (id(backend), raw_path)
+            url = self._urls.get(key)
+            if url is None:
+                url = URL(backend.spec.url + raw_path.decode("ascii"), encoded=True)
+                if len(self._urls) < 4096:  # the priced routes; pass-through paths may be many
+                    self._urls[key] = url
+            return url
+        return URL(backend.spec.url + raw_path.decode("ascii") + "?" + qs.decode("latin-1"), encoded=True)
 
     def _headers(self, rec: Record, resp: aiohttp.ClientResponse) -> list[tuple[bytes, bytes]]:
         headers = response_headers(resp.raw_headers)

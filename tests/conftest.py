@@ -97,6 +97,7 @@ class StubRequest:
     cancelled_at: float | None = None
     completed: bool = False
     sent: bytes = b""
+    raw_target: str = ""  # the request target exactly as it arrived: raw path + "?" + query
 
 
 @dataclass
@@ -140,6 +141,10 @@ class StubBackend:
         except orjson.JSONDecodeError:
             body = None
         req = StubRequest(path, method, headers, body, raw, time.monotonic())
+        qs = scope.get("query_string") or b""
+        req.raw_target = (scope.get("raw_path") or path.encode()).decode("latin-1") + (
+            "?" + qs.decode("latin-1") if qs else ""
+        )
         if path == "/health":
             await _json(send, self.health_status, {"status": "ok"})
             return
