@@ -84,25 +84,54 @@ def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, by
 
 @dataclass(frozen=True, slots=True)
 class UpstreamFailure:
+    """An upstream failure, said twice: ``public`` for the tenant, ``detail`` for the operator's log.
+
+    Tenants see the pool and a stable ``code``; backend addresses and exception text stay in
+    ``detail`` (a tenant must not learn where the backends are or what they run).
+    """
+
     status: int  # 502 or 504
-    message: str
+    code: str  # stable: upstream_unreachable | upstream_timeout | upstream_error
+    public: str
+    detail: str
     connect_failure: bool  # counts towards the backend's circuit breaker
 
 
-def classify_error(exc: BaseException, backend: str) -> UpstreamFailure:
+def classify_error(exc: BaseException, *, pool: str, backend: str) -> UpstreamFailure:
     """Map an aiohttp/asyncio exception from the upstream call onto the client's answer."""
+    where = f"the backend for pool {pool!r}"
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
-        return UpstreamFailure(504, f"Timed out connecting to backend {backend}", True)
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return UpstreamFailure(502, f"Could not connect to backend {backend}: {exc.os_error}", True)
-    if isinstance(exc, aiohttp.SocketTimeoutError | asyncio.TimeoutError | aiohttp.ServerTimeoutError):
-        return UpstreamFailure(504, f"Backend {backend} did not answer in time", False)
-    if isinstance(exc, aiohttp.ServerDisconnectedError):
-        return UpstreamFailure(502, f"Backend {backend} closed the connection without an answer", False)
-    if isinstance(exc, aiohttp.ClientPayloadError):
-        return UpstreamFailure(502, f"Backend {backend} sent a broken answer: {exc}", False)
-    if isinstance(exc, aiohttp.ClientError | OSError):
         return UpstreamFailure(
-            502, f"Error talking to backend {backend}: {exc.__class__.__name__}: {exc}", False
+            504,
+            "upstream_unreachable",
+            f"Timed out connecting to {where}",
+            f"{backend}: connect timeout",
+            True,
         )
-    return UpstreamFailure(502, f"Error talking to backend {backend}: {exc.__class__.__name__}", False)
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return UpstreamFailure(
+            502, "upstream_unreachable", f"Could not connect to {where}", f"{backend}: {exc.os_error}", True
+        )
+    if isinstance(exc, aiohttp.SocketTimeoutError | asyncio.TimeoutError | aiohttp.ServerTimeoutError):
+        return UpstreamFailure(
+            504,
+            "upstream_timeout",
+            f"{where[0].upper()}{where[1:]} did not answer in time",
+            f"{backend}: read timeout",
+            False,
+        )
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return UpstreamFailure(
+            502,
+            "upstream_error",
+            f"{where[0].upper()}{where[1:]} closed the connection without a complete answer",
+            f"{backend}: server disconnected",
+            False,
+        )
+    return UpstreamFailure(
+        502,
+        "upstream_error",
+        f"Error talking to {where}",
+        f"{backend}: {exc.__class__.__name__}: {exc}",
+        False,
+    )

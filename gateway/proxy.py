@@ -25,11 +25,12 @@ import orjson
 from yarl import URL
 
 from backends.pools import Backend, NoBackend
-from backends.upstream import REQUEST_DROP, classify_error, response_headers
+from backends.upstream import REQUEST_DROP, UpstreamFailure, classify_error, response_headers
 from budgets.types import AdmissionError, Demand, Lease, backend_pool, class_pool, tenant_pool
 from classifiers import InvalidRequest
 from gateway.accesslog import Record
 from gateway.auth import bearer_key
+from gateway.echo import clip
 from gateway.errors import ApiError, from_admission
 from gateway.metrics import Bound
 from gateway.sse import UsageRelay
@@ -128,7 +129,7 @@ def _max_wait_header(value: bytes) -> float:
     if not seconds >= 0 or seconds == float("inf"):
         raise ApiError(
             400,
-            f"x-tokengate-max-queue-wait must be a non-negative number of seconds, got {value.decode('latin-1')!r}",
+            f"x-tokengate-max-queue-wait must be a non-negative number of seconds, got {clip(value.decode('latin-1'))}",
             param="x-tokengate-max-queue-wait",
             code="invalid_header",
         )
@@ -140,6 +141,13 @@ def _usage_counts(usage: Any) -> tuple[int | None, int | None]:
         return None, None
     p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
     return (p if type(p) is int else None), (c if type(c) is int else None)
+
+
+def _upstream_failed(rec: Record, failure: UpstreamFailure) -> ApiError:
+    """The tenant's answer to an upstream failure; the details go to the operator's log only."""
+    rec.error = failure.detail
+    log.warning("upstream failure on pool %s: %s", rec.pool, failure.detail)
+    return ApiError(failure.status, failure.public, code=failure.code)
 
 
 def _upstream_message(data: bytes) -> str:
@@ -275,7 +283,8 @@ class Proxy:
                     log.exception("request hook %r failed", hook)
 
     async def _fail(self, send: Send, flight: Flight, rec: Record, exc: ApiError) -> None:
-        rec.error = exc.message
+        if rec.error is None:  # an upstream failure already recorded the operator's version
+            rec.error = exc.message
         if rec.outcome == "ok":
             rec.outcome = "upstream_error" if exc.status in (502, 504) else "rejected"
             if exc.status == 500:
@@ -499,7 +508,7 @@ class Proxy:
         served = ", ".join(self.router.served_models()) or "(none)"
         return ApiError(
             404,
-            f"The model {model!r} does not exist or is not served here; served models: {served}",
+            f"The model {clip(model)} does not exist or is not served here; served models: {served}",
             param="model",
             code="model_not_found",
         )
@@ -607,7 +616,7 @@ class Proxy:
                     )
                     break
                 except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-                    failure = classify_error(exc, backend.name)
+                    failure = classify_error(exc, pool=pool_name, backend=backend.name)
                     if failure.connect_failure and backend.record_connect_failure():
                         log.warning(
                             "backend %s marked unhealthy after %d connect failures",
@@ -619,15 +628,8 @@ class Proxy:
                     tried.append(backend)
                     nxt = pool.pick(model or None, exclude=tried) if failure.connect_failure else None
                     if nxt is None:
-                        raise ApiError(
-                            failure.status,
-                            failure.message,
-                            code="upstream_unreachable"
-                            if failure.connect_failure
-                            else "upstream_timeout"
-                            if failure.status == 504
-                            else "upstream_error",
-                        ) from None
+                        raise _upstream_failed(rec, failure) from None
+                    log.warning("upstream connect failed, retrying on the next backend: %s", failure.detail)
                     backend.in_flight_tokens -= cost
                     backend.in_flight_requests -= 1
                     backend = nxt
@@ -646,8 +648,8 @@ class Proxy:
                 else:
                     usage = await self._relay_whole(send, rec, flight, resp, backend, t_up)
             except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-                failure = classify_error(exc, backend.name)
-                raise ApiError(failure.status, failure.message, code="upstream_error") from None
+                failure = classify_error(exc, pool=pool_name, backend=backend.name)
+                raise _upstream_failed(rec, failure) from None
             complete = True
             prompt, completion = _usage_counts(usage)
             rec.prompt_tokens, rec.completion_tokens = prompt, completion
@@ -697,10 +699,10 @@ class Proxy:
         rec.backend_s = perf_counter() - t_up
         status = resp.status
         if status >= 500:
+            rec.error = f"{backend.name}: HTTP {status}: {_upstream_message(data)}"
+            log.warning("upstream error on pool %s: %s", rec.pool, rec.error)
             raise ApiError(
-                502,
-                f"Backend {backend.name} failed with HTTP {status}: {_upstream_message(data)}",
-                code="upstream_error",
+                502, f"The backend for pool {rec.pool!r} failed with HTTP {status}", code="upstream_error"
             )
         usage = None
         if 200 <= status < 300 and b'"usage"' in data and "Content-Encoding" not in resp.headers:
@@ -748,10 +750,9 @@ class Proxy:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             rec.backend_s = perf_counter() - t_up
-            failure = classify_error(exc, rec.backend or "?")
             rec.outcome = "upstream_error"
-            rec.error = failure.message
-            raise ApiError(failure.status, failure.message, code="upstream_error") from None
+            failure = classify_error(exc, pool=rec.pool or "?", backend=rec.backend or "?")
+            raise _upstream_failed(rec, failure) from None
         rec.backend_s = perf_counter() - t_up
         tail = relay.flush()
         flight.done = True
