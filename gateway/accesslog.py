@@ -6,6 +6,7 @@ the logger is disabled nothing is formatted. Keys never appear in it.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from dataclasses import dataclass
@@ -14,6 +15,10 @@ from typing import TextIO
 import orjson
 
 access_log = logging.getLogger("tokengate.access")
+
+# Errors may quote client input; a log line stays one readable line.
+_ERROR_LIMIT = 1000
+_PATH_LIMIT = 256
 
 
 @dataclass(slots=True)
@@ -39,34 +44,42 @@ class Record:
     error: str | None = None
 
     def emit(self, end: float) -> None:
+        """Write the line; never raises (a value orjson refuses is written as text instead)."""
         if not access_log.isEnabledFor(logging.INFO):
             return
-        access_log.info(
-            orjson.dumps(
-                {
-                    "method": self.method,
-                    "path": self.path,
-                    "status": self.status,
-                    "outcome": self.outcome,
-                    "tenant": self.tenant,
-                    "class": self.klass,
-                    "tier": self.tier,
-                    "pool": self.pool,
-                    "backend": self.backend,
-                    "stream": self.stream,
-                    "cost": self.prefill + self.decode,
-                    "prefill": self.prefill,
-                    "decode": self.decode,
-                    "queue_ms": _ms(self.queue_s),
-                    "ttft_ms": _ms(self.ttft_s),
-                    "backend_ms": _ms(self.backend_s),
-                    "total_ms": _ms(end - self.start),
-                    "prompt_tokens": self.prompt_tokens,
-                    "completion_tokens": self.completion_tokens,
-                    "error": self.error,
-                }
-            ).decode()
-        )
+        fields = self.fields(end)
+        try:
+            line = orjson.dumps(fields).decode()
+        except TypeError:  # e.g. an integer beyond 64 bits, or a str with a lone surrogate
+            line = json.dumps(fields, default=str, ensure_ascii=True)
+        try:
+            access_log.info(line)
+        except Exception:  # a broken handler must not fail the request's bookkeeping
+            logging.getLogger("tokengate").exception("writing the access log failed")
+
+    def fields(self, end: float) -> dict[str, object]:
+        return {
+            "method": self.method,
+            "path": self.path[:_PATH_LIMIT],
+            "status": self.status,
+            "outcome": self.outcome,
+            "tenant": self.tenant,
+            "class": self.klass,
+            "tier": self.tier,
+            "pool": self.pool,
+            "backend": self.backend,
+            "stream": self.stream,
+            "cost": self.prefill + self.decode,
+            "prefill": self.prefill,
+            "decode": self.decode,
+            "queue_ms": _ms(self.queue_s),
+            "ttft_ms": _ms(self.ttft_s),
+            "backend_ms": _ms(self.backend_s),
+            "total_ms": _ms(end - self.start),
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "error": None if self.error is None else self.error[:_ERROR_LIMIT],
+        }
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -98,6 +98,10 @@ class TenantConfig:
 class LimitsConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     passthrough_cost_tokens: int = 16
+    max_header_bytes: int = 32 * 1024  # request line + headers; above: 431
+    header_timeout_s: float = 10.0  # headers complete within this of the connection/request start
+    body_timeout_s: float = 30.0  # the whole body within this of the headers; then 408
+    max_connections: int = 4096  # open client connections per process; beyond: 503 at once
 
 
 @dataclass(frozen=True, slots=True)

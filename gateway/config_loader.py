@@ -414,10 +414,23 @@ def _tenants(v: Any, tiers: Sequence[TierConfig], tier_names: set[str]) -> tuple
 
 
 def _limits(v: Any) -> LimitsConfig:
-    m = _section(v, "limits", ("max_body_bytes", "passthrough_cost_tokens"))
+    keys = (
+        "max_body_bytes",
+        "passthrough_cost_tokens",
+        "max_header_bytes",
+        "header_timeout_s",
+        "body_timeout_s",
+        "max_connections",
+    )
+    m = _section(v, "limits", keys)
+    d = LimitsConfig()
     return LimitsConfig(
-        max_body_bytes=_int(m, "max_body_bytes", "limits", 4 * 1024 * 1024, minimum=1),
+        max_body_bytes=_int(m, "max_body_bytes", "limits", d.max_body_bytes, minimum=1),
         passthrough_cost_tokens=_int(m, "passthrough_cost_tokens", "limits", 16, minimum=0),
+        max_header_bytes=_int(m, "max_header_bytes", "limits", d.max_header_bytes, minimum=1024),
+        header_timeout_s=_positive_float(m, "header_timeout_s", "limits", d.header_timeout_s),
+        body_timeout_s=_positive_float(m, "body_timeout_s", "limits", d.body_timeout_s),
+        max_connections=_int(m, "max_connections", "limits", d.max_connections, minimum=1),
     )
 
 

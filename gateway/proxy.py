@@ -140,7 +140,8 @@ def _usage_counts(usage: Any) -> tuple[int | None, int | None]:
     if not isinstance(usage, dict):
         return None, None
     p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    return (p if type(p) is int else None), (c if type(c) is int else None)
+    # The backend's word, not trusted: only a non-negative int counts.
+    return (p if type(p) is int and p >= 0 else None), (c if type(c) is int and c >= 0 else None)
 
 
 def _upstream_failed(rec: Record, failure: UpstreamFailure) -> ApiError:
@@ -184,6 +185,7 @@ class Proxy:
         self.hooks = gw.request_hooks  # the same list: hooks added later are seen
         self.observer = gw.observer
         self.max_body = cfg.limits.max_body_bytes
+        self.body_timeout_s = cfg.limits.body_timeout_s
         self.passthrough_cost = cfg.limits.passthrough_cost_tokens
         self.default_max_tokens = cfg.pricing.default_max_tokens
         self.enforce_max_tokens = cfg.enforce_max_tokens
@@ -257,7 +259,12 @@ class Proxy:
             rec.outcome = "internal_error"
         finally:
             self.flights.discard(flight)
-            end = perf_counter()
+            self._finish(rec, flight, perf_counter())
+
+    def _finish(self, rec: Record, flight: Flight, end: float) -> None:
+        """Metrics, the access line and the hooks. Never raises: bookkeeping must not fail a request
+        (or hide its release) whatever a client or backend put into the record."""
+        try:
             b = flight.bound or self.metrics.bind(rec.klass, rec.tenant, rec.tier)
             b.outcomes[rec.outcome].inc()
             b.e2e.observe(end - rec.start)
@@ -275,12 +282,14 @@ class Proxy:
                     prompt=rec.prompt_tokens,
                     output=rec.completion_tokens,
                 )
-            rec.emit(end)
-            for hook in self.hooks:
-                try:
-                    hook(rec, end)
-                except Exception:
-                    log.exception("request hook %r failed", hook)
+        except Exception:
+            log.exception("recording metrics for %s %s failed", rec.method, clip(rec.path))
+        rec.emit(end)
+        for hook in self.hooks:
+            try:
+                hook(rec, end)
+            except Exception:
+                log.exception("request hook %r failed", hook)
 
     async def _fail(self, send: Send, flight: Flight, rec: Record, exc: ApiError) -> None:
         if rec.error is None:  # an upstream failure already recorded the operator's version
@@ -370,7 +379,17 @@ class Proxy:
 
         self._refuse_if_draining()
 
-        raw = await read_body(receive, content_length, self.max_body)
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                raw = await read_body(receive, content_length, self.max_body)
+        except TimeoutError:
+            # A client dripping its body byte by byte must not hold the connection (and, with a
+            # connection limit, everyone else's) for ever.
+            raise ApiError(
+                408,
+                f"The request body did not arrive within {self.body_timeout_s:g} s (limits.body_timeout_s)",
+                code="body_timeout",
+            ) from None
         watcher = asyncio.create_task(_watch_disconnect(receive, flight))
         try:
             # A client may ask to wait less than its tier allows, never more.

@@ -19,6 +19,7 @@ from gateway.accesslog import LineHandler
 from gateway.app import Gateway, build_app
 from gateway.config import GatewayConfig
 from gateway.embedded import start_embedded, with_embedded_pool
+from gateway.http_server import GuardedHttpToolsProtocol, connection_limits, guarded_protocol
 
 log = logging.getLogger("tokengate")
 
@@ -55,7 +56,7 @@ def _uvicorn_config(app: Gateway, host: str, port: int, log_level: str) -> uvico
         log_level=log_level,
         access_log=False,  # our own structured line replaces it
         lifespan="on",
-        http="httptools",
+        http=guarded_protocol(connection_limits(app.config)),
         # Drain has already run when uvicorn waits; this only bounds stragglers.
         timeout_graceful_shutdown=5,
         server_header=False,
@@ -98,7 +99,11 @@ def app_from_env() -> Gateway:
 
     from gateway.config_loader import load_config
 
-    return build_app(load_config(os.environ.get(CONFIG_ENV) or None))
+    config = load_config(os.environ.get(CONFIG_ENV) or None)
+    # The worker's protocol class is named by import string (a class made at run time cannot cross
+    # into a spawned worker); this worker process serves one config, so it sets the limits here.
+    GuardedHttpToolsProtocol.limits = connection_limits(config)
+    return build_app(config)
 
 
 def serve_workers(
@@ -122,7 +127,7 @@ def serve_workers(
         log_level=log_level,
         access_log=False,
         lifespan="on",
-        http="httptools",
+        http="gateway.http_server:GuardedHttpToolsProtocol",
         loop="uvloop",
         timeout_graceful_shutdown=int(config.drain_timeout_s) + 1,
         server_header=False,

@@ -52,7 +52,9 @@ class Served:
             await asyncio.wait_for(self.task, timeout=10)
 
 
-async def serve_asgi(app: Any, *, port: int | None = None, graceful_s: float = 1.0) -> Served:
+async def serve_asgi(
+    app: Any, *, port: int | None = None, graceful_s: float = 1.0, http: Any = "httptools"
+) -> Served:
     """Serve ``app`` on 127.0.0.1 in the running loop; returns once it accepts connections."""
     # proto=IPPROTO_TCP: asyncio only sets TCP_NODELAY on accepted sockets whose proto says TCP
     # (a proto-0 listener costs every keep-alive response a 40 ms delayed-ACK stall).
@@ -65,7 +67,7 @@ async def serve_asgi(app: Any, *, port: int | None = None, graceful_s: float = 1
         log_level="warning",
         access_log=False,
         lifespan="on",
-        http="httptools",
+        http=http,
         timeout_graceful_shutdown=graceful_s,
     )
     server = uvicorn.Server(config)
@@ -349,12 +351,14 @@ async def gateway_factory() -> AsyncIterator[GatewayFactory]:
     """Start gateways from config dicts (parsed by the real loader); stopped at teardown."""
     from gateway.app import build_app
     from gateway.config_loader import parse_config
+    from gateway.http_server import connection_limits, guarded_protocol
 
     started: list[Served] = []
 
     async def start(config: Mapping[str, Any]) -> RunningGateway:
         app = build_app(parse_config(dict(config)))
-        served = await serve_asgi(app)
+        # The gateway's own protocol and limits, as `tokengate serve` runs it.
+        served = await serve_asgi(app, http=guarded_protocol(connection_limits(app.config)))
         started.append(served)
         return RunningGateway(url=served.url, app=app, served=served)
 

@@ -1,0 +1,182 @@
+"""The HTTP server's own limits: what a client can hold before the app sees a request.
+
+uvicorn's httptools protocol accepts headers of any size, waits forever for a client that never
+finishes its headers (the keep-alive timer is cancelled by the first byte), and answers a
+connection flood with a plain-text 503 only after the headers. Each of these lets a slow or
+hostile client hold gateway resources without ever being priced. ``guarded_protocol`` returns the
+same protocol with three limits added, each answered in OpenAI's error shape and then closed:
+
+* ``max_header_bytes``: request line + headers above this -> 431;
+* ``header_timeout_s``: a request whose headers are not complete this long after the connection
+  opened (or after its first byte, on a kept-alive connection) -> 408;
+* ``max_connections``: a connection beyond this many open ones -> 503 at once.
+
+The request body's own deadline (``body_timeout_s``) is enforced where the body is read
+(``gateway.proxy.read_body``), because only the app knows when it wants the body.
+
+This subclasses uvicorn's ``HttpToolsProtocol`` and relies on its parser callbacks
+(``on_url``, ``on_header``, ``on_headers_complete``, ``on_message_begin``); the tests in
+``tests/adversarial/test_slow_clients.py`` pin that behaviour over real sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from gateway.config import GatewayConfig
+from gateway.errors import ApiError
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    max_header_bytes: int = 32 * 1024
+    header_timeout_s: float = 10.0
+    max_connections: int = 4096
+
+
+def _error_response(exc: ApiError) -> bytes:
+    body = exc.body()
+    reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
+    head = [
+        b"HTTP/1.1 %d %s" % (exc.status, reason.get(exc.status, b"Error")),
+        b"content-type: application/json",
+        b"content-length: %d" % len(body),
+        b"connection: close",
+    ]
+    if exc.retry_after_s is not None:
+        head.append(b"retry-after: %d" % max(1, round(exc.retry_after_s)))
+    return b"\r\n".join(head) + b"\r\n\r\n" + body
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    limits: ClassVar[ConnectionLimits] = ConnectionLimits()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_bytes = 0
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._refused = False
+
+    # ---- connection ----
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections:
+            self._refuse(
+                ApiError(
+                    503,
+                    "The gateway has too many open connections; retry shortly",
+                    code="too_many_connections",
+                    retry_after_s=1.0,
+                )
+            )
+            return
+        self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        super().data_received(data)
+
+    def send_400_response(self, msg: str) -> None:
+        if not self._refused:  # a refusal already answered; the parser only noticed now
+            super().send_400_response(msg)
+
+    # ---- parser callbacks ----
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._header_bytes = 0
+        if self._header_timer is None:
+            self._arm_header_timer()
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._disarm_header_timer()
+        if self._refused:
+            return
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if not self._refused:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if not self._refused:
+            super().on_message_complete()
+
+    # ---- limits ----
+
+    def _count(self, n: int) -> None:
+        self._header_bytes += n
+        if self._header_bytes > self.limits.max_header_bytes and not self._refused:
+            self._refuse(
+                ApiError(
+                    431,
+                    f"Request headers exceed {self.limits.max_header_bytes} bytes (limits.max_header_bytes); "
+                    "send less in headers",
+                    code="headers_too_large",
+                )
+            )
+            # Stop the parser here: the callback's exception aborts feed_data.
+            raise _Refused
+
+    def _arm_header_timer(self) -> None:
+        self._disarm_header_timer()
+        self._header_timer = self.loop.call_later(self.limits.header_timeout_s, self._header_timeout)
+
+    def _disarm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _header_timeout(self) -> None:
+        self._header_timer = None
+        if self._refused or self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            return  # a request is being served: its headers did complete
+        self._refuse(
+            ApiError(
+                408,
+                f"The request headers did not arrive within {self.limits.header_timeout_s:g} s "
+                "(limits.header_timeout_s)",
+                code="header_timeout",
+            )
+        )
+
+    def _refuse(self, exc: ApiError) -> None:
+        self._refused = True
+        self._disarm_header_timer()
+        if not self.transport.is_closing():
+            self.transport.write(_error_response(exc))
+            self.transport.close()
+
+
+class _Refused(Exception):
+    """Raised from a parser callback to stop parsing a refused request."""
+
+
+def connection_limits(config: GatewayConfig) -> ConnectionLimits:
+    lim = config.limits
+    return ConnectionLimits(lim.max_header_bytes, lim.header_timeout_s, lim.max_connections)
+
+
+def guarded_protocol(limits: ConnectionLimits) -> type[GuardedHttpToolsProtocol]:
+    """The protocol class for ``uvicorn.Config(http=...)`` with these limits."""
+    return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {"limits": limits})
