@@ -101,6 +101,7 @@ class LimitsConfig:
     max_header_bytes: int = 32 * 1024  # request line + headers; above: 431
     header_timeout_s: float = 10.0  # headers complete within this of the connection/request start
     body_timeout_s: float = 30.0  # the whole body within this of the headers; then 408
+    body_idle_timeout_s: float = 5.0  # and no gap longer than this between two body chunks
     max_connections: int = 4096  # open client connections per process; beyond: 503 at once
 
 

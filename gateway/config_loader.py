@@ -420,6 +420,7 @@ def _limits(v: Any) -> LimitsConfig:
         "max_header_bytes",
         "header_timeout_s",
         "body_timeout_s",
+        "body_idle_timeout_s",
         "max_connections",
     )
     m = _section(v, "limits", keys)
@@ -430,6 +431,7 @@ def _limits(v: Any) -> LimitsConfig:
         max_header_bytes=_int(m, "max_header_bytes", "limits", d.max_header_bytes, minimum=1024),
         header_timeout_s=_positive_float(m, "header_timeout_s", "limits", d.header_timeout_s),
         body_timeout_s=_positive_float(m, "body_timeout_s", "limits", d.body_timeout_s),
+        body_idle_timeout_s=_positive_float(m, "body_idle_timeout_s", "limits", d.body_idle_timeout_s),
         max_connections=_int(m, "max_connections", "limits", d.max_connections, minimum=1),
     )
 

@@ -82,35 +82,60 @@ async def _watch_disconnect(receive: Receive, flight: Flight) -> None:
             return
 
 
-async def read_body(receive: Receive, content_length: int, limit: int) -> bytes:
-    """The whole request body, refusing (413) as soon as it is known to exceed ``limit``."""
+async def read_body(receive: Receive, content_length: int, limit: int, deadlines: BodyDeadlines) -> bytes:
+    """The whole request body, refusing (413) as soon as it is known to exceed ``limit``.
+
+    A body must arrive within ``deadlines.total_s`` of the headers, with no gap between two of its
+    chunks longer than ``deadlines.idle_s`` (408 otherwise): a client dripping its body, or one whose
+    ``Content-Length`` promises more than it sends, holds a connection for seconds, not for ever.
+    """
     if content_length > limit:
         raise ApiError(
             413,
             f"Request body is {content_length} bytes, above the limit of {limit} bytes (limits.max_body_bytes)",
             code="request_too_large",
         )
-    message = await receive()
-    if message["type"] == "http.disconnect":
-        raise ClientGone
-    body: bytes = message.get("body", b"")
-    if not message.get("more_body", False):
-        if len(body) > limit:
-            raise _too_large(limit)
-        return body
-    chunks = [body]
-    size = len(body)
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    final = start + deadlines.total_s
+    try:
+        async with asyncio.timeout(min(final, start + deadlines.idle_s)) as deadline:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone
+            body: bytes = message.get("body", b"")
+            if not message.get("more_body", False):
+                if len(body) > limit:
+                    raise _too_large(limit)
+                return body
+            chunks = [body]
+            size = len(body)
+            while True:
+                deadline.reschedule(min(final, loop.time() + deadlines.idle_s))
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientGone
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(limit)
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    return b"".join(chunks)
+    except TimeoutError:
+        waited = loop.time() - start
+        raise ApiError(
+            408,
+            f"The request body did not arrive in time ({waited:.1f} s; limits.body_timeout_s "
+            f"{deadlines.total_s:g} s in all, limits.body_idle_timeout_s {deadlines.idle_s:g} s between chunks)",
+            code="body_timeout",
+        ) from None
+
+
+@dataclass(frozen=True, slots=True)
+class BodyDeadlines:
+    total_s: float
+    idle_s: float
 
 
 def _too_large(limit: int) -> ApiError:
@@ -185,7 +210,7 @@ class Proxy:
         self.hooks = gw.request_hooks  # the same list: hooks added later are seen
         self.observer = gw.observer
         self.max_body = cfg.limits.max_body_bytes
-        self.body_timeout_s = cfg.limits.body_timeout_s
+        self.body_deadlines = BodyDeadlines(cfg.limits.body_timeout_s, cfg.limits.body_idle_timeout_s)
         self.passthrough_cost = cfg.limits.passthrough_cost_tokens
         self.default_max_tokens = cfg.pricing.default_max_tokens
         self.enforce_max_tokens = cfg.enforce_max_tokens
@@ -379,17 +404,7 @@ class Proxy:
 
         self._refuse_if_draining()
 
-        try:
-            async with asyncio.timeout(self.body_timeout_s):
-                raw = await read_body(receive, content_length, self.max_body)
-        except TimeoutError:
-            # A client dripping its body byte by byte must not hold the connection (and, with a
-            # connection limit, everyone else's) for ever.
-            raise ApiError(
-                408,
-                f"The request body did not arrive within {self.body_timeout_s:g} s (limits.body_timeout_s)",
-                code="body_timeout",
-            ) from None
+        raw = await read_body(receive, content_length, self.max_body, self.body_deadlines)
         watcher = asyncio.create_task(_watch_disconnect(receive, flight))
         try:
             # A client may ask to wait less than its tier allows, never more.

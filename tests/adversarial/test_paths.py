@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from yarl import URL
 
 from gateway.paths import path_problem
-from tests.adversarial.raw_http import request, send_raw
+from loadtest.raw_http import request, send_raw
 from tests.conftest import GatewayFactory, StubBackend, stub_pools
 
 TRICKS = [

@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from tests.adversarial.raw_http import host_port, read_response, request, send_raw
+from loadtest.raw_http import host_port, read_response, request, send_raw
 from tests.conftest import GatewayFactory, RunningGateway, StubBackend, stub_pools
 
 CHAT = b'{"model":"stub-model","messages":[{"role":"user","content":"hi"}],"max_tokens":5}'
@@ -114,4 +114,21 @@ async def test_connections_beyond_the_limit_are_refused_at_once(
             break
         await asyncio.sleep(0.02)
     assert r is not None and r.status == 200
+    await still_serves(gw)
+
+
+async def test_a_content_length_that_promises_more_than_is_sent_gets_408_after_the_idle_limit(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
+) -> None:
+    stub, _ = stub_backend
+    gw = await limited(stub_backend, gateway_factory, body_idle_timeout_s=0.3, body_timeout_s=30)
+    data = request("POST", "/v1/chat/completions", body=CHAT).replace(
+        f"content-length: {len(CHAT)}".encode(), f"content-length: {len(CHAT) + 100}".encode()
+    )
+    t0 = time.monotonic()
+    r = await send_raw(gw.url, data, timeout_s=5)
+    assert r is not None and r.status == 408
+    assert r.json()["error"]["code"] == "body_timeout"  # type: ignore[index]
+    assert time.monotonic() - t0 < 2
+    assert stub.requests == []
     await still_serves(gw)

@@ -1,0 +1,543 @@
+"""Fuzz every route of a running gateway over raw sockets and check it never fails or hangs.
+
+    python -m loadtest.fuzz --spawn --cases 20000 --seed 1          # its own stub backend + gateway
+    python -m loadtest.fuzz --url http://127.0.0.1:8080 --api-key sk-1 --cases 5000
+
+Cases are generated from a seed (so a failure can be replayed with ``--seed`` and ``--only N``) and
+come in families: valid bodies with one field replaced by a value of the wrong type or an extreme
+one, deleted fields, deep nesting, malformed JSON (truncated, flipped bytes, invalid UTF-8, lone
+surrogates, NUL bytes), huge bodies and headers, lying ``Content-Length``, chunked bodies (valid and
+broken), every method on every route, path tricks, and odd gateway headers. Each is sent on its own
+connection exactly as generated (``loadtest.raw_http``).
+
+A run passes when: no answer has a status >= 500, no case waits longer than ``--hang-s`` (10 s) for
+an answer or a close, every pool is back at 0 tokens in flight afterwards, and the gateway still
+answers a plain request. The exit status is 0 on a pass, 1 otherwise; ``--json`` writes the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import orjson
+
+from loadtest.raw_http import RawResponse, host_port, read_response
+
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+OTHER_PATHS = (
+    "/v1/models",
+    "/v1/models/stub-model",
+    "/v1/files",
+    "/v1/rerank",
+    "/v1/audio/transcriptions",
+    "/v1/unknown",
+    "/metrics",
+    "/healthz",
+    "/readyz",
+    "/stats",
+    "/insights",
+    "/dashboard",
+    "/admin/v1/tenants",
+    "/",
+    "/favicon.ico",
+)
+METHODS = ("GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD", "TRACE")
+PATH_TRICKS = (
+    "/v1/./chat/completions",
+    "/v1/x/../chat/completions",
+    "/v1/%2e%2e/stats",
+    "/v1/..%2fstats",
+    "/v1//chat/completions",
+    "/v1/chat/completions/",
+    "/v1/chat%2fcompletions",
+    "/v1/%00",
+    "/v1/%zz",
+    "/v1/\u00e9",
+    "*",
+    "http://evil.example/v1/chat/completions",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    index: int
+    family: str
+    data: bytes  # the exact bytes sent
+
+
+@dataclass(slots=True)
+class Outcome:
+    index: int
+    family: str
+    status: int | None  # None: closed without an answer
+    seconds: float
+    hung: bool = False
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Report:
+    cases: int = 0
+    by_status: Counter[str] = field(default_factory=Counter)
+    by_family: Counter[str] = field(default_factory=Counter)
+    server_errors: list[Outcome] = field(default_factory=list)
+    hangs: list[Outcome] = field(default_factory=list)
+    slowest_s: float = 0.0
+    pools_at_zero: bool | None = None
+    healthy_after: bool | None = None
+
+    @property
+    def passed(self) -> bool:
+        return (
+            not self.server_errors
+            and not self.hangs
+            and self.pools_at_zero is not False
+            and self.healthy_after is not False
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "passed": self.passed,
+            "cases": self.cases,
+            "by_status": dict(self.by_status),  # asdict would turn a Counter into one of pairs
+            "by_family": dict(self.by_family),
+            "server_errors": [asdict(o) for o in self.server_errors],
+            "hangs": [asdict(o) for o in self.hangs],
+            "slowest_s": self.slowest_s,
+            "pools_at_zero": self.pools_at_zero,
+            "healthy_after": self.healthy_after,
+        }
+
+
+# ---- generation ----
+
+
+def _chat(rng: random.Random) -> dict[str, Any]:
+    return {
+        "model": "stub-model",
+        "messages": [{"role": "user", "content": "hello " * rng.randint(1, 20)}],
+        "max_tokens": rng.randint(1, 64),
+        "stream": rng.random() < 0.5,
+    }
+
+
+def _valid_body(route: str, rng: random.Random) -> dict[str, Any]:
+    if route == "/v1/chat/completions":
+        body = _chat(rng)
+        if rng.random() < 0.3:
+            body["tools"] = [
+                {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+            ]
+        if rng.random() < 0.3:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "s", "schema": {}}}
+        return body
+    if route == "/v1/completions":
+        return {
+            "model": "stub-model",
+            "prompt": "hello " * rng.randint(1, 20),
+            "max_tokens": rng.randint(1, 64),
+        }
+    if route == "/v1/embeddings":
+        return {"model": "stub-model", "input": rng.choice(["hi", ["a", "b"], [1, 2, 3], [[1, 2], [3]]])}
+    return {
+        "model": "stub-model",
+        "input": rng.choice(["hi", [{"role": "user", "content": "hi"}]]),
+        "instructions": "be brief",
+        "max_output_tokens": rng.randint(1, 64),
+        "stream": rng.random() < 0.5,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class RawJson:
+    """JSON text placed verbatim (nesting deeper than any serializer will write)."""
+
+    text: str
+
+
+def _deep(depth: int) -> RawJson:
+    opens = "".join('{"a":' if i % 2 else "[" for i in range(depth))
+    closes = "".join("}" if i % 2 else "]" for i in reversed(range(depth)))
+    return RawJson(opens + "1" + closes)
+
+
+_EXTREMES: tuple[Callable[[random.Random], Any], ...] = (
+    lambda r: None,
+    lambda r: True,
+    lambda r: 0,
+    lambda r: -1,
+    lambda r: 2**63 - 1,
+    lambda r: 2**64 + 1,
+    lambda r: -(2**63),
+    lambda r: 10**30,
+    lambda r: 1e308,
+    lambda r: -0.0,
+    lambda r: 3.5,
+    lambda r: "",
+    lambda r: "x" * r.choice([1, 1000, 200_000]),
+    lambda r: "\x00\x01\x1f",
+    lambda r: "\ud800",  # a lone surrogate (orjson refuses to dump it; we write it by hand)
+    lambda r: [],
+    lambda r: [[]],
+    lambda r: [None],
+    lambda r: {},
+    lambda r: {"": None},
+    lambda r: _deep(r.choice([10, 100, 300, 600, 1200])),
+    lambda r: [1] * r.choice([10, 10_000]),
+    lambda r: list(range(-5, 5)),
+)
+
+
+def _dumps(obj: Any) -> bytes:
+    raws: list[str] = []
+
+    def placeholder(value: object) -> str:
+        if isinstance(value, RawJson):
+            raws.append(value.text)
+            return f"@@raw{len(raws) - 1}@@"
+        raise TypeError(type(value).__name__)
+
+    try:
+        text = orjson.dumps(obj, default=placeholder).decode()
+    except TypeError:
+        # Lone surrogates and 65+ bit integers: json writes them (escaped / exact).
+        text = json.dumps(obj, ensure_ascii=True, default=placeholder)
+    for i, raw in enumerate(raws):
+        text = text.replace(f'"@@raw{i}@@"', raw, 1)
+    return text.encode("utf-8", "surrogatepass")
+
+
+def _mutate(body: dict[str, Any], rng: random.Random) -> tuple[str, dict[str, Any]]:
+    keys = [*body.keys(), "n", "best_of", "stream_options", "tools", "response_format", "prompt", "input"]
+    key = rng.choice(keys)
+    action = rng.random()
+    out = dict(body)
+    if action < 0.15 and key in out:
+        del out[key]
+        return f"delete:{key}", out
+    if action < 0.3 and isinstance(out.get("messages"), list):
+        msg = dict(out["messages"][0])
+        field_name = rng.choice(["role", "content", "name", "tool_calls", "function_call"])
+        msg[field_name] = rng.choice(_EXTREMES)(rng)
+        out["messages"] = [msg]
+        return f"message.{field_name}", out
+    out[key] = rng.choice(_EXTREMES)(rng)
+    return f"field:{key}", out
+
+
+def _request(
+    method: str,
+    target: str,
+    body: bytes = b"",
+    headers: Sequence[tuple[str, str]] = (),
+    *,
+    content_length: int | None = None,
+    close: bool = True,
+) -> bytes:
+    lines = [f"{method} {target} HTTP/1.1", "host: gateway"]
+    if close:
+        lines.append("connection: close")
+    lines += [f"{k}: {v}" for k, v in headers]
+    if content_length is not None:
+        lines.append(f"content-length: {content_length}")
+    elif body or method in ("POST", "PUT", "PATCH"):
+        lines.append(f"content-length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1", "replace") + body
+
+
+def _auth(api_key: str | None) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {api_key}")] if api_key else []
+
+
+def _broken_json(raw: bytes, rng: random.Random) -> tuple[str, bytes]:
+    kind = rng.randrange(7)
+    if kind == 0:
+        return "truncated", raw[: rng.randrange(max(1, len(raw)))]
+    if kind == 1:
+        b = bytearray(raw)
+        for _ in range(rng.randint(1, 5)):
+            b[rng.randrange(len(b))] = rng.randrange(256)
+        return "flipped", bytes(b)
+    if kind == 2:
+        return "invalid-utf8", raw.replace(b"hello", b"hel\xff\xfelo", 1) or raw + b"\xc3"
+    if kind == 3:
+        return "nul", raw.replace(b"hello", b"hel\x00lo", 1)
+    if kind == 4:
+        return "surrogate-escape", raw.replace(b"hello", b"\\ud800\\udc00\\ud800", 1)
+    if kind == 5:
+        return "not-an-object", rng.choice([b"[]", b"1", b'"s"', b"null", b"true", b"", b"{", b"}{"])
+    return "deep-raw", b"[" * rng.choice([500, 1100, 5000]) + b"]" * rng.choice([0, 500, 1100])
+
+
+def _chunked(body: bytes, rng: random.Random) -> tuple[str, bytes]:
+    parts = []
+    i = 0
+    while i < len(body):
+        n = rng.randint(1, 64)
+        parts.append(b"%x\r\n" % n + body[i : i + n] + b"\r\n")
+        i += n
+    trailer = b"0\r\n\r\n"
+    kind = rng.randrange(4)
+    if kind == 1:
+        return "chunked-bad-size", b"zz\r\n" + body + b"\r\n" + trailer
+    if kind == 2:
+        return "chunked-unterminated", b"".join(parts)  # never sends the last chunk
+    if kind == 3:
+        return "chunked-overlong", b"%x\r\n" % (len(body) + 100) + body + b"\r\n" + trailer
+    return "chunked", b"".join(parts) + trailer
+
+
+def generate(seed: int, count: int, api_key: str | None = None) -> Iterator[Case]:
+    """``count`` cases from ``seed``; the same seed gives the same cases."""
+    rng = random.Random(seed)
+    auth = _auth(api_key)
+    json_ct = ("content-type", "application/json")
+    for index in range(count):
+        family_roll = rng.random()
+        route = rng.choice(ROUTES)
+        body = _valid_body(route, rng)
+        if family_roll < 0.35:
+            what, mutated = _mutate(body, rng)
+            yield Case(index, f"mutate {what}", _request("POST", route, _dumps(mutated), [json_ct, *auth]))
+        elif family_roll < 0.45:
+            what, raw = _broken_json(_dumps(body), rng)
+            yield Case(index, f"json {what}", _request("POST", route, raw, [json_ct, *auth]))
+        elif family_roll < 0.5:
+            nested = dict(body)
+            depth = rng.choice([64, 255, 256, 600, 990, 1023])
+            where = rng.choice(["tools", "response_format", "messages", "metadata"])
+            if where == "tools":
+                nested["tools"] = [
+                    {"type": "function", "function": {"name": "f", "parameters": _deep(depth)}}
+                ]
+            elif where == "response_format":
+                nested["response_format"] = {"type": "json_schema", "json_schema": _deep(depth)}
+            elif where == "messages":
+                nested["messages"] = [{"role": "user", "content": [_deep(depth)]}]
+            else:
+                nested["metadata"] = _deep(depth)
+            yield Case(index, f"deep {where}", _request("POST", route, _dumps(nested), [json_ct, *auth]))
+        elif family_roll < 0.57:
+            method = rng.choice(METHODS)
+            target = rng.choice([*ROUTES, *OTHER_PATHS])
+            raw = _dumps(body) if method in ("POST", "PUT", "PATCH") and rng.random() < 0.7 else b""
+            yield Case(index, f"method {method}", _request(method, target, raw, [json_ct, *auth]))
+        elif family_roll < 0.63:
+            target = rng.choice(PATH_TRICKS) + rng.choice(["", "?a=%2e%2e/x", "?" + "q" * 3000])
+            method = rng.choice(["GET", "POST"])
+            raw = _dumps(body) if method == "POST" else b""
+            yield Case(index, "path", _request(method, target, raw, [json_ct, *auth]))
+        elif family_roll < 0.7:
+            raw = _dumps(body)
+            lie = rng.choice(["short", "long", "negative", "garbage", "two"])
+            if lie == "short":
+                data = _request("POST", route, raw, [json_ct, *auth], content_length=max(0, len(raw) - 5))
+            elif lie == "long":
+                data = _request("POST", route, raw, [json_ct, *auth], content_length=len(raw) + 50)
+            elif lie == "negative":
+                data = _request("POST", route, raw, [json_ct, *auth], content_length=-1)
+            elif lie == "garbage":
+                data = _request(
+                    "POST", route, raw, [json_ct, *auth, ("content-length", "12abc")], content_length=None
+                )
+            else:
+                data = _request("POST", route, raw, [json_ct, *auth, ("content-length", "3")])
+            yield Case(index, f"content-length {lie}", data)
+        elif family_roll < 0.76:
+            what, chunks = _chunked(_dumps(body), rng)
+            head = _request(
+                "POST", route, b"", [json_ct, *auth, ("transfer-encoding", "chunked")], content_length=None
+            )
+            # _request adds a content-length for POST bodies; a chunked request must not have one.
+            head = head.replace(b"content-length: 0\r\n", b"")
+            yield Case(index, what, head + chunks)
+        elif family_roll < 0.82:
+            size = rng.choice([8 * 1024, 40 * 1024, 200 * 1024, 1024 * 1024])
+            kind = rng.choice(["one", "many"])
+            headers = (
+                [("x-big", "a" * size)]
+                if kind == "one"
+                else [(f"x-h{i}", "v" * 64) for i in range(size // 70)]
+            )
+            yield Case(
+                index,
+                f"headers {kind} {size}",
+                _request("POST", route, _dumps(body), [json_ct, *auth, *headers]),
+            )
+        elif family_roll < 0.86:
+            size = rng.choice([1024 * 1024, 5 * 1024 * 1024])
+            big = dict(body)
+            big["messages" if route == "/v1/chat/completions" else "prompt"] = (
+                [{"role": "user", "content": "w " * (size // 2)}]
+                if route == "/v1/chat/completions"
+                else "w " * (size // 2)
+            )
+            yield Case(index, f"body {size}", _request("POST", route, _dumps(big), [json_ct, *auth]))
+        else:
+            name = rng.choice(
+                [
+                    "x-tokengate-tier",
+                    "x-tokengate-max-queue-wait",
+                    "authorization",
+                    "api-key",
+                    "content-type",
+                    "x-request-id",
+                ]
+            )
+            value = rng.choice(
+                ["", "critical", "batch", "nope", "-1", "nan", "inf", "1e309", "Bearer", "Bearer " + "k" * 5000,
+                 "text/plain", "application/json; charset=latin-1", "\x7f\x01", "ÿ" * 10]
+            )  # fmt: skip
+            headers = [*auth, (name, value)] if name != "authorization" else [(name, value)]
+            yield Case(index, f"header {name}", _request("POST", route, _dumps(body), [json_ct, *headers]))
+
+
+# ---- running ----
+
+
+async def send_case(url: str, case: Case, hang_s: float) -> Outcome:
+    host, port = host_port(url)
+    t0 = time.perf_counter()
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), hang_s)
+    except (OSError, TimeoutError) as exc:
+        return Outcome(case.index, case.family, None, time.perf_counter() - t0, error=f"connect: {exc!r}")
+    try:
+        writer.write(case.data)
+        try:
+            await asyncio.wait_for(writer.drain(), hang_s)
+        except (ConnectionError, TimeoutError):
+            pass  # the server may refuse and close before reading everything
+        try:
+            response: RawResponse | None = await asyncio.wait_for(read_response(reader), hang_s)
+        except TimeoutError:
+            return Outcome(case.index, case.family, None, time.perf_counter() - t0, hung=True)
+        except (ConnectionError, ValueError, IndexError) as exc:
+            return Outcome(case.index, case.family, None, time.perf_counter() - t0, error=repr(exc))
+        return Outcome(
+            case.index, case.family, None if response is None else response.status, time.perf_counter() - t0
+        )
+    finally:
+        writer.close()
+
+
+async def run_cases(
+    url: str, cases: Iterator[Case], *, concurrency: int = 16, hang_s: float = 10.0
+) -> Report:
+    report = Report()
+    queue: asyncio.Queue[Case | None] = asyncio.Queue(maxsize=concurrency * 2)
+
+    async def worker() -> None:
+        while True:
+            case = await queue.get()
+            if case is None:
+                return
+            out = await send_case(url, case, hang_s)
+            report.cases += 1
+            report.by_status[str(out.status)] += 1
+            report.by_family[case.family.split(" ")[0]] += 1
+            report.slowest_s = max(report.slowest_s, out.seconds)
+            if out.hung:
+                report.hangs.append(out)
+            elif out.status is not None and out.status >= 500:
+                report.server_errors.append(out)
+
+    workers = [asyncio.create_task(worker()) for _ in range(concurrency)]
+    for case in cases:
+        await queue.put(case)
+    for _ in workers:
+        await queue.put(None)
+    await asyncio.gather(*workers)
+    return report
+
+
+def render(report: Report) -> str:
+    lines = [
+        f"fuzz: {report.cases} cases, {'PASS' if report.passed else 'FAIL'}; slowest {report.slowest_s:.2f} s",
+        "statuses: " + ", ".join(f"{k}={v}" for k, v in sorted(report.by_status.items())),
+        "families: " + ", ".join(f"{k}={v}" for k, v in sorted(report.by_family.items())),
+        f"pools at zero afterwards: {report.pools_at_zero}; healthy afterwards: {report.healthy_after}",
+    ]
+    for o in report.server_errors[:20]:
+        lines.append(f"  >=500: case {o.index} ({o.family}): {o.status}")
+    for o in report.hangs[:20]:
+        lines.append(f"  hang: case {o.index} ({o.family}) after {o.seconds:.1f} s")
+    return "\n".join(lines)
+
+
+async def check_after(url: str, api_key: str | None, settle_s: float = 10.0) -> tuple[bool, bool]:
+    """(every pool at 0 in flight, the gateway answers /healthz and a plain chat request)."""
+    import httpx
+
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(base_url=url, timeout=10.0, headers=headers) as c:
+        deadline = time.monotonic() + settle_s
+        while True:
+            text = (await c.get("/metrics")).text
+            held = [
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith("tokengate_pool_in_flight_tokens{")
+            ]
+            zero = all(v == 0 for v in held)
+            if zero or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        ok = (await c.get("/healthz")).status_code == 200
+        body = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        ok = ok and (await c.post("/v1/chat/completions", json=body)).status_code == 200
+    return zero, ok
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m loadtest.fuzz", description=__doc__.split("\n")[0])
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--url", help="a running gateway (its pools must serve the model 'stub-model')")
+    target.add_argument("--spawn", action="store_true", help="start a stub backend and a gateway in-process")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--cases", type=int, default=2000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", type=int, default=None, help="run only this case index (replay)")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--hang-s", type=float, default=10.0)
+    p.add_argument("--json", default=None, help="write the report here")
+    return p.parse_args(argv)
+
+
+async def amain(args: argparse.Namespace) -> Report:
+    cases = generate(args.seed, args.cases, args.api_key)
+    if args.only is not None:
+        cases = (c for c in cases if c.index == args.only)
+    if args.url:
+        report = await run_cases(args.url, cases, concurrency=args.concurrency, hang_s=args.hang_s)
+        report.pools_at_zero, report.healthy_after = await check_after(args.url, args.api_key)
+        return report
+    from loadtest.fuzz_stack import fuzz_stack
+
+    async with fuzz_stack() as url:
+        report = await run_cases(url, cases, concurrency=args.concurrency, hang_s=args.hang_s)
+        report.pools_at_zero, report.healthy_after = await check_after(url, None)
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    report = asyncio.run(amain(args))
+    print(render(report))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report.to_dict(), f, indent=2, default=str)
+    return 0 if report.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""The stack ``python -m loadtest.fuzz --spawn`` fuzzes: an answer-at-once stub backend in this process
+and ``tokengate serve`` as a child process in front of it, with short body/header deadlines so that
+lying framing is answered well inside the fuzzer's hang limit."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import yaml
+
+from loadtest.processes import ProcessGroup, free_port, wait_ready
+from loadtest.stack import gateway_command
+from loadtest.stub_backend import StubBackend, StubConfig
+
+
+@asynccontextmanager
+async def fuzz_stack(work_dir: Path | None = None) -> AsyncIterator[str]:
+    """Yields the gateway's base URL; everything is stopped on exit."""
+    stub = await StubBackend(
+        StubConfig(first_token_delay_s=0.0, inter_token_delay_s=0.0, model="stub-model")
+    ).start()
+    tmp = tempfile.TemporaryDirectory(prefix="tokengate-fuzz-") if work_dir is None else None
+    root = Path(tmp.name) if tmp is not None else work_dir
+    assert root is not None
+    port = free_port()
+    config = {
+        "listen": {"host": "127.0.0.1", "port": port},
+        "pools": {
+            "default": {"backends": [{"url": stub.url, "capacity_tokens": 200_000, "models": ["stub-model"]}]}
+        },
+        "limits": {"body_timeout_s": 3, "header_timeout_s": 3},
+        "drain_timeout_s": 2,
+    }
+    path = root / "fuzz-gateway.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    group = ProcessGroup()
+    try:
+        child = group.start("gateway", gateway_command(path), root / "gateway.log")
+        url = f"http://127.0.0.1:{port}"
+        await asyncio.to_thread(wait_ready, [(child, [f"{url}/readyz"])], 60.0)
+        yield url
+        if child.exited() is not None:
+            raise RuntimeError(f"the gateway died during the fuzz run:\n{child.log_tail()}")
+    finally:
+        group.stop_all()
+        await stub.close()
+        if tmp is not None:
+            tmp.cleanup()
