@@ -1,7 +1,7 @@
 """Request pricing and classing: tokenizers, prompt-cost estimation, size-class rules."""
 
 from classifiers.classes import Classifier, ClassRule, RequestClass, parse_rules
-from classifiers.pricing import Cost, InvalidRequest, Pricer, PricingSettings
+from classifiers.pricing import MAX_CHOICES, MAX_JSON_DEPTH, Cost, InvalidRequest, Pricer, PricingSettings
 from classifiers.tokenizers import (
     BytesTokenizer,
     HFTokenizer,
@@ -14,6 +14,8 @@ from classifiers.tokenizers import (
 )
 
 __all__ = [
+    "MAX_CHOICES",
+    "MAX_JSON_DEPTH",
     "BytesTokenizer",
     "ClassRule",
     "Classifier",
