@@ -89,7 +89,15 @@ import orjson
 
 from classifiers.tokenizers import BytesTokenizer, TiktokenTokenizer, Tokenizer, TokenizerRegistry
 
-__all__ = ["MAX_CHOICES", "MAX_JSON_DEPTH", "Cost", "InvalidRequest", "Pricer", "PricingSettings"]
+__all__ = [
+    "MAX_CHOICES",
+    "MAX_JSON_DEPTH",
+    "Cost",
+    "InvalidRequest",
+    "Pricer",
+    "PricingSettings",
+    "show_value",
+]
 
 # orjson serializes at most 254 nested containers; deeper JSON is refused with a 400 instead of
 # falling back to a recursive serializer (which raised RecursionError, a 500).
@@ -155,7 +163,7 @@ def _kind(value: object) -> str:
     return _JSON_TYPE.get(type(value), type(value).__name__)
 
 
-def _show(value: object) -> str:
+def show_value(value: object) -> str:
     """A client value for an error message: short, and never the repr of a container.
 
     A 1 MB string stays 64 characters, and a list nested 5000 deep is not walked (its repr would
@@ -173,6 +181,9 @@ def _show(value: object) -> str:
     if type(value) is float:
         return repr(value)
     return _kind(value)
+
+
+_show = show_value
 
 
 def _is_int(value: object) -> bool:

@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer as HFBackend
 from tokenizers import models, pre_tokenizers
 
-from classifiers import Cost, InvalidRequest, Pricer, TokenizerRegistry
+from classifiers import Cost, InvalidRequest, Pricer, TokenizerRegistry, show_value
 
 CTX = 8192
 LIMITS: dict[str, Any] = {"default_max_tokens": 256, "max_tokens_limit": None, "context_length": CTX}
@@ -248,3 +248,22 @@ def test_lone_surrogates_and_nul_bytes_never_crash_tokenizing(hf_path: Path, mod
     assert pricer.price_completion({"model": model, "prompt": [text, text]}, **LIMITS).prefill > 0
     raw = text.encode("utf-8", "surrogatepass")
     assert pricer.price_passthrough(raw, model=model, default_max_tokens=0).prefill > 0
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        ("gpt-4o", "'gpt-4o'"),
+        (MEGA, "'" + "x" * 64 + "'…(1000000 chars)"),
+        (None, "null"),
+        (True, "true"),
+        (7, "7"),
+        (2**70, "an integer of 71 bits"),
+        (1.5, "1.5"),
+        ([1, 2], "array"),
+        ({"a": 1}, "object"),
+    ],
+)
+def test_show_value_keeps_any_client_value_short(value: object, shown: str) -> None:
+    assert show_value(value) == shown
+    assert show_value(nested(5000)) == "object"
