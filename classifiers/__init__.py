@@ -1,7 +1,15 @@
 """Request pricing and classing: tokenizers, prompt-cost estimation, size-class rules."""
 
 from classifiers.classes import Classifier, ClassRule, RequestClass, parse_rules
-from classifiers.pricing import Cost, InvalidRequest, Pricer, PricingSettings
+from classifiers.pricing import (
+    MAX_CHOICES,
+    MAX_JSON_DEPTH,
+    Cost,
+    InvalidRequest,
+    Pricer,
+    PricingSettings,
+    show_value,
+)
 from classifiers.tokenizers import (
     BytesTokenizer,
     HFTokenizer,
@@ -14,6 +22,8 @@ from classifiers.tokenizers import (
 )
 
 __all__ = [
+    "MAX_CHOICES",
+    "MAX_JSON_DEPTH",
     "BytesTokenizer",
     "ClassRule",
     "Classifier",
@@ -30,4 +40,5 @@ __all__ = [
     "load_tiktoken",
     "load_tokenizer",
     "parse_rules",
+    "show_value",
 ]

@@ -1,7 +1,8 @@
 """Price a request in tokens before it runs, validating the body on the way.
 
 A request's cost is ``prefill`` (prompt tokens) + ``decode`` (output tokens reserved); together
-they approximate the KV-cache footprint the request pins at completion.
+they approximate the KV-cache footprint the request pins at completion. Every malformed body is an
+`InvalidRequest` (a 400 with a message and the offending ``param``); pricing raises nothing else.
 
 Prefill rules
 -------------
@@ -18,9 +19,42 @@ Chat (``/v1/chat/completions``), following the OpenAI cookbook's counting rules:
 * ``tools`` / ``functions``: tokens of their compact JSON + ``tools_overhead_tokens``;
 * ``response_format`` of type ``json_schema``: tokens of the schema object's compact JSON.
 
+Responses (``/v1/responses``), priced like chat:
+
+* ``input`` a string: one user message. An array of items:
+  message items (``type`` "message" or absent, ``role`` user / assistant / system / developer)
+  cost what a chat message costs; their parts: ``input_text`` / ``output_text`` / ``refusal``
+  count their text, ``input_image`` costs ``image_tokens``, ``input_audio`` ``audio_tokens``,
+  ``input_file`` ``file_tokens``, or the tokens of its inline ``file_data`` when that is more;
+  ``function_call``: ``per_tool_call_tokens`` + tokens(name) + tokens(arguments);
+  ``function_call_output``: ``per_message_tokens`` + its output (a string, or parts as above);
+  ``reasoning``: ``per_message_tokens`` + its summary and content texts + 3/4 of the bytes of its
+  ``encrypted_content`` (the most tokens the base64 ciphertext can decrypt to);
+  ``item_reference`` (``type`` absent with an ``id``, too): ``item_reference_tokens``;
+  any other typed item: the tokens of its compact JSON (never 0);
+* ``instructions``: a system message; ``reply_priming_tokens`` once;
+* ``tools`` (function and built-in tools alike): compact JSON + ``tools_overhead_tokens``;
+* ``text.format`` of type ``json_schema``: tokens of the format object without its ``type``,
+  i.e. the same fields chat's ``response_format.json_schema`` holds;
+* server-side state is invisible: ``previous_response_id``, ``conversation``, ``prompt`` and
+  ``item_reference`` make the server add stored items the gateway cannot see or count, and the
+  turns of built-in tool loops add tool output server-side. Only the visible body is priced;
+  ``input`` may be absent only when one of the first three is given.
+
 Completions (``/v1/completions``): each prompt is its own sequence. A string counts its tokens,
-a token-id array its length; ``suffix`` adds its tokens to every prompt.
+a token-id array its length; ``suffix`` adds its tokens to every prompt. A token id is an integer
+in [0, 2**63); an empty token-id array inside an array of them is refused (an empty string prompt
+is legal).
 Embeddings: the same shapes for ``input``; decode is 0.
+
+Pass-through routes (allow-listed POSTs such as ``/v1/rerank``, ``/v1/score``, ``/v1/audio/...``)
+are never refused: prefill is the token count of the whole body decoded as UTF-8 with
+replacement (the model's tokenizer when the model is known, else the byte estimate), at least 1
+for a non-empty body; decode is the largest non-negative integer among the body's
+``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens`` when it is a JSON object that
+names one, else ``default_max_tokens`` for a route that ``generates`` and 0 for one that does
+not, and at most 2**32; a ``context_length``, when given, caps decode at ``context_length -
+prefill``. Binary bodies (uploads) therefore price high: about one token per byte.
 
 Decode rules
 ------------
@@ -28,22 +62,52 @@ Per choice, the request asks for ``max_completion_tokens``, else ``max_tokens``,
 ``default_max_tokens`` given by the caller (a tenant/class setting). Asking for more than
 ``max_tokens_limit`` is an error; the default is silently clamped to it. Each sequence's per-choice
 reservation is capped at ``context_length - prompt tokens`` (never below 0), and multiplied by the
-number of choices: ``n``, or for completions ``max(n, best_of)``. A prompt longer than
+number of choices: ``n``, or for completions ``max(n, best_of)``; both are at most ``MAX_CHOICES``
+(128, OpenAI's limit), so no cost can leave 64-bit integers. A prompt longer than
 ``context_length`` is rejected (code ``context_length_exceeded``).
+Responses: one sequence (the API has no ``n``) reserving ``max_output_tokens``, else the default,
+under the same limit and cap. Reasoning tokens are part of ``max_output_tokens`` in that API, so
+``reasoning.effort`` (validated: none, minimal, low, medium, high, xhigh, max, or null) does not
+change the reservation.
+
+Hostile input
+-------------
+Client JSON serialized for counting (tools, schemas, unknown items) may nest at most
+``MAX_JSON_DEPTH`` (254, orjson's limit) containers; deeper is a 400 saying so, never a
+RecursionError. Client values echoed in messages are cut to 64 characters plus their length, and
+containers are named by type, never printed. Tokenizers that refuse lone surrogates count the
+text with them replaced.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from classifiers.tokenizers import Tokenizer, TokenizerRegistry
+from classifiers.tokenizers import BytesTokenizer, TiktokenTokenizer, Tokenizer, TokenizerRegistry
 
-__all__ = ["Cost", "InvalidRequest", "Pricer", "PricingSettings"]
+__all__ = [
+    "MAX_CHOICES",
+    "MAX_JSON_DEPTH",
+    "Cost",
+    "InvalidRequest",
+    "Pricer",
+    "PricingSettings",
+    "show_value",
+]
+
+# orjson serializes at most 254 nested containers; deeper JSON is refused with a 400 instead of
+# falling back to a recursive serializer (which raised RecursionError, a 500).
+MAX_JSON_DEPTH = 254
+# OpenAI's limit on `n` / `best_of`; it also keeps every cost far inside 64-bit integers.
+MAX_CHOICES = 128
+# Token ids are signed 64-bit integers in every engine; anything larger is not a token id.
+_MAX_TOKEN_ID = 2**63 - 1
+# Client values echoed in error messages are cut to this many characters.
+_ECHO_CHARS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +144,8 @@ class PricingSettings:
     audio_tokens: int = 1000
     video_tokens: int = 4096
     file_tokens: int = 4096
+    # A Responses API `item_reference` names an item stored on the server; its size is unknown here.
+    item_reference_tokens: int = 16
 
 
 _JSON_TYPE = {
@@ -97,21 +163,113 @@ def _kind(value: object) -> str:
     return _JSON_TYPE.get(type(value), type(value).__name__)
 
 
+def show_value(value: object) -> str:
+    """A client value for an error message: short, and never the repr of a container.
+
+    A 1 MB string stays 64 characters, and a list nested 5000 deep is not walked (its repr would
+    raise RecursionError), so echoing a value can neither bloat a 400 nor turn it into a 500.
+    """
+    if isinstance(value, str):
+        if len(value) <= _ECHO_CHARS:
+            return repr(value)
+        return f"{value[:_ECHO_CHARS]!r}…({len(value)} chars)"
+    if value is None or isinstance(value, bool):
+        return orjson.dumps(value).decode()  # null / true / false, as the client wrote them
+    if type(value) is int:
+        bits = value.bit_length()
+        return str(value) if bits <= 64 else f"an integer of {bits} bits"
+    if type(value) is float:
+        return repr(value)
+    return _kind(value)
+
+
+_show = show_value
+
+
 def _is_int(value: object) -> bool:
     # bool is a subclass of int, but `"max_tokens": true` is a client bug, not a number.
     return type(value) is int
 
 
-def _compact_json(value: object) -> str:
+def _deeper_than(value: object, limit: int) -> bool:
+    """True when `value` nests more than `limit` containers; iterative, so any depth is safe."""
+    if not isinstance(value, dict | list):
+        return False
+    stack: list[tuple[dict[Any, Any] | list[Any], int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return False
+
+
+def _compact_json(value: object, param: str) -> str:
+    """Compact JSON of a client value; raises only InvalidRequest."""
     try:
         return orjson.dumps(value).decode()
-    except TypeError:  # e.g. integers beyond 64 bits, which orjson refuses
-        return json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=str)
+    except TypeError as exc:  # orjson.JSONEncodeError: too deep, or a number beyond 64 bits
+        if _deeper_than(value, MAX_JSON_DEPTH):
+            raise InvalidRequest(
+                f"'{param}' is nested more than {MAX_JSON_DEPTH} levels deep; flatten it",
+                param=param,
+            ) from None
+        raise InvalidRequest(
+            f"'{param}' cannot be serialized as JSON ({exc}); numbers must fit in 64 bits", param=param
+        ) from None
 
 
 def _token_ids(value: list[Any]) -> bool:
-    """True when `value` is a list of non-negative ints (a pre-tokenized prompt)."""
-    return all(type(t) is int for t in value) and (not value or min(value) >= 0)
+    """True when `value` is a list of token ids: ints in [0, 2**63)."""
+    return all(type(t) is int for t in value) and (
+        not value or (min(value) >= 0 and max(value) <= _MAX_TOKEN_ID)
+    )
+
+
+def _scrub(text: str) -> str:
+    """`text` with lone surrogates replaced (each by up to three U+FFFD: never fewer tokens)."""
+    return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
+class _Scrubbing:
+    """A tokenizer that may refuse lone surrogates (the Hugging Face binding raises TypeError).
+
+    orjson never produces such strings, but a Python caller can: retry once on the scrubbed text
+    rather than fail. tiktoken and the byte estimate take any str and are used unwrapped.
+    """
+
+    __slots__ = ("_tok", "name")
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self._tok = tok
+        self.name = tok.name
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return self._tok.encode(text)
+        except (TypeError, UnicodeError):
+            return self._tok.encode(_scrub(text))
+
+    def count(self, text: str) -> int:
+        try:
+            return self._tok.count(text)
+        except (TypeError, UnicodeError):
+            return self._tok.count(_scrub(text))
+
+
+_BYTES = BytesTokenizer()
+_RESPONSES_ROLES = ("user", "assistant", "system", "developer")
+# The effort values of the OpenAI SDK's ReasoningEffort; reasoning tokens are output tokens, so
+# none of them changes the reservation.
+_REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+_TEXT_FORMATS = ("text", "json_object", "json_schema")
+_RESPONSES_PARTS = ("input_text", "output_text", "refusal", "input_image", "input_file", "input_audio")
+# State kept by the server that stands in for `input`.
+_STORED_STATE = ("previous_response_id", "conversation", "prompt")
+_OUTPUT_LIMIT_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+# Far above any budget (so still refused), yet exact in the Lua store's doubles.
+_MAX_PASSTHROUGH_DECODE = 2**32
 
 
 class Pricer:
@@ -125,6 +283,7 @@ class Pricer:
             "video_url": settings.video_tokens,
             "file": settings.file_tokens,
         }
+        self._safe: dict[int, Tokenizer] = {}
 
     @property
     def settings(self) -> PricingSettings:
@@ -155,7 +314,7 @@ class Pricer:
         prefill += self._tools_tokens(tok, body, "functions")
         prefill += self._response_format_tokens(tok, body)
         choices = self._choices(body, allow_best_of=False)
-        requested, key = self._requested_max(body)
+        requested, key = self._requested_max(body, ("max_completion_tokens", "max_tokens"))
         per_choice = self._per_choice(requested, key, default_max_tokens, max_tokens_limit)
         self._check_context(prefill, context_length, "messages")
         return Cost(prefill=prefill, decode=min(per_choice, context_length - prefill) * choices)
@@ -177,7 +336,7 @@ class Pricer:
             extra = tok.count(suffix)
             lengths = [n + extra for n in lengths]
         choices = self._choices(body, allow_best_of=True)
-        requested, key = self._requested_max(body)
+        requested, key = self._requested_max(body, ("max_completion_tokens", "max_tokens"))
         per_choice = self._per_choice(requested, key, default_max_tokens, max_tokens_limit)
         self._check_context(max(lengths), context_length, "prompt")
         decode = sum(min(per_choice, context_length - n) for n in lengths) * choices
@@ -189,6 +348,73 @@ class Pricer:
         if context_length is not None:
             self._check_context(max(lengths), context_length, "input")
         return Cost(prefill=sum(lengths), decode=0)
+
+    def price_responses(
+        self,
+        body: Mapping[str, Any],
+        *,
+        default_max_tokens: int,
+        max_tokens_limit: int | None,
+        context_length: int,
+    ) -> Cost:
+        """Price ``POST /v1/responses`` like chat (see the module docstring for the rules).
+
+        Only what the body shows is priced: ``previous_response_id``, ``conversation`` and
+        ``item_reference`` items make the server prepend state the gateway cannot see.
+        """
+        tok = self._tokenizer(body)
+        self._check_stored_state(body)
+        prefill = self._s.reply_priming_tokens
+        instructions = body.get("instructions")
+        if instructions is not None:
+            if not isinstance(instructions, str):
+                raise InvalidRequest(
+                    f"'instructions' must be a string, got {_kind(instructions)}", param="instructions"
+                )
+            prefill += self._s.per_message_tokens + tok.count("system") + tok.count(instructions)
+        prefill += self._input_tokens(tok, body)
+        prefill += self._tools_tokens(tok, body, "tools")
+        prefill += self._text_format_tokens(tok, body)
+        self._check_reasoning(body)
+        requested, key = self._requested_max(body, ("max_output_tokens",))
+        per_sequence = self._per_choice(requested, key, default_max_tokens, max_tokens_limit)
+        self._check_context(prefill, context_length, "input")
+        return Cost(prefill=prefill, decode=min(per_sequence, context_length - prefill))
+
+    def price_passthrough(
+        self,
+        body_bytes: bytes,
+        *,
+        model: str | None,
+        default_max_tokens: int,
+        generates: bool = True,
+        context_length: int | None = None,
+    ) -> Cost:
+        """A conservative price for an allow-listed pass-through POST; never raises.
+
+        ``model``: a model the gateway serves (its tokenizer counts), or None (the byte estimate).
+        ``generates``: whether the route can produce tokens when the body names no output limit.
+        ``context_length``: when given, caps the decode at ``context_length - prefill``.
+        """
+        tok: Tokenizer = self._safe_tokenizer(self._tokenizers.for_model(model)) if model else _BYTES
+        prefill = max(1, tok.count(body_bytes.decode("utf-8", "replace"))) if body_bytes else 0
+        decode = -1
+        if body_bytes.lstrip()[:1] == b"{":
+            try:
+                obj = orjson.loads(body_bytes)
+            except orjson.JSONDecodeError:
+                obj = None
+            if isinstance(obj, dict):
+                for key in _OUTPUT_LIMIT_KEYS:
+                    value = obj.get(key)
+                    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                        decode = max(decode, value)
+        if decode < 0:
+            decode = default_max_tokens if generates else 0
+        decode = min(decode, _MAX_PASSTHROUGH_DECODE)
+        if context_length is not None:
+            decode = min(decode, max(context_length - prefill, 0))
+        return Cost(prefill=prefill, decode=decode)
 
     # ---- common fields -------------------------------------------------------------------
 
@@ -214,43 +440,62 @@ class Pricer:
                 raise InvalidRequest(
                     f"'stream_options' must be an object, got {_kind(options)}", param="stream_options"
                 )
-        return self._tokenizers.for_model(model)
+        return self._safe_tokenizer(self._tokenizers.for_model(model))
+
+    def _safe_tokenizer(self, tok: Tokenizer) -> Tokenizer:
+        if type(tok) is TiktokenTokenizer or type(tok) is BytesTokenizer:
+            return tok
+        safe = self._safe.get(id(tok))
+        if safe is None:
+            # Registries hold their tokenizers for their lifetime, so ids stay unique; bounded anyway.
+            safe = _Scrubbing(tok)
+            if len(self._safe) < 1024:
+                self._safe[id(tok)] = safe
+        return safe
 
     def _choices(self, body: Mapping[str, Any], *, allow_best_of: bool) -> int:
-        n = body.get("n")
-        if n is None:
-            n = 1
-        elif not _is_int(n) or n < 1:
-            raise InvalidRequest(f"'n' must be a positive integer, got {n!r}", param="n")
+        n = self._choice_count(body, "n")
         if not allow_best_of:
-            return int(n)
-        best_of = body.get("best_of")
-        if best_of is None:
-            return int(n)
-        if not _is_int(best_of) or best_of < 1:
-            raise InvalidRequest(f"'best_of' must be a positive integer, got {best_of!r}", param="best_of")
+            return n
+        if body.get("best_of") is None:
+            return n
+        best_of = self._choice_count(body, "best_of")
         if best_of < n:
             raise InvalidRequest(
                 f"'best_of' ({best_of}) must be greater than or equal to 'n' ({n})", param="best_of"
             )
-        return int(best_of)
+        return best_of
 
-    def _requested_max(self, body: Mapping[str, Any]) -> tuple[int | None, str]:
-        for key in ("max_completion_tokens", "max_tokens"):
+    def _choice_count(self, body: Mapping[str, Any], key: str) -> int:
+        value = body.get(key)
+        if value is None:
+            return 1
+        if not _is_int(value) or value < 1:
+            raise InvalidRequest(f"'{key}' must be a positive integer, got {_show(value)}", param=key)
+        if value > MAX_CHOICES:
+            raise InvalidRequest(
+                f"'{key}' is {_show(value)}, above the limit of {MAX_CHOICES} choices per request; "
+                f"set '{key}' to {MAX_CHOICES} or less",
+                param=key,
+            )
+        return int(value)
+
+    def _requested_max(self, body: Mapping[str, Any], keys: tuple[str, ...]) -> tuple[int | None, str]:
+        for key in keys:
             value = body.get(key)
             if value is None:
                 continue
             if not _is_int(value) or value < 0:
-                raise InvalidRequest(f"'{key}' must be a non-negative integer, got {value!r}", param=key)
+                raise InvalidRequest(f"'{key}' must be a non-negative integer, got {_show(value)}", param=key)
             return int(value), key
-        return None, "max_tokens"
+        return None, keys[-1]
 
     def _per_choice(self, requested: int | None, key: str, default: int, limit: int | None) -> int:
         if requested is None:
             return default if limit is None else min(default, limit)
         if limit is not None and requested > limit:
             raise InvalidRequest(
-                f"'{key}' is {requested}, above this deployment's limit of {limit} output tokens per "
+                f"'{key}' is {_show(requested)}, above this deployment's limit of {limit} output tokens per "
                 f"choice; set '{key}' to {limit} or less",
                 param=key,
             )
@@ -372,7 +617,7 @@ class Pricer:
             if constant is None:
                 supported = ", ".join(["text", "refusal", *self._part_constants])
                 raise InvalidRequest(
-                    f"{at}.type must be one of {supported}; got {kind!r}", param=f"{at}.type"
+                    f"{at}.type must be one of {supported}; got {_show(kind)}", param=f"{at}.type"
                 )
             if not isinstance(part.get(kind), dict | str):
                 raise InvalidRequest(
@@ -390,7 +635,7 @@ class Pricer:
             raise InvalidRequest(f"'{key}' must be an array of objects, got {_kind(tools)}", param=key)
         if not tools:
             return 0
-        return self._s.tools_overhead_tokens + tok.count(_compact_json(tools))
+        return self._s.tools_overhead_tokens + tok.count(_compact_json(tools, key))
 
     def _response_format_tokens(self, tok: Tokenizer, body: Mapping[str, Any]) -> int:
         fmt = body.get("response_format")
@@ -409,7 +654,7 @@ class Pricer:
                 f"'response_format.json_schema' must be an object, got {_kind(schema)}",
                 param="response_format.json_schema",
             )
-        return tok.count(_compact_json(schema))
+        return tok.count(_compact_json(schema, "response_format.json_schema"))
 
     # ---- completions / embeddings ----------------------------------------------------------
 
@@ -433,7 +678,8 @@ class Pricer:
         if type(first) is int:
             if not _token_ids(prompt):
                 raise InvalidRequest(
-                    f"'{param}' looks like token ids but holds something other than non-negative integers",
+                    f"'{param}' looks like token ids but holds something other than a token id "
+                    f"(an integer from 0 to {_MAX_TOKEN_ID})",
                     param=param,
                 )
             return [len(prompt)]
@@ -442,9 +688,224 @@ class Pricer:
             for i, ids in enumerate(prompt):
                 if not isinstance(ids, list) or not _token_ids(ids):
                     raise InvalidRequest(
-                        f"{param}[{i}] must be an array of non-negative integer token ids; '{param}' must be {shapes}",
+                        f"{param}[{i}] must be an array of token ids (integers from 0 to {_MAX_TOKEN_ID}); "
+                        f"'{param}' must be {shapes}",
+                        param=param,
+                    )
+                if not ids:
+                    raise InvalidRequest(
+                        f"{param}[{i}] is an empty token-id array; every sequence needs at least one token",
                         param=param,
                     )
                 lengths.append(len(ids))
             return lengths
         raise InvalidRequest(f"'{param}' must be {shapes}; got an array of {_kind(first)}", param=param)
+
+    # ---- responses -------------------------------------------------------------------------
+
+    def _check_stored_state(self, body: Mapping[str, Any]) -> None:
+        previous = body.get("previous_response_id")
+        if previous is not None and not isinstance(previous, str):
+            raise InvalidRequest(
+                f"'previous_response_id' must be a string, got {_kind(previous)}",
+                param="previous_response_id",
+            )
+        conversation = body.get("conversation")
+        if conversation is not None and not isinstance(conversation, str | dict):
+            raise InvalidRequest(
+                "'conversation' must be a conversation id or an object with an 'id', "
+                f"got {_kind(conversation)}",
+                param="conversation",
+            )
+
+    def _input_tokens(self, tok: Tokenizer, body: Mapping[str, Any]) -> int:
+        items = body.get("input")
+        if isinstance(items, str):
+            return self._s.per_message_tokens + tok.count("user") + tok.count(items)
+        if isinstance(items, list):
+            return sum(self._item_tokens(tok, item, f"input[{i}]") for i, item in enumerate(items))
+        if items is None and any(body.get(key) is not None for key in _STORED_STATE):
+            return 0  # the server supplies the conversation; we price only what we see
+        raise InvalidRequest(
+            f"'input' must be a string or an array of input items, got {_kind(items)}", param="input"
+        )
+
+    def _item_tokens(self, tok: Tokenizer, item: object, where: str) -> int:
+        if not isinstance(item, dict):
+            raise InvalidRequest(
+                f"{where} must be an input item object (a message with 'role' and 'content', or an item "
+                f"with a 'type'), got {_kind(item)}",
+                param=where,
+            )
+        kind = item.get("type")
+        if kind is None:
+            if "role" in item:
+                kind = "message"
+            elif "id" in item:
+                kind = "item_reference"
+            else:
+                raise InvalidRequest(
+                    f"{where} needs a 'type', or a 'role' and 'content' for a message", param=where
+                )
+        if not isinstance(kind, str):
+            raise InvalidRequest(f"{where}.type must be a string, got {_kind(kind)}", param=f"{where}.type")
+        s = self._s
+        if kind == "message":
+            return self._responses_message(tok, item, where)
+        if kind == "function_call":
+            return s.per_tool_call_tokens + self._function_tokens(tok, item, where)
+        if kind == "function_call_output":
+            output = item.get("output")
+            if isinstance(output, str):
+                return s.per_message_tokens + tok.count(output)
+            if isinstance(output, list):
+                return s.per_message_tokens + self._responses_parts(tok, output, f"{where}.output")
+            raise InvalidRequest(
+                f"{where}.output must be a string or an array of content parts, got {_kind(output)}",
+                param=f"{where}.output",
+            )
+        if kind == "reasoning":
+            return self._reasoning_tokens(tok, item, where)
+        if kind == "item_reference":
+            return s.item_reference_tokens
+        # Any other item (tool calls and outputs of built-in tools...): its JSON, never 0.
+        return max(1, tok.count(_compact_json(item, where)))
+
+    def _responses_message(self, tok: Tokenizer, item: dict[str, Any], where: str) -> int:
+        role = item.get("role")
+        if not isinstance(role, str) or role not in _RESPONSES_ROLES:
+            raise InvalidRequest(
+                f"{where}.role must be one of {', '.join(_RESPONSES_ROLES)}; got {_show(role)}",
+                param=f"{where}.role",
+            )
+        n = self._s.per_message_tokens + tok.count(role)
+        content = item.get("content")
+        if isinstance(content, str):
+            return n + tok.count(content)
+        if isinstance(content, list):
+            return n + self._responses_parts(tok, content, f"{where}.content")
+        raise InvalidRequest(
+            f"{where}.content must be a string or an array of content parts, got {_kind(content)}",
+            param=f"{where}.content",
+        )
+
+    def _responses_parts(self, tok: Tokenizer, parts: list[Any], where: str) -> int:
+        s = self._s
+        total = 0
+        for j, part in enumerate(parts):
+            at = f"{where}[{j}]"
+            if not isinstance(part, dict):
+                raise InvalidRequest(
+                    f"{at} must be a content part object with a 'type', got {_kind(part)}", param=at
+                )
+            kind = part.get("type")
+            if kind in ("input_text", "output_text", "refusal"):
+                field = "refusal" if kind == "refusal" else "text"
+                text = part.get(field)
+                if not isinstance(text, str):
+                    raise InvalidRequest(
+                        f"{at}.{field} must be a string for a '{kind}' part, got {_kind(text)}",
+                        param=f"{at}.{field}",
+                    )
+                total += tok.count(text)
+            elif kind == "input_image":
+                total += s.image_tokens
+            elif kind == "input_audio":
+                total += s.audio_tokens
+            elif kind == "input_file":
+                data = part.get("file_data")
+                if data is not None and not isinstance(data, str):
+                    raise InvalidRequest(
+                        f"{at}.file_data must be a string, got {_kind(data)}", param=f"{at}.file_data"
+                    )
+                # Inline data is what the server reads: count it when it is the larger estimate.
+                total += s.file_tokens if data is None else max(s.file_tokens, tok.count(data))
+            else:
+                raise InvalidRequest(
+                    f"{at}.type must be one of {', '.join(_RESPONSES_PARTS)}; got {_show(kind)}",
+                    param=f"{at}.type",
+                )
+        return total
+
+    def _reasoning_tokens(self, tok: Tokenizer, item: dict[str, Any], where: str) -> int:
+        total = self._s.per_message_tokens
+        for field in ("summary", "content"):
+            entries = item.get(field)
+            if entries is None:
+                continue
+            if not isinstance(entries, list):
+                raise InvalidRequest(
+                    f"{where}.{field} must be an array of text objects, got {_kind(entries)}",
+                    param=f"{where}.{field}",
+                )
+            for j, entry in enumerate(entries):
+                at = f"{where}.{field}[{j}]"
+                if not isinstance(entry, dict):
+                    raise InvalidRequest(
+                        f"{at} must be an object with a 'text', got {_kind(entry)}", param=at
+                    )
+                text = entry.get("text")
+                if not isinstance(text, str):
+                    raise InvalidRequest(f"{at}.text must be a string, got {_kind(text)}", param=f"{at}.text")
+                total += tok.count(text)
+        secret = item.get("encrypted_content")
+        if secret is not None:
+            if not isinstance(secret, str):
+                raise InvalidRequest(
+                    f"{where}.encrypted_content must be a string, got {_kind(secret)}",
+                    param=f"{where}.encrypted_content",
+                )
+            # Base64 carries 3 bytes per 4 characters and every token is at least one byte, so the
+            # decrypted reasoning cannot hold more tokens than that.
+            total += -(-len(secret.encode("utf-8", "surrogatepass")) * 3 // 4)
+        return total
+
+    def _text_format_tokens(self, tok: Tokenizer, body: Mapping[str, Any]) -> int:
+        text = body.get("text")
+        if text is None:
+            return 0
+        if not isinstance(text, dict):
+            raise InvalidRequest(
+                f'\'text\' must be an object (e.g. {{"format": {{"type": "text"}}}}), got {_kind(text)}',
+                param="text",
+            )
+        fmt = text.get("format")
+        if fmt is None:
+            return 0
+        if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+            raise InvalidRequest(
+                "'text.format' must be an object with a string 'type' (text, json_object or json_schema)",
+                param="text.format",
+            )
+        kind = fmt["type"]
+        if kind not in _TEXT_FORMATS:
+            raise InvalidRequest(
+                f"'text.format.type' must be one of {', '.join(_TEXT_FORMATS)}; got {_show(kind)}",
+                param="text.format.type",
+            )
+        if kind != "json_schema":
+            return 0
+        if not isinstance(fmt.get("schema"), dict):
+            raise InvalidRequest(
+                f"'text.format.schema' must be an object, got {_kind(fmt.get('schema'))}",
+                param="text.format.schema",
+            )
+        # The same fields as chat's response_format.json_schema object (name, schema, strict...).
+        return tok.count(_compact_json({k: v for k, v in fmt.items() if k != "type"}, "text.format"))
+
+    def _check_reasoning(self, body: Mapping[str, Any]) -> None:
+        reasoning = body.get("reasoning")
+        if reasoning is None:
+            return
+        if not isinstance(reasoning, dict):
+            raise InvalidRequest(
+                f'\'reasoning\' must be an object such as {{"effort": "low"}}, got {_kind(reasoning)}',
+                param="reasoning",
+            )
+        effort = reasoning.get("effort")
+        if effort is not None and (not isinstance(effort, str) or effort not in _REASONING_EFFORTS):
+            raise InvalidRequest(
+                f"'reasoning.effort' must be one of {', '.join(_REASONING_EFFORTS)} or null; "
+                f"got {_show(effort)}",
+                param="reasoning.effort",
+            )

@@ -1,12 +1,21 @@
 """Relaying an SSE completion stream while learning its usage.
 
-The gateway always asks the backend for ``stream_options.include_usage`` so it learns the real
-token counts. With include_usage the last event before ``data: [DONE]`` is a chunk with
+Chat and completions: the gateway always asks the backend for ``stream_options.include_usage``
+so it learns the real token counts. With include_usage the last event before ``data: [DONE]`` is a chunk with
 ``"choices": []`` and a ``usage`` object. If the client asked for usage itself the stream is
 relayed byte for byte and only read; if not, that one event is cut out again, and so is the
 ``"usage": null`` field that include_usage adds to every other chunk (OpenAI and vLLM omit the
 field entirely without it), so the client sees the stream it would have seen. Events are
 separated by a blank line (``\\n\\n``, or ``\\r\\n\\r\\n``).
+
+The Responses API (``/v1/responses``) has no ``stream_options``: its named events carry usage
+inside the response object of the final event (``response.completed``, or ``response.incomplete``
+/ ``response.failed``): ``data: {"type": "response.completed", "response": {..., "usage":
+{"input_tokens": N, "output_tokens": M, ...}}}``. Relay it with ``drop_usage=False``: byte-exact,
+nothing is ever cut out. Non-streaming Responses bodies carry ``usage`` at top level.
+
+Only events that contain a usage *object* (``"usage":{``) are parsed, so the relay stays cheap
+for the content chunks. `usage_counts` reads either API's usage object in one normalized form.
 """
 
 from __future__ import annotations
@@ -25,6 +34,28 @@ _USAGE_SPACED = b'"usage": {'
 _NULL_USAGE = (b',"usage":null', b', "usage": null', b'"usage":null,', b'"usage": null, ')
 
 
+def _count(value: object) -> int | None:
+    # bool is an int subclass, and a negative count is a backend bug: trust neither.
+    return value if type(value) is int and value >= 0 else None
+
+
+def usage_counts(usage: object) -> tuple[int | None, int | None]:
+    """(prompt tokens, completion tokens) of a usage object from any API, None where unknown.
+
+    Reads chat/completions' ``prompt_tokens`` / ``completion_tokens`` and the Responses API's
+    ``input_tokens`` / ``output_tokens``; a value counts only if it is a non-negative int.
+    """
+    if not isinstance(usage, dict):
+        return None, None
+    prompt = _count(usage.get("prompt_tokens"))
+    if prompt is None:
+        prompt = _count(usage.get("input_tokens"))
+    completion = _count(usage.get("completion_tokens"))
+    if completion is None:
+        completion = _count(usage.get("output_tokens"))
+    return prompt, completion
+
+
 def _strip_null_usage(data: bytes) -> bytes:
     if b"null" not in data:
         return data
@@ -38,10 +69,10 @@ def _has_usage(data: bytes) -> bool:
     return _USAGE in data or _USAGE_SPACED in data
 
 
-def _last_boundary(data: bytes) -> int:
-    """Index just past the last complete event in ``data``, or -1."""
-    i = data.rfind(b"\n\n")
-    j = data.rfind(b"\r\n\r\n")
+def _last_boundary(data: bytes | bytearray, start: int = 0) -> int:
+    """Index just past the last complete event in ``data`` (searching from ``start``), or -1."""
+    i = data.rfind(b"\n\n", start)
+    j = data.rfind(b"\r\n\r\n", start)
     if i < 0 and j < 0:
         return -1
     return max(i + 2 if i >= 0 else -1, j + 4 if j >= 0 else -1)
@@ -81,9 +112,12 @@ def _usage_of(event: bytes) -> tuple[dict[str, Any] | None, bool]:
             if not isinstance(obj, dict):
                 return None, False
             usage = obj.get("usage")
-            if not isinstance(usage, dict):
-                return None, False
-            return usage, obj.get("choices") == []
+            if isinstance(usage, dict):
+                return usage, obj.get("choices") == []
+            # The Responses API: usage sits in the response object of the final event.
+            response = obj.get("response")
+            usage = response.get("usage") if isinstance(response, dict) else None
+            return (usage, False) if isinstance(usage, dict) else (None, False)
     return None, False
 
 
@@ -99,16 +133,32 @@ class UsageRelay:
 
     def __init__(self, drop_usage: bool) -> None:
         self._drop = drop_usage
-        self._buf = b""
+        # The incomplete trailing event. Appended to in place and searched only where new bytes
+        # arrived, so a large event (a Responses ``response.completed`` repeats the whole output)
+        # arriving in many small chunks costs linear, not quadratic, time.
+        self._buf = bytearray()
         self.usage: dict[str, Any] | None = None
 
     def feed(self, chunk: bytes) -> bytes:
-        data = self._buf + chunk if self._buf else chunk
-        end = _last_boundary(data)
-        if end < 0:
-            self._buf = data
-            return b"" if self._drop else chunk
-        complete, self._buf = data[:end], data[end:]
+        buf = self._buf
+        if not buf:  # the common case: nothing held, so no copy unless the chunk ends mid-event
+            end = _last_boundary(chunk)
+            if end < 0:
+                buf += chunk
+                return b"" if self._drop else chunk
+            complete = chunk
+            if end < len(chunk):
+                complete = chunk[:end]
+                buf += chunk[end:]
+        else:
+            # A separator may straddle the old tail and the new chunk (at most 3 bytes back).
+            start = max(len(buf) - 3, 0)
+            buf += chunk
+            end = _last_boundary(buf, start)
+            if end < 0:
+                return b"" if self._drop else chunk
+            complete = bytes(buf[:end])
+            del buf[:end]
         if _has_usage(complete):
             kept = []
             for event in _events(complete):
@@ -124,7 +174,8 @@ class UsageRelay:
 
     def flush(self) -> bytes:
         """What is left at the end of the stream (an unterminated last event)."""
-        rest, self._buf = self._buf, b""
+        rest = bytes(self._buf)
+        self._buf.clear()
         if rest and _has_usage(rest):
             usage, usage_only = _usage_of(rest)
             if usage is not None:

@@ -4,10 +4,12 @@ whatever the chunk boundaries."""
 from __future__ import annotations
 
 import orjson
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.sse import UsageRelay
+from gateway import sse
+from gateway.sse import UsageRelay, usage_counts
 
 USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
 
@@ -97,3 +99,97 @@ def test_drop_mode_restores_the_stream_without_include_usage() -> None:
     # Escaped quotes inside content are never touched.
     text = frame({"choices": [{"index": 0, "delta": {"content": '{"usage":null,'}}]})
     assert UsageRelay(drop_usage=True).feed(text) == text
+
+
+# ---- the Responses API: named events, usage inside response.completed, no stream_options ----
+
+R_USAGE = {"input_tokens": 11, "output_tokens": 5, "total_tokens": 16, "output_tokens_details": {}}
+
+
+def named(event: str, obj: dict[str, object]) -> bytes:
+    return f"event: {event}\n".encode() + frame({"type": event, **obj})
+
+
+R_STREAM = (
+    named("response.created", {"response": {"id": "r", "status": "in_progress", "usage": None}})
+    + named("response.output_text.delta", {"delta": 'say "usage":{ here'})
+    + named("response.output_text.delta", {"delta": "done"})
+    + named("response.completed", {"response": {"id": "r", "status": "completed", "usage": R_USAGE}})
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=10_000), max_size=12))
+def test_responses_stream_is_relayed_byte_exact_and_its_usage_learned(cuts: list[int]) -> None:
+    relay = UsageRelay(drop_usage=False)
+    chunks = split(R_STREAM, cuts)
+    assert [relay.feed(c) for c in chunks] == chunks
+    assert relay.flush() == b""
+    assert relay.usage == R_USAGE
+    assert usage_counts(relay.usage) == (11, 5)
+
+
+def test_every_byte_boundary_of_a_responses_stream_is_handled() -> None:
+    for cut in range(len(R_STREAM) + 1):
+        relay = UsageRelay(drop_usage=False)
+        head, tail = R_STREAM[:cut], R_STREAM[cut:]
+        assert relay.feed(head) + relay.feed(tail) + relay.flush() == R_STREAM
+        assert usage_counts(relay.usage) == (11, 5), cut
+
+
+def test_an_incomplete_or_failed_response_still_reports_usage() -> None:
+    for event in ("response.incomplete", "response.failed"):
+        relay = UsageRelay(drop_usage=False)
+        data = named(event, {"response": {"status": event.split(".")[1], "usage": R_USAGE}})
+        assert relay.feed(data[:-2]) == data[:-2]  # the separator never arrives
+        assert relay.flush() == b""
+        assert usage_counts(relay.usage) == (11, 5)
+
+
+def test_only_events_carrying_a_usage_object_are_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    parsed: list[bytes] = []
+    real = sse._usage_of
+
+    def spy(event: bytes) -> tuple[dict[str, object] | None, bool]:
+        parsed.append(event)
+        return real(event)
+
+    monkeypatch.setattr(sse, "_usage_of", spy)
+    relay = UsageRelay(drop_usage=False)
+    for i in range(0, len(STREAM), 7):
+        relay.feed(STREAM[i : i + 7])
+    assert parsed == [USAGE_FRAME]
+    parsed.clear()
+    relay = UsageRelay(drop_usage=False)
+    relay.feed(R_STREAM)
+    assert parsed == [
+        named("response.completed", {"response": {"id": "r", "status": "completed", "usage": R_USAGE}})
+    ]
+
+
+@pytest.mark.parametrize(
+    ("usage", "counts"),
+    [
+        ({"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}, (7, 3)),
+        ({"input_tokens": 11, "output_tokens": 5, "total_tokens": 16}, (11, 5)),
+        ({"prompt_tokens": 7}, (7, None)),
+        ({"output_tokens": 0}, (None, 0)),
+        ({"prompt_tokens": True, "completion_tokens": False}, (None, None)),
+        ({"input_tokens": -1, "output_tokens": -5}, (None, None)),
+        ({"prompt_tokens": -1, "completion_tokens": 2}, (None, 2)),
+        ({"prompt_tokens": 1.0, "completion_tokens": "3"}, (None, None)),
+        ({"prompt_tokens": None, "input_tokens": 4, "completion_tokens": None, "output_tokens": 2}, (4, 2)),
+        (None, (None, None)),
+        ([7, 3], (None, None)),
+        ("usage", (None, None)),
+    ],
+)
+def test_usage_counts_reads_both_apis_and_trusts_only_non_negative_ints(
+    usage: object, counts: tuple[int | None, int | None]
+) -> None:
+    assert usage_counts(usage) == counts
+
+
+def test_a_non_streaming_responses_body_reports_usage_at_top_level() -> None:
+    body = orjson.loads(orjson.dumps({"id": "r", "object": "response", "output": [], "usage": R_USAGE}))
+    assert usage_counts(body["usage"]) == (11, 5)

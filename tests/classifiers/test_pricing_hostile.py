@@ -1,0 +1,269 @@
+"""Hostile bodies: each is a clean InvalidRequest (a 400), never a crash, a huge cost or a huge message."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from tokenizers import Tokenizer as HFBackend
+from tokenizers import models, pre_tokenizers
+
+from classifiers import Cost, InvalidRequest, Pricer, TokenizerRegistry, show_value
+
+CTX = 8192
+LIMITS: dict[str, Any] = {"default_max_tokens": 256, "max_tokens_limit": None, "context_length": CTX}
+MAX_DEPTH = 254  # what the pricer documents (orjson's own serialization limit)
+
+
+@pytest.fixture(scope="module")
+def pricer() -> Pricer:
+    return Pricer(TokenizerRegistry())
+
+
+def nested(depth: int) -> Any:
+    """A JSON object `depth` containers deep, built from text the way the gateway parses bodies."""
+    if depth <= 1000:
+        return orjson.loads(b'{"a":' * (depth - 1) + b"{}" + b"}" * (depth - 1))
+    value: Any = {}
+    for _ in range(depth - 1):  # deeper than orjson.loads accepts: only a Python caller can build it
+        value = {"a": value}
+    return value
+
+
+def chat(**extra: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": "Hi"}], **extra}
+
+
+def responses(**extra: Any) -> dict[str, Any]:
+    return {"model": "m", "input": "Hi", **extra}
+
+
+# (how to build a body around a deep value, the pricing call, the param named in the error,
+#  the containers the body adds above the value inside the serialized field)
+DEEP_SITES: list[tuple[str, Callable[[Any], dict[str, Any]], str, str, int]] = [
+    (
+        "chat tools",
+        lambda v: chat(tools=[{"type": "function", "function": {"name": "f", "parameters": v}}]),
+        "chat",
+        "tools",
+        3,
+    ),
+    ("chat functions", lambda v: chat(functions=[{"name": "f", "parameters": v}]), "chat", "functions", 2),
+    (
+        "chat json_schema",
+        lambda v: chat(response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": v}}),
+        "chat",
+        "response_format.json_schema",
+        1,
+    ),
+    (
+        "responses tools",
+        lambda v: responses(tools=[{"type": "function", "name": "f", "parameters": v}]),
+        "responses",
+        "tools",
+        2,
+    ),
+    (
+        "responses text.format",
+        lambda v: responses(text={"format": {"type": "json_schema", "name": "s", "schema": v}}),
+        "responses",
+        "text.format",
+        1,
+    ),
+    (
+        "responses other item",
+        lambda v: responses(input=[{"type": "custom_tool_call", "input": v}]),
+        "responses",
+        "input[0]",
+        1,
+    ),
+]
+
+
+def price(pricer: Pricer, api: str, body: dict[str, Any]) -> Cost:
+    if api == "chat":
+        return pricer.price_chat(body, **LIMITS)
+    return pricer.price_responses(body, **{**LIMITS, "context_length": 10**6})
+
+
+@pytest.mark.parametrize("depth", [255, 600, 990, 5000])
+@pytest.mark.parametrize(("site", "build", "api", "param", "above"), DEEP_SITES)
+def test_deeply_nested_json_is_a_clear_400_never_a_recursion_error(
+    pricer: Pricer,
+    depth: int,
+    site: str,
+    build: Callable[[Any], dict[str, Any]],
+    api: str,
+    param: str,
+    above: int,
+) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        price(pricer, api, build(nested(depth)))
+    assert info.value.param == param
+    assert f"more than {MAX_DEPTH} levels" in info.value.message
+
+
+@pytest.mark.parametrize(("site", "build", "api", "param", "above"), DEEP_SITES)
+def test_nesting_up_to_the_documented_depth_is_priced(
+    pricer: Pricer, site: str, build: Callable[[Any], dict[str, Any]], api: str, param: str, above: int
+) -> None:
+    assert price(pricer, api, build(nested(100))).prefill > 100
+    assert price(pricer, api, build(nested(MAX_DEPTH - above))).prefill > 0
+    with pytest.raises(InvalidRequest, match=f"more than {MAX_DEPTH} levels"):
+        price(pricer, api, build(nested(MAX_DEPTH - above + 1)))
+
+
+def test_integers_beyond_64_bits_inside_a_schema_are_a_400(pricer: Pricer) -> None:
+    # orjson.loads turns such numbers into floats, so only a Python caller can send them.
+    body = chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"maximum": 2**70}}}])
+    with pytest.raises(InvalidRequest) as info:
+        pricer.price_chat(body, **LIMITS)
+    assert info.value.param == "tools"
+
+
+def test_the_gateways_own_parser_refuses_deeper_bodies_as_invalid_json() -> None:
+    # The proxy turns orjson.JSONDecodeError into a 400 invalid_json: nothing deeper reaches a pricer.
+    with pytest.raises(orjson.JSONDecodeError):
+        orjson.loads(b"[" * 5000 + b"]" * 5000)
+
+
+@pytest.mark.parametrize("prompt", [[[]], [[1, 2], []], [[], [3]]])
+def test_an_empty_token_id_array_inside_a_prompt_is_refused(pricer: Pricer, prompt: Any) -> None:
+    with pytest.raises(InvalidRequest, match="empty") as info:
+        pricer.price_completion({"model": "m", "prompt": prompt}, **LIMITS)
+    assert info.value.param == "prompt"
+    with pytest.raises(InvalidRequest, match="empty") as info:
+        pricer.price_embeddings({"model": "e", "input": prompt})
+    assert info.value.param == "input"
+
+
+def test_empty_string_prompts_stay_legal(pricer: Pricer) -> None:
+    assert pricer.price_completion({"model": "m", "prompt": [""], "max_tokens": 1}, **LIMITS) == Cost(0, 1)
+    assert pricer.price_completion({"model": "m", "prompt": "", "max_tokens": 1}, **LIMITS) == Cost(0, 1)
+
+
+HUGE = [129, 2**63 - 1, 2**64 - 1, 10**30]
+
+
+@pytest.mark.parametrize("n", HUGE)
+def test_more_than_128_choices_is_refused_with_the_limit(pricer: Pricer, n: int) -> None:
+    for api, body in (("chat", chat(n=n)), ("completion", {"model": "m", "prompt": "x", "n": n})):
+        with pytest.raises(InvalidRequest, match="128") as info:
+            getattr(pricer, f"price_{api}")(body, **LIMITS)
+        assert info.value.param == "n"
+    with pytest.raises(InvalidRequest, match="128") as info:
+        pricer.price_completion({"model": "m", "prompt": "x", "best_of": n}, **LIMITS)
+    assert info.value.param == "best_of"
+
+
+def test_128_choices_are_allowed_and_the_cost_stays_in_64_bits(pricer: Pricer) -> None:
+    cost = pricer.price_completion(
+        {"model": "m", "prompt": "x", "n": 128, "best_of": 128, "max_tokens": 2**64 - 1}, **LIMITS
+    )
+    assert cost.decode == 128 * (CTX - 1)
+    assert cost.total < 2**63
+    parsed = orjson.loads(b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 128}')
+    assert pricer.price_chat(parsed, **LIMITS).decode == 128 * 256
+
+
+@pytest.mark.parametrize("token", [2**63, 2**64 - 1, 2**70])
+def test_token_ids_beyond_64_bits_are_refused(pricer: Pricer, token: int) -> None:
+    for prompt in ([token], [[1, token]]):
+        with pytest.raises(InvalidRequest, match="token id") as info:
+            pricer.price_completion({"model": "m", "prompt": prompt}, **LIMITS)
+        assert info.value.param == "prompt"
+    # The largest signed 64-bit id prices (the engine answers whether it is in its vocabulary).
+    assert pricer.price_completion({"model": "m", "prompt": [2**63 - 1], "max_tokens": 1}, **LIMITS) == Cost(
+        1, 1
+    )
+
+
+MEGA = "x" * 1_000_000
+
+
+def _content(part: dict[str, Any]) -> dict[str, Any]:
+    return chat(messages=[{"role": "user", "content": [part]}])
+
+
+def _rcontent(part: dict[str, Any]) -> dict[str, Any]:
+    return responses(input=[{"role": "user", "content": [part]}])
+
+
+ECHOES: list[tuple[str, str, Callable[[Any], dict[str, Any]]]] = [
+    ("chat", "n", lambda v: chat(n=v)),
+    ("chat", "max_tokens", lambda v: chat(max_tokens=v)),
+    ("chat", "max_completion_tokens", lambda v: chat(max_completion_tokens=v)),
+    ("chat", "part type", lambda v: _content({"type": v})),
+    ("completion", "best_of", lambda v: {"model": "m", "prompt": "x", "best_of": v}),
+    ("completion", "n", lambda v: {"model": "m", "prompt": "x", "n": v}),
+    ("responses", "max_output_tokens", lambda v: responses(max_output_tokens=v)),
+    ("responses", "reasoning.effort", lambda v: responses(reasoning={"effort": v})),
+    ("responses", "role", lambda v: responses(input=[{"role": v, "content": "x"}])),
+    ("responses", "part type", lambda v: _rcontent({"type": v})),
+    ("responses", "text.format.type", lambda v: responses(text={"format": {"type": v}})),
+]
+
+
+@pytest.mark.parametrize(("api", "field", "build"), ECHOES)
+def test_echoed_client_values_are_truncated(
+    pricer: Pricer, api: str, field: str, build: Callable[[Any], dict[str, Any]]
+) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        getattr(pricer, f"price_{api}")(build(MEGA), **LIMITS)
+    assert len(info.value.message) < 400
+    assert "1000000 chars" in info.value.message
+
+
+@pytest.mark.parametrize(("api", "field", "build"), ECHOES)
+def test_echoed_deep_containers_never_recurse(
+    pricer: Pricer, api: str, field: str, build: Callable[[Any], dict[str, Any]]
+) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        getattr(pricer, f"price_{api}")(build(nested(5000)), **LIMITS)
+    assert len(info.value.message) < 400
+
+
+@pytest.fixture(scope="module")
+def hf_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    hf = HFBackend(models.WordLevel({"[UNK]": 0, "hello": 1}, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path_factory.mktemp("hf") / "tokenizer.json"
+    hf.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize("model", ["cl100k-model", "bytes-model", "hf-model"])
+@pytest.mark.parametrize("text", ["\ud800", "a\udc00b", "hello\x00world", "\x00" * 100, "\ud83d" * 3000])
+def test_lone_surrogates_and_nul_bytes_never_crash_tokenizing(hf_path: Path, model: str, text: str) -> None:
+    registry = TokenizerRegistry(
+        models={"cl100k-model": "cl100k_base", "bytes-model": "bytes", "hf-model": f"hf:{hf_path}"}
+    )
+    pricer = Pricer(registry)
+    chat_cost = pricer.price_chat({"model": model, "messages": [{"role": "user", "content": text}]}, **LIMITS)
+    assert chat_cost.prefill > 0
+    assert pricer.price_responses({"model": model, "input": text}, **LIMITS).prefill > 0
+    assert pricer.price_completion({"model": model, "prompt": [text, text]}, **LIMITS).prefill > 0
+    raw = text.encode("utf-8", "surrogatepass")
+    assert pricer.price_passthrough(raw, model=model, default_max_tokens=0).prefill > 0
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        ("gpt-4o", "'gpt-4o'"),
+        (MEGA, "'" + "x" * 64 + "'…(1000000 chars)"),
+        (None, "null"),
+        (True, "true"),
+        (7, "7"),
+        (2**70, "an integer of 71 bits"),
+        (1.5, "1.5"),
+        ([1, 2], "array"),
+        ({"a": 1}, "object"),
+    ],
+)
+def test_show_value_keeps_any_client_value_short(value: object, shown: str) -> None:
+    assert show_value(value) == shown
+    assert show_value(nested(5000)) == "object"
