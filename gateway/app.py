@@ -31,7 +31,7 @@ from backends.health import HealthChecker, HealthSettings
 from backends.pools import BreakerSettings, Router
 from backends.upstream import make_session
 from budgets.types import BudgetStore
-from classifiers import Classifier, Pricer, PricingSettings, TokenizerRegistry, parse_rules
+from classifiers import Classifier, Pricer, PricingSettings, TokenizerRegistry, parse_rules, show_value
 from gateway.accesslog import Record
 from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
@@ -42,6 +42,7 @@ from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.modeltable import ModelTable
 from gateway.observe import Observer, ScrapeTarget, StatsSources, observe_routes
 from gateway.observe.stats import config_view
+from gateway.passthrough import PassthroughRoutes
 from gateway.paths import path_problem
 from gateway.proxy import (
     CHAT,
@@ -50,6 +51,7 @@ from gateway.proxy import (
     HOME_POOL,
     PASSTHROUGH,
     QUEUED,
+    RESPONSES,
     Flight,
     Proxy,
     Receive,
@@ -64,6 +66,7 @@ _ROUTES = {
     "/v1/chat/completions": CHAT,
     "/v1/completions": COMPLETION,
     "/v1/embeddings": EMBEDDING,
+    "/v1/responses": RESPONSES,
 }
 # The hot routes by raw path: one dict lookup, and a path that matches needs no further checks.
 _RAW_ROUTES = {path.encode(): kind for path, kind in _ROUTES.items()}
@@ -123,6 +126,7 @@ class Gateway:
                 probe_timeout_s=h.probe_timeout_s,
             ),
         )
+        self.passthrough = PassthroughRoutes(config.passthrough)
         self.flights: set[Flight] = set()
         # Called once per finished request with its record and perf_counter end time (cheap,
         # synchronous, on the event loop; exceptions are logged and ignored).
@@ -228,6 +232,8 @@ class Gateway:
                         send, ApiError(400, f"Invalid request path: {problem}", code="invalid_path")
                     )
                     return
+                # A harmless escape (/v1/chat/completion%73) names the same route: price it as one.
+                kind = _ROUTES.get(scope["path"])
             path = scope["path"]
             if kind is not None:
                 assert self._proxy is not None, "the app's lifespan has not run"
@@ -235,15 +241,28 @@ class Gateway:
             elif path.startswith("/v1/"):
                 if path == "/v1/models":
                     await self._list_models(scope, send)
-                else:
-                    assert self._proxy is not None, "the app's lifespan has not run"
-                    await self._proxy.handle(scope, receive, send, PASSTHROUGH)
+                    return
+                route = self.passthrough.match(scope["method"], path)
+                if route is None:
+                    await _send_error(send, self._unrouted(scope["method"], path))
+                    return
+                assert self._proxy is not None, "the app's lifespan has not run"
+                await self._proxy.handle(scope, receive, send, PASSTHROUGH, route)
             else:
                 await self.ops(scope, receive, send)
         elif scope["type"] == "lifespan":
             await self._lifespan(receive, send)
         else:
             await self.ops(scope, receive, send)
+
+    def _unrouted(self, method: str, path: str) -> ApiError:
+        return ApiError(
+            404,
+            f"Route {show_value(method)} {show_value(path)} is not served by this gateway: it forwards the priced "
+            "OpenAI routes (chat/completions, completions, embeddings, responses), GET /v1/models, and the "
+            "routes an operator allows in passthrough.routes",
+            code="unknown_route",
+        )
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

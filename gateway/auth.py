@@ -10,8 +10,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 
+from classifiers import show_value
 from gateway.config import OPEN_TENANT, GatewayConfig, TenantConfig, TierConfig
-from gateway.echo import clip
 from gateway.errors import ApiError
 
 
@@ -59,14 +59,14 @@ class Authenticator:
         if tier is None:
             raise ApiError(
                 400,
-                f"Unknown tier {clip(requested)} in x-tokengate-tier; configured tiers: {', '.join(self._tiers)}",
+                f"Unknown tier {show_value(requested)} in x-tokengate-tier; configured tiers: {', '.join(self._tiers)}",
                 code="unknown_tier",
                 param="x-tokengate-tier",
             )
         if tier.rank < own.rank:
             raise ApiError(
                 403,
-                f"Tier {clip(requested)} is above this key's highest tier {own.name!r}; ask for {own.name!r} or lower.",
+                f"Tier {show_value(requested)} is above this key's highest tier {own.name!r}; ask for {own.name!r} or lower.",
                 code="tier_not_allowed",
                 param="x-tokengate-tier",
             )

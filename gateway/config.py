@@ -14,6 +14,7 @@ from typing import Any
 
 from backends.pools import BackendPoolSpec, BackendSpec, Timeouts
 from gateway.observe.settings import ObserveSettings
+from gateway.passthrough import DEFAULT_ROUTES, PassthroughRoute
 
 DEFAULT_CONTEXT_LENGTH = 32768
 DEFAULT_TOKENIZER = "cl100k_base"
@@ -97,7 +98,6 @@ class TenantConfig:
 @dataclass(frozen=True, slots=True)
 class LimitsConfig:
     max_body_bytes: int = 4 * 1024 * 1024
-    passthrough_cost_tokens: int = 16
     max_header_bytes: int = 32 * 1024  # request line + headers; above: 431
     header_timeout_s: float = 10.0  # headers complete within this of the connection/request start
     body_timeout_s: float = 30.0  # the whole body within this of the headers; then 408
@@ -152,6 +152,8 @@ class GatewayConfig:
     pricing: PricingConfig = PricingConfig()
     tenants: tuple[TenantConfig, ...] = ()
     limits: LimitsConfig = LimitsConfig()
+    # /v1 routes forwarded besides the priced ones (gateway.passthrough); anything else is a 404.
+    passthrough: tuple[PassthroughRoute, ...] = DEFAULT_ROUTES
     metrics: MetricsConfig = MetricsConfig()
     health: HealthConfig = HealthConfig()
     upstream: UpstreamConfig = UpstreamConfig()

@@ -41,6 +41,8 @@ from gateway.config import (
     UpstreamConfig,
 )
 from gateway.observe.settings import ObserveConfigError, ObserveSettings
+from gateway.passthrough import DEFAULT_ROUTES, PassthroughRoute
+from gateway.paths import path_problem
 
 
 class ConfigError(ValueError):
@@ -93,6 +95,7 @@ def parse_config(data: Any) -> GatewayConfig:
         pricing=_pricing(root.get("pricing")),
         tenants=_tenants(root.get("tenants"), tiers, tier_names),
         limits=_limits(root.get("limits")),
+        passthrough=_passthrough(root.get("passthrough")),
         metrics=_metrics_section(root.get("metrics")),
         health=_health(root.get("health")),
         upstream=_upstream(root.get("upstream")),
@@ -140,6 +143,7 @@ _TOP_KEYS = (
     "pricing",
     "tenants",
     "limits",
+    "passthrough",
     "metrics",
     "health",
     "upstream",
@@ -414,9 +418,13 @@ def _tenants(v: Any, tiers: Sequence[TierConfig], tier_names: set[str]) -> tuple
 
 
 def _limits(v: Any) -> LimitsConfig:
+    if v is not None and isinstance(v, Mapping) and "passthrough_cost_tokens" in v:
+        raise ConfigError(
+            "limits.passthrough_cost_tokens: removed: pass-through routes are now an allowlist "
+            "(passthrough.routes) and an allowed POST is priced from its body; delete this key"
+        )
     keys = (
         "max_body_bytes",
-        "passthrough_cost_tokens",
         "max_header_bytes",
         "header_timeout_s",
         "body_timeout_s",
@@ -427,13 +435,49 @@ def _limits(v: Any) -> LimitsConfig:
     d = LimitsConfig()
     return LimitsConfig(
         max_body_bytes=_int(m, "max_body_bytes", "limits", d.max_body_bytes, minimum=1),
-        passthrough_cost_tokens=_int(m, "passthrough_cost_tokens", "limits", 16, minimum=0),
         max_header_bytes=_int(m, "max_header_bytes", "limits", d.max_header_bytes, minimum=1024),
         header_timeout_s=_positive_float(m, "header_timeout_s", "limits", d.header_timeout_s),
         body_timeout_s=_positive_float(m, "body_timeout_s", "limits", d.body_timeout_s),
         body_idle_timeout_s=_positive_float(m, "body_idle_timeout_s", "limits", d.body_idle_timeout_s),
         max_connections=_int(m, "max_connections", "limits", d.max_connections, minimum=1),
     )
+
+
+_PRICED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/models")
+_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "*")
+
+
+def _passthrough(v: Any) -> tuple[PassthroughRoute, ...]:
+    m = _section(v, "passthrough", ("routes",))
+    if m.get("routes") is None:
+        return DEFAULT_ROUTES
+    routes = m["routes"]
+    if not isinstance(routes, list):
+        raise ConfigError(
+            f"passthrough.routes: expected a list of {{method, path}} mappings, got {_show(routes)}"
+        )
+    out = []
+    for i, item in enumerate(routes):
+        where = f"passthrough.routes[{i}]"
+        r = _section(item, where, ("method", "path", "generates"))
+        method = _str(r, "method", where, None).upper()
+        if method not in _METHODS:
+            raise ConfigError(
+                f"{where}.method: expected one of {', '.join(_METHODS)}, got {_show(r['method'])}"
+            )
+        path = _str(r, "path", where, None)
+        if not path.startswith("/v1/"):
+            raise ConfigError(
+                f"{where}.path: must start with /v1/ (only /v1 routes are forwarded), got {_show(path)}"
+            )
+        if path in _PRICED_ROUTES:
+            raise ConfigError(f"{where}.path: {path} is a priced route the gateway serves itself; remove it")
+        if path_problem(path.replace("*", "x").replace("?", "x").encode()) is not None:
+            raise ConfigError(
+                f"{where}.path: {_show(path)} is not a valid path (no dot segments, '//' or escapes)"
+            )
+        out.append(PassthroughRoute(method, path, _bool(r, "generates", where, method != "GET")))
+    return tuple(out)
 
 
 def _metrics_section(v: Any) -> MetricsConfig:

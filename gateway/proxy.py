@@ -27,13 +27,13 @@ from yarl import URL
 from backends.pools import Backend, NoBackend
 from backends.upstream import REQUEST_DROP, UpstreamFailure, classify_error, response_headers
 from budgets.types import AdmissionError, Demand, Lease, backend_pool, class_pool, tenant_pool
-from classifiers import InvalidRequest
+from classifiers import InvalidRequest, show_value
 from gateway.accesslog import Record
 from gateway.auth import bearer_key
-from gateway.echo import clip
 from gateway.errors import ApiError, from_admission
 from gateway.metrics import Bound
-from gateway.sse import UsageRelay
+from gateway.passthrough import PassthroughRoute
+from gateway.sse import UsageRelay, usage_counts
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -44,7 +44,7 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 log = logging.getLogger("tokengate.proxy")
 
-CHAT, COMPLETION, EMBEDDING, PASSTHROUGH = 0, 1, 2, 3
+CHAT, COMPLETION, EMBEDDING, PASSTHROUGH, RESPONSES = 0, 1, 2, 3, 4
 HOME_POOL = "\x00home"  # the Classifier's default pool: "the model's own pool"
 
 PRE, QUEUED, UPSTREAM = 0, 1, 2
@@ -154,19 +154,11 @@ def _max_wait_header(value: bytes) -> float:
     if not seconds >= 0 or seconds == float("inf"):
         raise ApiError(
             400,
-            f"x-tokengate-max-queue-wait must be a non-negative number of seconds, got {clip(value.decode('latin-1'))}",
+            f"x-tokengate-max-queue-wait must be a non-negative number of seconds, got {show_value(value.decode('latin-1'))}",
             param="x-tokengate-max-queue-wait",
             code="invalid_header",
         )
     return seconds
-
-
-def _usage_counts(usage: Any) -> tuple[int | None, int | None]:
-    if not isinstance(usage, dict):
-        return None, None
-    p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    # The backend's word, not trusted: only a non-negative int counts.
-    return (p if type(p) is int and p >= 0 else None), (c if type(c) is int and c >= 0 else None)
 
 
 def _upstream_failed(rec: Record, failure: UpstreamFailure) -> ApiError:
@@ -211,7 +203,6 @@ class Proxy:
         self.observer = gw.observer
         self.max_body = cfg.limits.max_body_bytes
         self.body_deadlines = BodyDeadlines(cfg.limits.body_timeout_s, cfg.limits.body_idle_timeout_s)
-        self.passthrough_cost = cfg.limits.passthrough_cost_tokens
         self.default_max_tokens = cfg.pricing.default_max_tokens
         self.enforce_max_tokens = cfg.enforce_max_tokens
         self.open_mode = cfg.open_mode
@@ -231,7 +222,9 @@ class Proxy:
 
     # ---- entry points ----
 
-    async def handle(self, scope: Scope, receive: Receive, send: Send, kind: int) -> None:
+    async def handle(
+        self, scope: Scope, receive: Receive, send: Send, kind: int, route: PassthroughRoute | None = None
+    ) -> None:
         rec = Record(method=scope["method"], path=scope["path"], start=perf_counter())
         task = asyncio.current_task()
         assert task is not None
@@ -242,7 +235,7 @@ class Proxy:
                 raise ApiError(
                     405, f"Method {rec.method} not allowed on {rec.path}; use POST", code="method_not_allowed"
                 )
-            await self._serve(scope, receive, send, kind, rec, flight)
+            await self._serve(scope, receive, send, kind, rec, flight, route)
         except ApiError as exc:
             await self._fail(send, flight, rec, exc)
         except ClientGone:
@@ -308,7 +301,7 @@ class Proxy:
                     output=rec.completion_tokens,
                 )
         except Exception:
-            log.exception("recording metrics for %s %s failed", rec.method, clip(rec.path))
+            log.exception("recording metrics for %s %s failed", rec.method, show_value(rec.path))
         rec.emit(end)
         for hook in self.hooks:
             try:
@@ -359,7 +352,14 @@ class Proxy:
             )
 
     async def _serve(
-        self, scope: Scope, receive: Receive, send: Send, kind: int, rec: Record, flight: Flight
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        kind: int,
+        rec: Record,
+        flight: Flight,
+        route: PassthroughRoute | None,
     ) -> None:
         key: str | None = None
         alt_key: str | None = None
@@ -409,7 +409,7 @@ class Proxy:
         try:
             # A client may ask to wait less than its tier allows, never more.
             wait_s = tier.max_queue_wait_s if max_wait_s is None else min(max_wait_s, tier.max_queue_wait_s)
-            await self._priced(scope, send, kind, rec, flight, raw, fwd, has_ct, tenant, tier, wait_s)
+            await self._priced(scope, send, kind, rec, flight, raw, fwd, has_ct, tenant, tier, wait_s, route)
         finally:
             flight.done = True
             watcher.cancel()
@@ -427,11 +427,19 @@ class Proxy:
         tenant: Any,
         tier: Any,
         max_wait_s: float,
+        route: PassthroughRoute | None,
     ) -> None:
         body: Any = None
         if kind == PASSTHROUGH:
             model, body = self._passthrough_model(raw)
-            prefill, decode = self.passthrough_cost, 0
+            cost = self.pricer.price_passthrough(
+                raw,
+                model=model,
+                default_max_tokens=tenant.default_max_tokens or self.default_max_tokens,
+                generates=route is not None and route.generates,
+                context_length=self.models.context_length(model) if model else None,
+            )
+            prefill, decode = cost.prefill, cost.decode
             klass, primary, overflow, class_budget = "passthrough", None, None, None
             if model is None:
                 model = ""
@@ -456,6 +464,13 @@ class Proxy:
             try:
                 if kind == CHAT:
                     cost = self.pricer.price_chat(
+                        body,
+                        default_max_tokens=tenant.default_max_tokens or self.default_max_tokens,
+                        max_tokens_limit=tenant.max_max_tokens,
+                        context_length=ctx,
+                    )
+                elif kind == RESPONSES:
+                    cost = self.pricer.price_responses(
                         body,
                         default_max_tokens=tenant.default_max_tokens or self.default_max_tokens,
                         max_tokens_limit=tenant.max_max_tokens,
@@ -542,7 +557,7 @@ class Proxy:
         served = ", ".join(self.router.served_models()) or "(none)"
         return ApiError(
             404,
-            f"The model {clip(model)} does not exist or is not served here; served models: {served}",
+            f"The model {show_value(model)} does not exist or is not served here; served models: {served}",
             param="model",
             code="model_not_found",
         )
@@ -560,7 +575,12 @@ class Proxy:
             return raw, False
         changes: dict[str, Any] = {}
         wants_usage = True
-        if body.get("stream") is True:
+        if kind == RESPONSES:
+            # The Responses API always reports usage (in response.completed) and has no
+            # stream_options; its output limit is max_output_tokens, for one sequence.
+            if self.enforce_max_tokens and body.get("max_output_tokens") is None:
+                changes["max_output_tokens"] = max(decode, 1)
+        elif body.get("stream") is True:
             opts = body.get("stream_options")
             wants_usage = isinstance(opts, dict) and opts.get("include_usage") is True
             if not wants_usage:
@@ -568,7 +588,8 @@ class Proxy:
                 opts["include_usage"] = True
                 changes["stream_options"] = opts
         if (
-            self.enforce_max_tokens
+            kind != RESPONSES
+            and self.enforce_max_tokens
             and body.get("max_tokens") is None
             and body.get("max_completion_tokens") is None
         ):
@@ -685,7 +706,7 @@ class Proxy:
                 failure = classify_error(exc, pool=pool_name, backend=backend.name)
                 raise _upstream_failed(rec, failure) from None
             complete = True
-            prompt, completion = _usage_counts(usage)
+            prompt, completion = usage_counts(usage)
             rec.prompt_tokens, rec.completion_tokens = prompt, completion
             return completion
         finally:

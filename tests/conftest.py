@@ -209,6 +209,9 @@ class StubBackend:
                 },
             )
             return
+        if req.path == "/v1/responses":
+            await self._responses(req, body, send, gone)
+            return
         if req.path not in ("/v1/chat/completions", "/v1/completions"):
             req.completed = True
             await _json(send, 200, {"echo": req.path, "method": req.method, "body": body})
@@ -276,6 +279,58 @@ class StubBackend:
         req.sent += b"data: [DONE]\n\n"
         req.completed = True
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    async def _responses(
+        self, req: StubRequest, body: dict[str, Any], send: Send, gone: asyncio.Event
+    ) -> None:
+        """The OpenAI Responses API's shape: output items, usage as input/output tokens, and as a
+        stream typed events ending with ``response.completed`` (which carries the usage)."""
+        n = int(req.headers.get("x-stub-chunks", str(self.default_chunks)))
+        usage = {"input_tokens": 11, "output_tokens": n, "total_tokens": 11 + n}
+        text = "".join(f"tok{i} " for i in range(n))
+        response = {
+            "id": "resp-1",
+            "object": "response",
+            "status": "completed",
+            "model": body.get("model"),
+            "output": [
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}
+            ],
+            "usage": usage,
+        }
+        if not body.get("stream"):
+            req.completed = True
+            await _json(send, 200, response)
+            return
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
+        events = [
+            (
+                "response.created",
+                {
+                    "type": "response.created",
+                    "response": {**response, "status": "in_progress", "usage": None},
+                },
+            )
+        ]
+        events += [
+            ("response.output_text.delta", {"type": "response.output_text.delta", "delta": f"tok{i} "})
+            for i in range(n)
+        ]
+        events.append(("response.completed", {"type": "response.completed", "response": response}))
+        for name, data in events:
+            if gone.is_set():
+                return
+            frame = b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+            req.sent += frame
+            await send({"type": "http.response.body", "body": frame, "more_body": True})
+        req.completed = True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def _wait_or_gone(gone: asyncio.Event, seconds: float) -> bool:

@@ -25,7 +25,7 @@ def test_generation_is_deterministic_and_covers_every_family() -> None:
 async def test_a_seeded_fuzz_slice_finds_no_server_error_and_no_hang(
     stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory, seed: int
 ) -> None:
-    stub, url = stub_backend
+    _, url = stub_backend
     gw = await gateway_factory(
         {
             "pools": stub_pools(url),

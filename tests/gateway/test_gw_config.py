@@ -56,7 +56,13 @@ FULL = {
             "max_queue_len": 16,
         },
     },
-    "limits": {"max_body_bytes": 4194304, "passthrough_cost_tokens": 16},
+    "limits": {"max_body_bytes": 4194304, "body_timeout_s": 30, "max_header_bytes": 32768},
+    "passthrough": {
+        "routes": [
+            {"method": "GET", "path": "/v1/models/*"},
+            {"method": "POST", "path": "/v1/rerank", "generates": False},
+        ]
+    },
     "metrics": {"top_tenants": 20},
     "embedded_backend": {"port": 8001},
     "drain_timeout_s": 30,

@@ -145,21 +145,11 @@ async def test_priority_from_tier_only_where_accepted(
     assert "priority" not in stub.requests[-1].body
 
 
-async def test_embeddings_priced_prompt_only_and_passthrough(gateway: RunningGateway) -> None:
+async def test_embeddings_priced_prompt_only(gateway: RunningGateway) -> None:
     async with httpx.AsyncClient(base_url=gateway.url) as c:
         r = await c.post("/v1/embeddings", json={"model": "stub-model", "input": "one two three"})
         assert r.status_code == 200 and r.json()["data"][0]["embedding"] == [0.0, 1.0]
         assert int(r.headers["x-tokengate-cost"]) == 3
-        r = await c.put("/v1/fine_tuning/jobs?limit=2", json={"model": "stub-model", "x": 1})
-        assert r.status_code == 200
-        assert r.json() == {
-            "echo": "/v1/fine_tuning/jobs",
-            "method": "PUT",
-            "body": {"model": "stub-model", "x": 1},
-        }
-        assert r.headers["x-tokengate-class"] == "passthrough" and r.headers["x-tokengate-cost"] == "16"
-        r = await c.get("/v1/files")
-        assert r.status_code == 200 and r.json()["echo"] == "/v1/files"
     assert await gateway.wait_idle() == {"tenant:default": 0, "backend:default": 0}
 
 

@@ -1,0 +1,63 @@
+"""No route that can make a backend work is free: the Responses API is priced like chat (a 30k-token
+request used to hold 16 tokens), its usage is read from its own event stream, and a tenant cannot
+reach any other /v1 route unless an operator allowed it."""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+import orjson
+import pytest
+
+from tests.conftest import GatewayFactory, StubBackend, stub_pools
+
+WORDS = "word " * 30_000  # ~30k tokens
+
+
+def config(url: str, budget: int) -> dict[str, object]:
+    return {
+        "pools": stub_pools(url, capacity=200_000),
+        "tenants": {"t": {"keys": ["k"], "budget_tokens": budget}},
+    }
+
+
+async def test_a_30k_token_responses_request_is_priced_at_its_size(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
+) -> None:
+    stub, url = stub_backend
+    small = await gateway_factory(config(url, 20_000))
+    big = await gateway_factory(config(url, 100_000))
+    body = {"model": "stub-model", "input": [{"role": "user", "content": WORDS}], "max_output_tokens": 500}
+    async with httpx.AsyncClient(headers={"authorization": "Bearer k"}) as c:
+        refused = await c.post(small.url + "/v1/responses", json=body)
+        assert refused.status_code == 413 and refused.json()["error"]["code"] == "cost_exceeds_capacity"
+        r = await c.post(big.url + "/v1/responses", json=body)
+        assert r.status_code == 200
+        assert int(r.headers["x-tokengate-cost"]) >= 30_500
+    assert len(stub.requests) == 1  # only the one that fits reached the backend
+    assert stub.requests[0].body["max_output_tokens"] == 500
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_responses_usage_is_recorded_and_the_output_limit_enforced(
+    stub_backend: tuple[StubBackend, str],
+    gateway_factory: GatewayFactory,
+    stream: bool,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    stub, url = stub_backend
+    gw = await gateway_factory(config(url, 50_000))
+    caplog.set_level(logging.INFO, logger="tokengate.access")
+    body = {"model": "stub-model", "input": "hello there", "instructions": "be brief", "stream": stream}
+    async with httpx.AsyncClient(base_url=gw.url, headers={"authorization": "Bearer k"}) as c:
+        r = await c.post("/v1/responses", json=body, headers={"x-stub-chunks": "5"})
+    assert r.status_code == 200
+    sent = stub.requests[-1]
+    assert sent.body["max_output_tokens"] == 1024  # injected: the backend cannot run past the reservation
+    assert "stream_options" not in sent.body  # the Responses API has none
+    if stream:
+        assert r.content == sent.sent  # relayed byte for byte, usage event included
+    line = orjson.loads([rec.getMessage() for rec in caplog.records if rec.name == "tokengate.access"][-1])
+    assert (line["prompt_tokens"], line["completion_tokens"]) == (11, 5)
+    assert await gw.wait_idle() == {name: 0 for name in await gw.in_flight()}
