@@ -21,7 +21,7 @@ from loadtest.stub_backend import StubBackend, StubConfig
 async def fuzz_stack(work_dir: Path | None = None) -> AsyncIterator[str]:
     """Yields the gateway's base URL; everything is stopped on exit."""
     stub = await StubBackend(
-        StubConfig(first_token_delay_s=0.0, inter_token_delay_s=0.0, model="stub-model")
+        StubConfig(first_token_delay_s=0.0, inter_token_delay_s=0.0, model="stub-model", max_output=256)
     ).start()
     tmp = tempfile.TemporaryDirectory(prefix="tokengate-fuzz-") if work_dir is None else None
     root = Path(tmp.name) if tmp is not None else work_dir

@@ -25,6 +25,7 @@ class StubConfig:
     fail_keys: Mapping[str, int] = field(default_factory=dict)
     headers: Mapping[str, str] = field(default_factory=dict)  # added to every answer (e.g. x-tokengate-*)
     model: str = "tokengate-sim"
+    max_output: int = 32768
 
 
 def _prompt_words(body: Mapping[str, object]) -> int:
@@ -78,7 +79,9 @@ class StubBackend:
                 status=status, body=orjson.dumps(err), content_type="application/json", headers=headers
             )
         body = orjson.loads(await request.read())
-        n_out = int(body.get("max_tokens") or 16)
+        requested = body.get("max_tokens")
+        # A real engine refuses what its context cannot hold; the stub just stops at max_output.
+        n_out = min(requested if type(requested) is int and requested > 0 else 16, self.config.max_output)
         chat = "messages" in body
         usage = {"prompt_tokens": _prompt_words(body), "completion_tokens": n_out, "total_tokens": 0}
         usage["total_tokens"] = usage["prompt_tokens"] + n_out
