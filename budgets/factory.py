@@ -13,7 +13,8 @@ Redis section (every key optional)::
       key_prefix: tokengate          # budget domain: all its keys share the tag {tg:<prefix>}
       timeouts: {connect_s: 0.5, op_s: 0.5}
       fail_mode: closed              # closed: 503 at once while Redis is down; open: local budget
-      replicas: 1                    # gateway replicas: fail-open gives each capacity/replicas
+      replicas: 1                    # gateway replicas: fail-open gives each capacity/replicas;
+                                     # after Redis lost its data, grants wait for this many
       poll_interval_s: 0.25          # waiters re-check their ticket this often (lost wake-ups)
       max_connections: 32            # per replica
 """

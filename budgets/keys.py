@@ -32,6 +32,10 @@ Keys (``T`` = ``{tg:<prefix>}``):
 ``T:q:<n>:<tier>:<tenant>`` list   FIFO of ticket seqs of one (tier, tenant); n = len(tier)
 ``T:replicas``             zset    replica id -> liveness expiry (server time)
 ``T:rtk:<replica>``        set     seqs of that replica's waiting tickets (reaped when it dies)
+``T:epoch``                string  random token written by the first replica to find Redis
+                                   empty: a different token means Redis lost its data
+``T:rejoin``               set     replicas that re-registered their leases after that; expires
+                                   after the settle window (written by the store, not scripts)
 =========================  ======  ==========================================================
 
 Channels: ``T:wake:<replica>`` (grants and failures of that replica's tickets) and
@@ -69,6 +73,14 @@ class KeyLayout:
     def layout(self) -> str:
         return self.tag + ":layout"
 
+    @property
+    def epoch(self) -> str:
+        return self.tag + ":epoch"
+
+    @property
+    def rejoin(self) -> str:
+        return self.tag + ":rejoin"
+
     def wake_channel(self, replica: str) -> str:
         return f"{self.tag}:wake:{replica}"
 
@@ -79,7 +91,7 @@ class KeyLayout:
     def all_fixed(self) -> list[str]:
         """Every key name without a variable part (for tests and docs)."""
         names = ["layout", "spec", "used", "vtc", "tleases", "twait", "tierq", "rate"]
-        names += ["leases", "lexp", "gone", "reaped", "seq", "tickets", "replicas"]
+        names += ["leases", "lexp", "gone", "reaped", "seq", "tickets", "replicas", "epoch", "rejoin"]
         return [f"{self.tag}:{n}" for n in names]
 
 

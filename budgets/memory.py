@@ -4,6 +4,10 @@ Everything that touches the state runs synchronously on the event loop thread, b
 grant pass is atomic without locks. Two clocks are involved on purpose: the injectable ``clock``
 drives every decision (ticket age for backfill, lease expiry, release rates), while ``max_wait_s``
 and the reaper's period are real event-loop time (they are about how long a caller waits).
+
+The Redis store embeds one as its fail-open fallback and, when Redis is back, takes everything out
+of it without letting it grant anything more: ``pause``/``resume``, ``leases``, ``forget`` and
+``hand_over_waiting`` exist for that hand-over (budgets/redis_store.py).
 """
 
 from __future__ import annotations
@@ -45,6 +49,10 @@ class MemoryStore:
     ``reap_interval_s`` defaults to a quarter of the layout's lease TTL (at least 50 ms), so an
     abandoned lease is returned at most ~1.25 TTL after its last heartbeat. Requests may wait at
     most ``min(max_wait_s, tier.max_queue_wait_s)``.
+
+    ``on_unclaimed(outcome)`` is called when a waiter is cancelled after its outcome was already
+    decided (a grant, given back here before the call, or an exception set by
+    ``hand_over_waiting``): the owner of the store may have acted on that outcome elsewhere.
     """
 
     def __init__(
@@ -53,6 +61,7 @@ class MemoryStore:
         clock: Callable[[], float] = time.monotonic,
         *,
         reap_interval_s: float | None = None,
+        on_unclaimed: Callable[[Lease | BaseException], None] | None = None,
     ) -> None:
         self._clock = clock
         self._state = policy.PolicyState(layout)
@@ -61,6 +70,8 @@ class MemoryStore:
         self._rates: dict[str, ReleaseRate] = {}
         self._reap_interval_s = reap_interval_s
         self._reaper: asyncio.Task[None] | None = None
+        self._on_unclaimed = on_unclaimed
+        self._paused = False
         self._started = False
         self._closed = False
         # A random prefix per store keeps ids unique across restarts and replicas; the counter
@@ -102,6 +113,41 @@ class MemoryStore:
                 fut.set_exception(err)
         self._grant(self._clock())
 
+    # ---- hand-over (the Redis store's fail-open recovery) ----
+
+    def pause(self) -> None:
+        """Grant nothing until ``resume()``: new demands and waiting tickets stay queued."""
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+        self._grant(self._clock())
+
+    def leases(self) -> list[Lease]:
+        """Every live lease, including grants whose waiter has not resumed yet."""
+        return [live.lease for live in self._leases.values()]
+
+    def forget(self, lease_id: str) -> bool:
+        """Drop a lease another store has taken over: its tokens come back here, nothing else."""
+        live = self._leases.pop(lease_id, None)
+        if live is None:
+            return False
+        policy.release(self._state, live.lease.demand, None)
+        self._grant(self._clock())
+        return True
+
+    def hand_over_waiting(self, outcome: Callable[[Demand], BaseException]) -> int:
+        """Withdraw every waiting ticket, oldest first; each waiter's ``acquire`` raises
+        ``outcome(demand)``, called in that order. Returns how many were handed over."""
+        tickets = sorted(self._state.waiting.values(), key=lambda t: t.seq)
+        for ticket in tickets:
+            policy.withdraw(self._state, ticket.seq)
+            fut = self._waiters.pop(ticket.seq, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(outcome(ticket.demand))
+        self._grant(self._clock())  # withdrawn tickets may have held pools for themselves
+        return len(tickets)
+
     # ---- acquire / release ----
 
     async def acquire(self, demand: Demand, max_wait_s: float) -> Lease:
@@ -110,7 +156,7 @@ class MemoryStore:
         state = self._state
         policy.check_demand(state.layout, demand)
         now = self._clock()
-        if policy.grant_immediately(state, demand):
+        if not self._paused and policy.grant_immediately(state, demand):
             return self._mint(demand, now, now)
         # Enqueue and run a pass even when the tenant's queue is full: a demand the pass grants at
         # once (say a higher tier than the tenant's queued work) never waits, so it is not refused.
@@ -204,6 +250,8 @@ class MemoryStore:
 
     def _grant(self, now: float, own: int | None = None) -> Lease | None:
         """Run a grant pass and hand each grant to its waiter; returns ``own``'s lease if granted."""
+        if self._paused:
+            return None
         mine: Lease | None = None
         orphaned = False
         for ticket in policy.grant_pass(self._state, now):
@@ -246,9 +294,15 @@ class MemoryStore:
         self._waiters.pop(seq, None)
         now = self._clock()
         if fut.done():
-            if not fut.cancelled() and fut.exception() is None:
-                self._drop_lease(fut.result().id, now)
+            if fut.cancelled():
+                return
+            outcome: Lease | BaseException | None = fut.exception()
+            if outcome is None:
+                outcome = fut.result()
+                self._drop_lease(outcome.id, now)
                 self._grant(now)
+            if self._on_unclaimed is not None:
+                self._on_unclaimed(outcome)
         else:
             fut.cancel()
             self._withdraw(seq, now)

@@ -19,10 +19,19 @@ Around the scripts this module adds what a shared, remote store needs:
   not heartbeated and come back when they expire (one lease TTL).
 - **Failure modes.** Redis calls are bounded by the configured timeouts. On failure the store is
   *down* until a background probe succeeds. ``fail_mode: closed`` raises StoreUnavailable at once
-  (the gateway answers 503); ``fail_mode: open`` admits against an embedded MemoryStore whose
-  capacities are the layout's divided by ``replicas`` (a conservative local share). On recovery the
-  store re-applies its layout if Redis lost it, flushes releases and withdrawals that failed,
-  re-registers its in-flight leases and moves fail-open leases into Redis, then serves from Redis.
+  (the gateway answers 503); ``fail_mode: open`` admits against an embedded MemoryStore (the
+  *fallback*) whose capacities are the layout's divided by ``replicas``. The fallback cannot see
+  what Redis admitted before the outage, so while Redis is down for all R replicas a pool of
+  capacity C runs at most (pre-outage requests still running, <= C) + R * floor(C/R) tokens:
+  2 * C at worst, C once the pre-outage requests have ended (docs/redis.md has the partition case).
+- **Recovery** (probe succeeded, NOLAYOUT, or Redis's incarnation token ``T:epoch`` changed), in
+  this order: the fallback stops granting; the layout is re-applied; this replica's in-flight
+  leases (Redis's and the fallback's) are registered in Redis before any pending release or
+  withdrawal can make Redis grant; if Redis lost its data, new grants are held back until
+  ``replicas`` replicas have re-registered theirs (``T:rejoin``) or ``settle_s`` has passed; then
+  the store is up, and the fallback's waiting tickets are queued in Redis oldest first, each with
+  what is left of its wait. From then on every running request is counted in Redis, which grants
+  nothing on a full pool.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import functools
 import itertools
 import logging
 import secrets
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NoReturn
@@ -83,10 +93,27 @@ class RedisOptions:
     max_connections: int = 32
     # Reap / liveness / layout-poll period; default min(poll_interval_s, lease TTL / 4).
     maintenance_interval_s: float | None = None
+    # After Redis lost its data, the longest a recovered replica holds new grants back while the
+    # other replicas re-register what they run (it ends as soon as ``replicas`` replicas have).
+    # Default: twice what one replica needs to notice and recover (see RedisStore.settle_s).
+    settle_s: float | None = None
 
 
 class _Down(Exception):
     """Redis is unreachable (internal: mapped to StoreUnavailable or the fail-open path)."""
+
+
+class _Moved(Exception):
+    """Raised in a fallback waiter's acquire: the recovery moved its ticket into Redis.
+
+    ``call`` is the acquire script call already submitted for it (under a new ``lease_id``), in
+    the order the fallback received the tickets.
+    """
+
+    def __init__(self, lease_id: str, call: asyncio.Future[Any]) -> None:
+        super().__init__(lease_id)
+        self.lease_id = lease_id
+        self.call = call
 
 
 @dataclass(slots=True)
@@ -166,7 +193,11 @@ class RedisStore:
         self._fallback: MemoryStore | None = None
         if self._opts.fail_mode == "open":
             scaled = scaled_layout(layout, self._opts.replicas)
-            self._fallback = MemoryStore(scaled, clock) if clock is not None else MemoryStore(scaled)
+            self._fallback = MemoryStore(scaled, clock or time.monotonic, on_unclaimed=self._unclaimed)
+        self._epoch: str | None = None  # Redis's incarnation token as last seen (see _sync_epoch)
+        # While not None: acquire calls held back until the replicas have re-registered their
+        # leases after Redis lost its data, in arrival order (see _hold_back).
+        self._gate: list[tuple[list[str], asyncio.Future[Any]]] | None = None
         self._down = False
         self._recovering = asyncio.Lock()
         self._layout_ver = 0
@@ -207,6 +238,32 @@ class RedisStore:
         return self._down
 
     @property
+    def settling(self) -> bool:
+        """Redis lost its data and new grants wait until the other replicas re-registered theirs."""
+        return self._gate is not None
+
+    @property
+    def held_back(self) -> int:
+        """Acquire calls waiting for the settle to end."""
+        return len(self._gate) if self._gate is not None else 0
+
+    @property
+    def settle_s(self) -> float:
+        """The longest grants are held back after Redis lost its data.
+
+        Every other live replica notices within one probe or maintenance period and recovers
+        within its call timeouts; twice that leaves room for a slow one.
+        """
+        if self._opts.settle_s is not None:
+            return self._opts.settle_s
+        probe = self._opts.probe_interval_s or self._opts.poll_interval_s
+        return 2 * (probe + self._maintenance_period() + self._call_timeout_s)
+
+    def _maintenance_period(self) -> float:
+        ttl = self._layout.policy.lease_ttl_s
+        return self._opts.maintenance_interval_s or min(self._opts.poll_interval_s, max(0.05, ttl / 4))
+
+    @property
     def layout(self) -> BudgetLayout:
         """The layout this replica last applied or saw announced."""
         return self._layout
@@ -227,6 +284,7 @@ class RedisStore:
             await self._fallback.start()
         try:
             await self._apply(self._layout)
+            await self._sync_epoch()
             sent = asyncio.get_running_loop().time()
             await self._eval("reap", [str(_REAP_BATCH)])  # also announces this replica as alive
             self._last_beat_sent = sent
@@ -248,6 +306,7 @@ class RedisStore:
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=1.0)
         self._tasks = []
+        self._fail_gate(StoreUnavailable("shutting down"))
         waiters, self._waiters = self._waiters, {}
         for w in waiters.values():
             if not self._down:
@@ -306,8 +365,21 @@ class RedisStore:
             self._spawn(apply())
 
     async def _reload_layout(self) -> None:
-        """Adopt the layout another replica wrote (announced on the channel or seen by polling)."""
-        ver = await self._call(self._client.hget(self._keys.layout, "ver"))  # type: ignore[misc]
+        """Adopt the layout another replica wrote (announced on the channel or seen by polling).
+
+        Also notices that Redis lost its data (restart, flush, failover to an empty replica)
+        without any call of this replica failing: its leases must then be registered again (a
+        recovery) before it grants anything more.
+        """
+        async with self._client.pipeline(transaction=False) as pipe:
+            pipe.hget(self._keys.layout, "ver")
+            pipe.get(self._keys.epoch)
+            ver, epoch = await self._call(pipe.execute())
+        if epoch != self._epoch:
+            self._mark_down(RuntimeError("redis lost its data (restarted?)"))
+            if not await self._recover():
+                raise _Down("redis lost its data and recovery failed")
+            return
         if ver is None or int(ver) == self._layout_ver:
             return
         ver, text = await self._call(self._client.hmget(self._keys.layout, ["ver", "json"]))  # type: ignore[misc]
@@ -322,30 +394,51 @@ class RedisStore:
         if self._closed:
             raise StoreUnavailable("shutting down")
         _check_shape(demand)
-        if self._down:
-            return await self._degraded_acquire(demand, max_wait_s)
-        lease_id = f"{self._replica}-{next(self._ids):x}"
         loop = asyncio.get_running_loop()
         started = loop.time()
-        try:
-            reply = await self._enqueue(lease_id, demand)
-            if reply[0] == "G":
-                return self._hold(lease_id, demand, reply, started)
-            return await self._wait(int(reply[1]), lease_id, demand, float(reply[3]), max_wait_s, started)
-        except _Down:
-            left = max_wait_s - (loop.time() - started)
-            return await self._degraded_acquire(demand, left)
+        lease_id = self._new_lease_id()
+        while True:
+            # Each turn is one try through Redis or the fallback; a failure of Redis sends the
+            # request to the fallback, a recovery moves it back, always with what is left of its
+            # wait.
+            try:
+                if self._down:
+                    local = await self._degraded_acquire(demand, max_wait_s - (loop.time() - started))
+                    if isinstance(local, Lease):
+                        return local
+                    lease_id = local.lease_id
+                    reply = await self._await_acquire(local.call, lease_id)
+                    if reply[0] not in ("G", "Q"):
+                        reply = await self._refused(lease_id, demand, reply)
+                else:
+                    reply = await self._enqueue(lease_id, demand)
+                if reply[0] == "G":
+                    return self._hold(lease_id, demand, reply, started)
+                return await self._wait(int(reply[1]), lease_id, demand, float(reply[3]), max_wait_s, started)
+            except _Down:
+                # Marked down where it was raised: the next turn goes to the fallback (or to
+                # Redis again, if a recovery has already run meanwhile).
+                continue
+
+    def _new_lease_id(self) -> str:
+        return f"{self._replica}-{next(self._ids):x}"
 
     async def _enqueue(self, lease_id: str, demand: Demand) -> list[str]:
         """One acquire script call; returns a 'G' or 'Q' reply, raises every refusal."""
-        args = [lease_id, *pack_demand(demand)]
-        reply = await self._acquire_call(lease_id, args)
+        reply = await self._acquire_call(lease_id, [lease_id, *pack_demand(demand)])
+        if reply[0] in ("G", "Q"):
+            return reply
+        return await self._refused(lease_id, demand, reply)
+
+    async def _refused(self, lease_id: str, demand: Demand, reply: list[str]) -> list[str]:
+        """An acquire reply other than 'G' or 'Q': NOLAYOUT recovered from and retried, refusals raised."""
         if reply[:1] == ["NOLAYOUT"]:
             self._mark_down(RuntimeError("redis lost the budget layout (restarted?)"))
             if not await self._recover():
                 raise _Down("redis lost its data and recovery failed")
-            reply = await self._acquire_call(lease_id, args)
+            reply = await self._acquire_call(lease_id, [lease_id, *pack_demand(demand)])
             if reply[:1] == ["NOLAYOUT"]:
+                self._mark_down(RuntimeError("redis lost the budget layout again"))
                 raise _Down("redis lost the budget layout again")
         kind = reply[0]
         if kind in ("G", "Q"):
@@ -387,6 +480,11 @@ class RedisStore:
                     # queue again under the same lease id, keeping the original deadline.
                     if self._closed:
                         raise StoreUnavailable("shutting down")
+                    if await self._redis_restarted():
+                        # Nothing failed here yet: register this replica's leases before queueing.
+                        self._mark_down(RuntimeError("redis lost its data (restarted?)"))
+                        if not await self._recover():
+                            raise _Down("redis lost its data and recovery failed")
                     again = await self._enqueue(lease_id, demand)
                     if again[0] == "G":
                         return self._hold(lease_id, demand, again, started)
@@ -420,7 +518,9 @@ class RedisStore:
         """
         if self._down:
             raise _Down("redis is down")
-        fut = self._batcher.submit("acquire", args)
+        return await self._await_acquire(self._submit_acquire(args), lease_id)
+
+    async def _await_acquire(self, fut: asyncio.Future[Any], lease_id: str) -> list[str]:
         try:
             reply: list[str] = await asyncio.shield(fut)
         except asyncio.CancelledError:
@@ -428,7 +528,17 @@ class RedisStore:
             raise
         return reply
 
+    def _submit_acquire(self, args: list[str]) -> asyncio.Future[Any]:
+        """Send an acquire script call with the next batch, or hold it back while settling."""
+        if self._gate is None:
+            return self._batcher.submit("acquire", args)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._gate.append((args, fut))
+        return fut
+
     async def _abandon_enqueued(self, call: asyncio.Future[list[str]], lease_id: str) -> None:
+        if self._ungate(call):
+            return  # never sent
         try:
             reply = await call
         except (Exception, asyncio.CancelledError):
@@ -457,14 +567,32 @@ class RedisStore:
         except _Down:
             self._pending_withdraw[seq] = lease_id
 
-    async def _degraded_acquire(self, demand: Demand, max_wait_s: float) -> Lease:
+    async def _degraded_acquire(self, demand: Demand, max_wait_s: float) -> Lease | _Moved:
+        """Admit against the fallback; a ticket still waiting when Redis is back comes out _Moved."""
         if self._fallback is None:
             raise StoreUnavailable(
                 "budget store (redis) is unreachable and store.fail_mode is closed", retry_after_s=1.0
             )
-        lease = await self._fallback.acquire(demand, max_wait_s)
-        self._held[lease.id] = _Held(lease, local=True)
+        try:
+            lease = await self._fallback.acquire(demand, max(0.0, max_wait_s))
+        except _Moved as moved:
+            return moved
+        # A grant whose waiter resumes only after the recovery moved it into Redis is already
+        # held as a Redis lease.
+        if lease.id not in self._held:
+            self._held[lease.id] = _Held(lease, local=True)
         return lease
+
+    def _unclaimed(self, outcome: Lease | BaseException) -> None:
+        """The fallback decided for a waiter that was cancelled before it took the outcome."""
+        if isinstance(outcome, _Moved):
+            self._spawn(self._abandon_enqueued(outcome.call, outcome.lease_id))
+        elif isinstance(outcome, Lease):
+            held = self._held.get(outcome.id)
+            if held is not None and not held.local:
+                self._spawn(self.release(outcome.id))  # moved into Redis first: give it back there
+            elif held is not None:
+                del self._held[outcome.id]
 
     def _hold(self, lease_id: str, demand: Demand, reply: Sequence[str], confirmed_at: float) -> Lease:
         lease = Lease(id=lease_id, demand=demand, granted_at=float(reply[1]), queued_s=float(reply[2]))
@@ -729,9 +857,18 @@ class RedisStore:
         if not self._down:
             self._down = True
             _log.warning("budget store unreachable (%s); fail_mode=%s", err, self._opts.fail_mode)
+        # Held-back calls try again (through the fallback in open mode) instead of waiting for a
+        # settle that can no longer be observed.
+        self._fail_gate(_Down(str(err)))
 
     async def _recover(self) -> bool:
-        """Bring a down store back: layout, pending work, in-flight leases. True when up again."""
+        """Bring a down store back: layout, in-flight leases, pending work, waiting tickets.
+
+        True when up again. From the moment Redis answers, the fallback grants nothing more; its
+        leases are registered in Redis (with this replica's other in-flight leases) before any
+        release or withdrawal can make Redis grant something, and its waiting tickets are queued
+        in Redis only after that, oldest first.
+        """
         async with self._recovering:
             if not self._down:
                 return True
@@ -742,40 +879,173 @@ class RedisStore:
                     await self._client.ping()  # type: ignore[misc]
             except Exception:
                 return False
+            fallback = self._fallback
+            if fallback is not None:
+                fallback.pause()
+            adopted: list[Lease] = []
             try:
                 await self._apply(self._layout, internal=True)
-                for seq, lease_id in list(self._pending_withdraw.items()):
-                    await self._eval("withdraw", [str(seq), lease_id, "1"], internal=True)
-                    self._pending_withdraw.pop(seq, None)
-                for lease_id, actual in list(self._pending_release.items()):
-                    await self._eval("release", [lease_id, _opt(actual)], internal=True)
-                    self._pending_release.pop(lease_id, None)
+                lost_data = await self._sync_epoch()
                 remote = [i for i, h in self._held.items() if not h.local]
                 for start in range(0, len(remote), 500):
                     await self._heartbeat(remote[start : start + 500], internal=True)
-                await self._adopt_local()
+                adopted = await self._adopt_local()
+                settled = not lost_data or await self._join_settle()
+                # Until these loops find nothing left, callers may still add to them (releases
+                # and withdrawals wait for the recovery while the store is down).
+                while self._pending_withdraw or self._pending_release:
+                    if self._pending_withdraw:
+                        seq, lease_id = next(iter(self._pending_withdraw.items()))
+                        await self._eval("withdraw", [str(seq), lease_id, "1"], internal=True)
+                        self._pending_withdraw.pop(seq, None)
+                    else:
+                        lease_id, actual = next(iter(self._pending_release.items()))
+                        await self._eval("release", [lease_id, _opt(actual)], internal=True)
+                        self._pending_release.pop(lease_id, None)
             except _Down:
+                self._unadopt(adopted)
+                if fallback is not None:
+                    fallback.resume()
                 return False
+            # From here to the end nothing awaits: no acquire can slip in between.
             self._down = False
+            if not settled:
+                self._hold_back()
+            if fallback is not None:
+                for lease in adopted:
+                    fallback.forget(lease.id)  # counted in Redis now, and only there
+                moved = fallback.hand_over_waiting(self._move)
+                fallback.resume()
+                if moved:
+                    _log.warning("moved %d waiting requests from the local budget into redis", moved)
             _log.warning("budget store reachable again")
             return True
 
-    async def _adopt_local(self) -> None:
-        """Move fail-open leases into Redis so the cluster counts them from now on."""
-        if self._fallback is None:
-            return
-        local = [h.lease for h in self._held.values() if h.local]
+    async def _adopt_local(self) -> list[Lease]:
+        """Register the fallback's leases in Redis and hold them as Redis leases from now on.
+
+        The fallback's own table is the truth (a grant whose waiter has not resumed yet is in it,
+        not yet in ``_held``); it is paused, so nothing is added while this runs. The fallback
+        keeps counting them until the recovery succeeds (``forget``) or fails (``_unadopt``), so
+        a failed recovery leaves its local share exactly as full as it was.
+        """
+        fallback = self._fallback
+        if fallback is None:
+            return []
+        local = fallback.leases()
+        live = {lease.id for lease in local}
+        for lease_id, entry in list(self._held.items()):
+            if entry.local and lease_id not in live:
+                del self._held[lease_id]  # reaped by the fallback: nothing runs under it any more
         if not local:
-            return
+            return []
         await self._restore(local, internal=True)
+        still = {lease.id for lease in fallback.leases()}
         for lease in local:
             held = self._held.get(lease.id)
-            if held is None:
-                # Released locally while we were registering it: take it back out of Redis.
-                await self._eval("release", [lease.id, ""], internal=True)
-            else:
+            if held is not None:
                 held.local = False
-            await self._fallback.release(lease.id)
+            elif lease.id in still:
+                self._held[lease.id] = _Held(lease)  # its waiter resumes later and finds it
+            else:
+                # Released locally while we were registering it: take it back out of Redis.
+                self._pending_release[lease.id] = None
+        return local
+
+    def _unadopt(self, adopted: list[Lease]) -> None:
+        """A recovery failed after _adopt_local: the fallback's leases are local again."""
+        for lease in adopted:
+            held = self._held.get(lease.id)
+            if held is not None:
+                held.local = True
+            elif self._fallback is not None:
+                self._fallback.forget(lease.id)  # released meanwhile; its Redis release is pending
+
+    def _move(self, demand: Demand) -> _Moved:
+        """A fallback ticket into the shared queue (called oldest first, by hand_over_waiting)."""
+        lease_id = self._new_lease_id()
+        return _Moved(lease_id, self._submit_acquire([lease_id, *pack_demand(demand)]))
+
+    # ---- after Redis lost its data: wait until every replica re-registered its leases ----
+
+    async def _sync_epoch(self) -> bool:
+        """Read Redis's incarnation token, creating it if Redis has none; True if it changed.
+
+        A Redis that restarted empty (or was flushed, or failed over to an empty replica) has no
+        token, so the first replica back writes a new one and the others see a different one.
+        """
+        async with self._client.pipeline(transaction=False) as pipe:
+            pipe.set(self._keys.epoch, secrets.token_hex(8), nx=True)
+            pipe.get(self._keys.epoch)
+            _created, epoch = await self._call(pipe.execute())
+        changed = epoch != self._epoch
+        self._epoch = epoch
+        return bool(changed)
+
+    async def _redis_restarted(self) -> bool:
+        return await self._call(self._client.get(self._keys.epoch)) != self._epoch  # type: ignore[no-any-return]
+
+    async def _join_settle(self) -> bool:
+        """Tell the other replicas this one's leases are registered again; True once all are.
+
+        The first replica back opens the settle (a set that expires after ``settle_s``); each one
+        adds itself after registering its leases. Until ``replicas`` replicas are in it, or it
+        expires, replicas that saw the data loss hold their new grants back: a grant made while
+        another replica's running requests are still unknown to Redis would over-admit.
+        """
+        key = self._keys.rejoin
+        async with self._client.pipeline(transaction=True) as pipe:
+            pipe.sadd(key, self._replica)
+            pipe.pexpire(key, max(1, int(self.settle_s * 1000)), nx=True)
+            pipe.scard(key)
+            pipe.pttl(key)
+            _added, _expiry, joined, ttl_ms = await self._call(pipe.execute())
+        return _settled(int(joined), int(ttl_ms), self._opts.replicas)
+
+    def _hold_back(self) -> None:
+        gate: list[tuple[list[str], asyncio.Future[Any]]] = []
+        self._gate = gate
+        self._spawn(self._watch_settle(gate))
+        _log.warning("redis lost its data: new grants wait until every replica re-registered its leases")
+
+    async def _watch_settle(self, gate: list[tuple[list[str], asyncio.Future[Any]]]) -> None:
+        key = self._keys.rejoin
+        while self._gate is gate and not self._closed:
+            await asyncio.sleep(self._opts.poll_interval_s)
+            if self._gate is not gate:
+                return  # failed (Redis down again) or closed meanwhile
+            try:
+                async with self._client.pipeline(transaction=False) as pipe:
+                    pipe.scard(key)
+                    pipe.pttl(key)
+                    joined, ttl_ms = await self._call(pipe.execute())
+            except _Down:
+                return  # _mark_down failed the held-back calls
+            if _settled(int(joined), int(ttl_ms), self._opts.replicas):
+                self._open_gate()
+
+    def _open_gate(self) -> None:
+        """Send the held-back acquire calls, in the order they came."""
+        gate, self._gate = self._gate, None
+        for args, fut in gate or ():
+            if not fut.done():
+                self._batcher.submit("acquire", args).add_done_callback(functools.partial(_relay, fut))
+
+    def _fail_gate(self, err: BaseException) -> None:
+        gate, self._gate = self._gate, None
+        for _args, fut in gate or ():
+            if not fut.done():
+                fut.set_exception(err)
+
+    def _ungate(self, fut: asyncio.Future[Any]) -> bool:
+        """Drop a held-back call whose caller is gone; False if it was sent (or failed) already."""
+        gate = self._gate or []
+        for i, (_args, held) in enumerate(gate):
+            if held is fut:
+                del gate[i]
+                fut.cancel()
+                return True
+        return False
 
     # ---- background work ----
 
@@ -788,13 +1058,11 @@ class RedisStore:
         """Liveness, reaping, layout polling, and recovery after an outage."""
         probe = self._opts.probe_interval_s or self._opts.poll_interval_s
         while not self._closed:
-            ttl = self._layout.policy.lease_ttl_s
             if self._down:
                 await asyncio.sleep(probe)
                 await self._recover()
                 continue
-            period = self._opts.maintenance_interval_s or min(self._opts.poll_interval_s, max(0.05, ttl / 4))
-            await asyncio.sleep(period)
+            await asyncio.sleep(self._maintenance_period())
             try:
                 sent = asyncio.get_running_loop().time()
                 await self.reap_expired()  # the reap script also refreshes this replica's liveness
@@ -843,6 +1111,23 @@ class RedisStore:
 
 def _opt(n: int | None) -> str:
     return "" if n is None else str(n)
+
+
+def _settled(joined: int, ttl_ms: int, replicas: int) -> bool:
+    # PTTL is -2 once the settle set expired (or never existed): the window is over.
+    return joined >= replicas or ttl_ms < 0
+
+
+def _relay(outer: asyncio.Future[Any], inner: asyncio.Future[Any]) -> None:
+    """Hand a held-back call's reply (or failure) to the future its caller awaits."""
+    if outer.done():
+        return
+    if inner.cancelled():
+        outer.set_exception(StoreUnavailable("shutting down"))
+    elif (err := inner.exception()) is not None:
+        outer.set_exception(err)
+    else:
+        outer.set_result(inner.result())
 
 
 def _check_shape(demand: Demand) -> None:

@@ -6,11 +6,13 @@ cold start with an empty dataset (the failure the Redis store must survive).
 Import the fixtures into a test module or conftest: ``from tests.budgets.redis_fixtures import
 redis_server, fresh_redis``. ``redis_server`` is one server per test session (tests isolate
 themselves with a unique key prefix); ``fresh_redis`` is a private server per test, for tests that
-kill or restart it.
+kill or restart it. ``make_store`` builds RedisStore replicas with short timeouts on either, and
+``crash`` stops one the way SIGKILL would.
 """
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import ctypes
@@ -22,12 +24,16 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from budgets.types import BudgetLayout, BudgetStore
+
+if TYPE_CHECKING:
+    from budgets.redis_store import RedisStore
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
@@ -192,3 +198,43 @@ def fresh_redis() -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+# ---- RedisStore replicas for failure tests ----
+
+# Short timeouts and polling: an outage is noticed, and a recovery made, within a few tenths of a second.
+FAST = {"connect_timeout_s": 0.2, "op_timeout_s": 0.2, "poll_interval_s": 0.05}
+
+StoreMaker = Callable[..., "RedisStore"]
+
+
+@pytest.fixture
+async def make_store() -> AsyncIterator[StoreMaker]:
+    """``make(server, layout, prefix=None, **options)``: an unstarted RedisStore (FAST options unless
+    overridden); stores sharing a prefix are replicas of one domain. All are closed at teardown."""
+    from budgets.redis_store import RedisOptions, RedisStore
+
+    made: list[RedisStore] = []
+
+    def make(
+        server: RedisServer, lay: BudgetLayout, prefix: str | None = None, **options: object
+    ) -> RedisStore:
+        opts = RedisOptions(url=server.url, key_prefix=prefix or unique_prefix(), **{**FAST, **options})  # type: ignore[arg-type]
+        store = RedisStore(lay, opts)
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        await store.close()
+
+
+async def crash(store: RedisStore) -> None:
+    """What SIGKILL does to a replica: no more heartbeats, liveness, withdrawals or releases."""
+    store._closed = True
+    for task in store._tasks:
+        task.cancel()
+    await asyncio.wait(store._tasks, timeout=2)
+    if store._resp is not None:
+        await store._resp.close()
+    await store._client.aclose()

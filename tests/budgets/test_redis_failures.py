@@ -9,14 +9,20 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Callable
 
 import pytest
 from redis.asyncio import Redis
 
-from budgets.redis_store import RedisOptions, RedisStore
 from budgets.types import BudgetLayout, QueueTimeout, StoreUnavailable
-from tests.budgets.redis_fixtures import RedisServer, fresh_redis, redis_server, unique_prefix
+from tests.budgets.redis_fixtures import (
+    RedisServer,
+    StoreMaker,
+    crash,
+    fresh_redis,
+    make_store,
+    redis_server,
+    unique_prefix,
+)
 from tests.budgets.support import (
     assert_idle,
     demand,
@@ -28,40 +34,9 @@ from tests.budgets.support import (
     wait_queued,
 )
 
-__all__ = ["fresh_redis", "redis_server"]  # fixtures used below
+__all__ = ["fresh_redis", "make_store", "redis_server"]  # fixtures used below
 
 P = "backend:p"
-FAST = {"connect_timeout_s": 0.2, "op_timeout_s": 0.2, "poll_interval_s": 0.05}
-
-StoreMaker = Callable[..., RedisStore]
-
-
-@pytest.fixture
-async def make_store() -> AsyncIterator[StoreMaker]:
-    made: list[RedisStore] = []
-
-    def make(
-        server: RedisServer, lay: BudgetLayout, prefix: str | None = None, **options: object
-    ) -> RedisStore:
-        opts = RedisOptions(url=server.url, key_prefix=prefix or unique_prefix(), **{**FAST, **options})  # type: ignore[arg-type]
-        store = RedisStore(lay, opts)
-        made.append(store)
-        return store
-
-    yield make
-    for store in made:
-        await store.close()
-
-
-async def crash(store: RedisStore) -> None:
-    """What SIGKILL does to a replica: no more heartbeats, liveness, withdrawals or releases."""
-    store._closed = True
-    for task in store._tasks:
-        task.cancel()
-    await asyncio.wait(store._tasks, timeout=2)
-    if store._resp is not None:
-        await store._resp.close()
-    await store._client.aclose()
 
 
 def small_layout(ttl: float = 10.0) -> BudgetLayout:
