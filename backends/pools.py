@@ -9,7 +9,8 @@ open it for a cooldown) plus an active probe (:mod:`backends.health`) that close
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -89,6 +90,17 @@ class Backend:
     @property
     def free_tokens(self) -> int:
         return self.spec.capacity_tokens - self.in_flight_tokens
+
+    @contextmanager
+    def occupy(self, tokens: int) -> Iterator[None]:
+        """Count a request against this backend while it is being served (routing prefers the freest)."""
+        self.in_flight_tokens += tokens
+        self.in_flight_requests += 1
+        try:
+            yield
+        finally:
+            self.in_flight_tokens -= tokens
+            self.in_flight_requests -= 1
 
     def serves(self, model: str) -> bool:
         return not self._models or model in self._models

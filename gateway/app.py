@@ -36,6 +36,7 @@ from gateway.accesslog import Record
 from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError, error_body
+from gateway.exchange import CancelReason, Exchange, Phase, Receive, RouteKind, Scope, Send
 from gateway.layout import build_layout
 from gateway.leases import LeaseKeeper
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
@@ -44,29 +45,16 @@ from gateway.observe import Observer, ScrapeTarget, StatsSources, observe_routes
 from gateway.observe.stats import config_view
 from gateway.passthrough import PassthroughRoutes
 from gateway.paths import path_problem
-from gateway.proxy import (
-    CHAT,
-    COMPLETION,
-    EMBEDDING,
-    HOME_POOL,
-    PASSTHROUGH,
-    QUEUED,
-    RESPONSES,
-    Flight,
-    Proxy,
-    Receive,
-    Scope,
-    Send,
-)
+from gateway.proxy import HOME_POOL, Proxy
 from gateway.stores import build_store
 
 log = logging.getLogger("tokengate")
 
 _ROUTES = {
-    "/v1/chat/completions": CHAT,
-    "/v1/completions": COMPLETION,
-    "/v1/embeddings": EMBEDDING,
-    "/v1/responses": RESPONSES,
+    "/v1/chat/completions": RouteKind.CHAT,
+    "/v1/completions": RouteKind.COMPLETION,
+    "/v1/embeddings": RouteKind.EMBEDDING,
+    "/v1/responses": RouteKind.RESPONSES,
 }
 # The hot routes by raw path: one dict lookup, and a path that matches needs no further checks.
 _RAW_ROUTES = {path.encode(): kind for path, kind in _ROUTES.items()}
@@ -127,7 +115,7 @@ class Gateway:
             ),
         )
         self.passthrough = PassthroughRoutes(config.passthrough)
-        self.flights: set[Flight] = set()
+        self.exchanges: set[Exchange] = set()  # requests in the gateway right now (drain waits on them)
         # Called once per finished request with its record and perf_counter end time (cheap,
         # synchronous, on the event loop; exceptions are logged and ignored).
         self.request_hooks: list[Callable[[Record, float], None]] = []
@@ -204,19 +192,19 @@ class Gateway:
         self._drained = True
         self.draining = True
         self.metrics.draining.set(1)
-        for f in list(self.flights):
-            if f.phase <= QUEUED:
-                f.cancel("draining")
+        for x in list(self.exchanges):
+            if x.phase <= Phase.QUEUED:
+                x.cancel(CancelReason.DRAINING)
         deadline = time.monotonic() + timeout_s
         # Polling during a drain costs nothing that matters; an Event would cost every request.
-        while self.flights and time.monotonic() < deadline:  # noqa: ASYNC110
+        while self.exchanges and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.01)
-        if self.flights:
-            log.warning("drain timeout: cancelling %d in-flight requests", len(self.flights))
-            for f in list(self.flights):
-                f.cancel("shutdown")
+        if self.exchanges:
+            log.warning("drain timeout: cancelling %d in-flight requests", len(self.exchanges))
+            for x in list(self.exchanges):
+                x.cancel(CancelReason.SHUTDOWN)
             end = time.monotonic() + 5.0
-            while self.flights and time.monotonic() < end:  # noqa: ASYNC110
+            while self.exchanges and time.monotonic() < end:  # noqa: ASYNC110
                 await asyncio.sleep(0.01)
 
     # ---- ASGI ----
@@ -247,7 +235,7 @@ class Gateway:
                     await _send_error(send, self._unrouted(scope["method"], path))
                     return
                 assert self._proxy is not None, "the app's lifespan has not run"
-                await self._proxy.handle(scope, receive, send, PASSTHROUGH, route)
+                await self._proxy.handle(scope, receive, send, RouteKind.PASSTHROUGH, route)
             else:
                 await self.ops(scope, receive, send)
         elif scope["type"] == "lifespan":
@@ -318,7 +306,7 @@ class Gateway:
 
     async def _metrics(self, request: Request) -> Response:
         snapshot = await self.store.snapshot()
-        self.metrics.in_flight_requests.set(len(self.flights))
+        self.metrics.in_flight_requests.set(len(self.exchanges))
         self.metrics.update_state(snapshot, self.router.backends, [t.name for t in self.config.tiers])
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 

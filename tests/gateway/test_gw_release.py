@@ -312,7 +312,7 @@ async def test_drain_finishes_in_flight_rejects_new_and_queued(
         finishing = asyncio.create_task(
             c.post("/v1/chat/completions", json=chat(), headers={"x-stub-delay": "0.3"})
         )
-        await _wait_for(lambda: len(gw.app.flights) == 1)
+        await _wait_for(lambda: len(gw.app.exchanges) == 1)
         await asyncio.sleep(0.05)
         queued = asyncio.create_task(c.post("/v1/chat/completions", json=chat()))
         await _wait_for(lambda: gw.app.store._state.tenant_waiting.get("t", 0) == 1)
@@ -340,7 +340,7 @@ async def test_drain_deadline_cancels_and_releases(
     )
     assert (await req.read_head())[0] == 200
     waiting = await RawRequest.post(gateway.url, "/v1/chat/completions", chat(), {"x-stub-delay": "10"})
-    await _wait_for(lambda: len(gateway.app.flights) == 2)
+    await _wait_for(lambda: len(gateway.app.exchanges) == 2)
     await asyncio.sleep(0.05)
     started = time.monotonic()
     await gateway.app.drain(0.2)

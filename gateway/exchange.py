@@ -1,0 +1,97 @@
+"""One request inside the gateway: the ``Exchange`` every step of the request path reads and fills.
+
+The proxy's steps (``gateway.proxy``) each take the exchange and fill in their part: authenticate ->
+tenant, tier, forwarded headers; read -> the raw body; price -> model, body, cost; classify -> class
+and pool; admit -> lease; forward -> backend and the usage it reported. Drain and the disconnect
+watcher see the same object (its phase, and ``cancel``), so there is exactly one per-request object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from budgets.types import Lease
+from classifiers import Cost
+from gateway.accesslog import Record
+from gateway.config import TenantConfig, TierConfig
+from gateway.metrics import Bound
+from gateway.passthrough import PassthroughRoute
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+
+class RouteKind(enum.Enum):
+    CHAT = "chat"
+    COMPLETION = "completion"
+    EMBEDDING = "embedding"
+    RESPONSES = "responses"
+    PASSTHROUGH = "passthrough"
+
+
+class Phase(enum.IntEnum):
+    """Where a request is; drain fails those not yet upstream."""
+
+    PRE = 0  # authenticating, reading, pricing
+    QUEUED = 1  # waiting for a grant
+    UPSTREAM = 2  # forwarded: drain lets it finish
+
+
+class CancelReason(enum.Enum):
+    DISCONNECT = "disconnect"
+    DRAINING = "draining"
+    SHUTDOWN = "shutdown"
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a priced request goes: its class, the backend pool, and the class pool if it has one."""
+
+    klass: str
+    pool: str
+    pools: tuple[str, ...]  # the budget pools the demand takes tokens from
+
+
+@dataclass(slots=True, eq=False)
+class Exchange:
+    scope: Scope
+    receive: Receive
+    send: Send
+    kind: RouteKind
+    route: PassthroughRoute | None  # the allowlist entry of a pass-through request
+    record: Record
+    task: asyncio.Task[Any]
+    # The request's life, as drain and the disconnect watcher see it.
+    phase: Phase = Phase.PRE
+    cancel_reason: CancelReason | None = None
+    done: bool = False  # the final response message is being sent: never cancel now
+    started: bool = False  # response headers sent
+    bound: Bound | None = None  # metrics children, once the class is known
+    # authenticate
+    tenant: TenantConfig | None = None
+    tier: TierConfig | None = None
+    headers: list[tuple[str, str]] = field(default_factory=list)  # forwarded upstream
+    has_content_type: bool = False
+    content_length: int = -1
+    max_wait_s: float = 0.0
+    # read, price
+    raw: bytes = b""
+    body: dict[str, Any] | None = None  # parsed JSON object (priced routes; pass-through if JSON)
+    model: str = ""  # "" only for a pass-through request that names no served model
+    cost: Cost | None = None
+    # classify, admit
+    placement: Placement | None = None
+    lease: Lease | None = None
+    # forward
+    client_wants_usage: bool = True
+    completion_tokens: int | None = None  # as the backend reported it; None when unknown
+
+    def cancel(self, reason: CancelReason) -> None:
+        if not self.done and self.cancel_reason is None:
+            self.cancel_reason = reason
+            self.task.cancel()
