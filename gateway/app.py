@@ -98,9 +98,7 @@ class Gateway:
             PricingSettings(**config.pricing.settings),
         )
         self.layout = build_layout(config, rules, self.tenants)
-        self.store: BudgetStore = store or build_store(
-            config.store.kind, config.store.options, self.layout, clock
-        )
+        self.store: BudgetStore = store or build_store(config.store, self.layout, clock)
         self.metrics = GatewayMetrics(
             tenants=[t.name for t in self.tenants], top_tenants=config.metrics.top_tenants
         )

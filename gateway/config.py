@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from backends.pools import BackendPoolSpec, BackendSpec, Timeouts
+from budgets.redis_store import RedisOptions
 from gateway.observe.settings import ObserveSettings
 from gateway.passthrough import DEFAULT_ROUTES, PassthroughRoute
 
@@ -29,9 +30,8 @@ class ListenConfig:
 
 @dataclass(frozen=True, slots=True)
 class StoreConfig:
-    kind: str = "memory"  # memory | redis (redis arrives in a later issue)
-    # Everything else of the section, kept verbatim for the store that understands it.
-    options: Mapping[str, Any] = field(default_factory=dict)
+    kind: Literal["memory", "redis"] = "memory"
+    redis: RedisOptions | None = None  # the redis section, typed (gateway.stores.parse_store)
 
 
 @dataclass(frozen=True, slots=True)

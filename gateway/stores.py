@@ -1,77 +1,93 @@
-"""Budget-store factory: the only place that knows which store kinds exist.
+"""The one budget-store factory, and the ``store:`` config section it is built from.
 
-``memory`` is the embedded default (one process). ``redis`` arrives in a later issue; until
-then asking for it is a clear configuration error rather than an import failure at start-up.
+``memory`` is the embedded default (one process); ``redis`` shares pools and one queue across every
+replica (``budgets.redis_store``). The section is read with the config toolkit into the store's own
+typed options (``RedisOptions``), so every error names the field::
+
+    store:
+      kind: redis
+      url: redis://127.0.0.1:6379/0
+      key_prefix: tokengate          # budget domain: all its keys share the tag {tg:<prefix>}
+      timeouts: {connect_s: 0.5, op_s: 0.5}
+      fail_mode: closed              # closed: 503 at once while Redis is down; open: local budget
+      replicas: 1                    # gateway replicas: fail-open gives each capacity/replicas;
+                                     # after Redis lost its data, grants wait for this many
+      poll_interval_s: 0.25          # waiters re-check their ticket this often (lost wake-ups)
+      max_connections: 32            # per replica
 """
 
 from __future__ import annotations
 
-import importlib.util
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
+from budgets.memory import MemoryStore
+from budgets.redis_store import RedisOptions, RedisStore
 from budgets.types import BudgetLayout, BudgetStore
+from gateway.config import StoreConfig
+from gateway.fields import ConfigError, choice, integer, mapping, positive_number, section, show, string
 
-# kind -> (option keys it accepts, shared across processes?)
-_KINDS: Mapping[str, tuple[tuple[str, ...], bool]] = {
-    "memory": ((), False),
-    "redis": (("url", "key_prefix", "timeouts", "fail_mode", "replicas", "poll_interval_s"), True),
-}
+KINDS = ("memory", "redis")
+_REDIS_KEYS = (
+    "kind",
+    "url",
+    "key_prefix",
+    "timeouts",
+    "fail_mode",
+    "replicas",
+    "poll_interval_s",
+    "max_connections",
+)
 
 
-def _available(kind: str) -> bool:
+def parse_store(v: Any, where: str = "store") -> StoreConfig:
+    """The ``store:`` section, validated; errors name the field (``store.timeouts.op_s: ...``)."""
+    m = mapping(v, where) if v is not None else {}
+    kind = choice(m, "kind", where, "memory", KINDS)
     if kind == "memory":
-        return True
-    # The Redis store lands in a later issue, with its own factory in budgets.factory.
-    return importlib.util.find_spec("budgets.redis_store") is not None and (
-        importlib.util.find_spec("budgets.factory") is not None
-    )
-
-
-def check_store_config(kind: str, options: Mapping[str, Any]) -> None:
-    """Raise ValueError("<key>: ...") when the section is invalid (the caller adds ``store.``)."""
-    if kind not in _KINDS:
-        raise ValueError(f"kind: unknown store kind {kind!r}; expected one of: {', '.join(_KINDS)}")
-    if not _available(kind):
-        raise ValueError(
-            f"kind: the {kind} store is not available in this version yet; use kind: memory "
-            "(one gateway process)"
+        section(m, where, ("kind",))
+        return StoreConfig(kind="memory")
+    section(m, where, _REDIS_KEYS)
+    d = RedisOptions()
+    url = string(m, "url", where, d.url)
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError(
+            f"{where}.url: expected redis://host:port/db, rediss://... or unix://..., got {show(url)}"
         )
-    if kind != "memory":
-        from budgets import factory  # type: ignore[attr-defined,unused-ignore]
-
-        check = getattr(factory, "check_options", None)
-        if check is not None:  # the store that knows its options validates them
-            check(kind, options)
-            return
-    allowed = _KINDS[kind][0]
-    for key in options:
-        if key not in allowed:
-            hint = (
-                f"; known keys: kind, {', '.join(allowed)}"
-                if allowed
-                else "; a memory store takes only 'kind'"
-            )
-            raise ValueError(f"{key}: unknown key for store kind {kind}{hint}")
+    prefix = string(m, "key_prefix", where, d.key_prefix)
+    if any(c in prefix for c in "{}") or not prefix.isprintable():
+        raise ConfigError(
+            f"{where}.key_prefix: expected a non-empty printable string without braces, got {show(prefix)}"
+        )
+    tw = f"{where}.timeouts"
+    t = section(m.get("timeouts"), tw, ("connect_s", "op_s"))
+    options = RedisOptions(
+        url=url,
+        key_prefix=prefix,
+        connect_timeout_s=positive_number(t, "connect_s", tw, d.connect_timeout_s),
+        op_timeout_s=positive_number(t, "op_s", tw, d.op_timeout_s),
+        fail_mode="open"
+        if choice(m, "fail_mode", where, d.fail_mode, ("closed", "open")) == "open"
+        else "closed",
+        replicas=integer(m, "replicas", where, d.replicas, minimum=1),
+        poll_interval_s=positive_number(m, "poll_interval_s", where, d.poll_interval_s),
+        max_connections=integer(m, "max_connections", where, d.max_connections, minimum=1),
+    )
+    return StoreConfig(kind="redis", redis=options)
 
 
 def is_shared(kind: str) -> bool:
     """Whether several gateway processes see one budget through this store."""
-    return _KINDS.get(kind, ((), False))[1]
+    return kind == "redis"
 
 
 def build_store(
-    kind: str,
-    options: Mapping[str, Any],
-    layout: BudgetLayout,
-    clock: Callable[[], float] | None = None,
+    config: StoreConfig, layout: BudgetLayout, clock: Callable[[], float] | None = None
 ) -> BudgetStore:
-    check_store_config(kind, options)
-    if kind == "memory":
-        from budgets.memory import MemoryStore
+    """An unstarted store for ``config`` (the app starts and closes it)."""
+    if config.kind == "redis":
+        return RedisStore(layout, config.redis or RedisOptions())
+    return MemoryStore(layout, clock=clock) if clock is not None else MemoryStore(layout)
 
-        return MemoryStore(layout, clock=clock) if clock is not None else MemoryStore(layout)
-    from budgets import factory  # type: ignore[attr-defined,unused-ignore]
 
-    store: BudgetStore = factory.build_store(kind, layout, options)
-    return store
+__all__ = ["KINDS", "build_store", "is_shared", "parse_store"]

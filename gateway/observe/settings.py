@@ -17,14 +17,14 @@ Every key is optional. The gateway's config loader hands the raw mapping to
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.fields import ConfigError, integer, mapping, opt_positive_number, positive_number, section
 
-class ObserveConfigError(ValueError):
-    """A bad ``observability`` value; the message starts with the field's dotted path."""
+# Kept as a name for callers; errors are the config toolkit's, naming the field by its path.
+ObserveConfigError = ConfigError
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,113 +76,71 @@ class ObserveSettings:
     def from_dict(cls, raw: Mapping[str, Any] | None, where: str = "observability") -> ObserveSettings:
         if raw is None:
             return cls()
-        d = _mapping(raw, where)
-        _no_unknown(d, ("window_s", "windows", "hol", "shape", "scrape", "slos"), where)
-        hol_raw = _mapping(d.get("hol", {}), f"{where}.hol")
-        _no_unknown(hol_raw, ("lookback_windows", "min_windows", "threshold", "min_swing"), f"{where}.hol")
-        shape_raw = _mapping(d.get("shape", {}), f"{where}.shape")
-        _no_unknown(
-            shape_raw, ("window_requests", "split_at", "two_services_at", "min_requests"), f"{where}.shape"
-        )
-        scrape_raw = _mapping(d.get("scrape", {}), f"{where}.scrape")
-        _no_unknown(
-            scrape_raw,
-            (
-                "interval_s",
-                "timeout_s",
-                "stale_after_s",
-                "kv_threshold",
-                "kv_soft",
-                "thrash_preemptions_per_s",
-            ),
-            f"{where}.scrape",
-        )
-        hd, sd, cd = HolSettings(), ShapeSettings(), ScrapeSettings()
+        d = section(raw, where, ("window_s", "windows", "hol", "shape", "scrape", "slos"))
+        w = f"{where}.hol"
+        h = section(d.get("hol"), w, ("lookback_windows", "min_windows", "threshold", "min_swing"))
+        hd = HolSettings()
         hol = HolSettings(
-            lookback_windows=_int(hol_raw, "lookback_windows", hd.lookback_windows, f"{where}.hol", 2),
-            min_windows=_int(hol_raw, "min_windows", hd.min_windows, f"{where}.hol", 2),
-            threshold=_num(hol_raw, "threshold", hd.threshold, f"{where}.hol", upper=1.0),
-            min_swing=_num(hol_raw, "min_swing", hd.min_swing, f"{where}.hol"),
+            lookback_windows=integer(h, "lookback_windows", w, hd.lookback_windows, minimum=2),
+            min_windows=integer(h, "min_windows", w, hd.min_windows, minimum=2),
+            threshold=positive_number(h, "threshold", w, hd.threshold, maximum=1.0),
+            min_swing=positive_number(h, "min_swing", w, hd.min_swing),
         )
         if hol.min_windows > hol.lookback_windows:
-            raise ObserveConfigError(
-                f"{where}.hol.min_windows: must be <= lookback_windows ({hol.lookback_windows}), "
-                f"got {hol.min_windows}"
+            raise ConfigError(
+                f"{w}.min_windows: must be <= lookback_windows ({hol.lookback_windows}), got {hol.min_windows}"
             )
+        w = f"{where}.shape"
+        sh = section(d.get("shape"), w, ("window_requests", "split_at", "two_services_at", "min_requests"))
+        sd = ShapeSettings()
         shape = ShapeSettings(
-            window_requests=_int(shape_raw, "window_requests", sd.window_requests, f"{where}.shape", 2),
-            split_at=_num(shape_raw, "split_at", sd.split_at, f"{where}.shape"),
-            two_services_at=_num(shape_raw, "two_services_at", sd.two_services_at, f"{where}.shape"),
-            min_requests=_int(shape_raw, "min_requests", sd.min_requests, f"{where}.shape", 1),
+            window_requests=integer(sh, "window_requests", w, sd.window_requests, minimum=2),
+            split_at=positive_number(sh, "split_at", w, sd.split_at),
+            two_services_at=positive_number(sh, "two_services_at", w, sd.two_services_at),
+            min_requests=integer(sh, "min_requests", w, sd.min_requests, minimum=1),
         )
         if shape.two_services_at < shape.split_at:
-            raise ObserveConfigError(
-                f"{where}.shape.two_services_at: must be >= split_at ({shape.split_at:g}), "
-                f"got {shape.two_services_at:g}"
+            raise ConfigError(
+                f"{w}.two_services_at: must be >= split_at ({shape.split_at:g}), got {shape.two_services_at:g}"
             )
         w = f"{where}.scrape"
+        keys = (
+            "interval_s",
+            "timeout_s",
+            "stale_after_s",
+            "kv_threshold",
+            "kv_soft",
+            "thrash_preemptions_per_s",
+        )
+        sc = section(d.get("scrape"), w, keys)
+        cd = ScrapeSettings()
         scrape = ScrapeSettings(
-            interval_s=_num(scrape_raw, "interval_s", cd.interval_s, w),
-            timeout_s=_num(scrape_raw, "timeout_s", cd.timeout_s, w),
-            stale_after_s=_num(scrape_raw, "stale_after_s", cd.stale_after_s, w),
-            kv_threshold=_num(scrape_raw, "kv_threshold", cd.kv_threshold, w, upper=1.0),
-            kv_soft=_num(scrape_raw, "kv_soft", cd.kv_soft, w, upper=1.0),
-            thrash_preemptions_per_s=_num(
-                scrape_raw, "thrash_preemptions_per_s", cd.thrash_preemptions_per_s, w
+            interval_s=positive_number(sc, "interval_s", w, cd.interval_s),
+            timeout_s=positive_number(sc, "timeout_s", w, cd.timeout_s),
+            stale_after_s=positive_number(sc, "stale_after_s", w, cd.stale_after_s),
+            kv_threshold=positive_number(sc, "kv_threshold", w, cd.kv_threshold, maximum=1.0),
+            kv_soft=positive_number(sc, "kv_soft", w, cd.kv_soft, maximum=1.0),
+            thrash_preemptions_per_s=positive_number(
+                sc, "thrash_preemptions_per_s", w, cd.thrash_preemptions_per_s
             ),
         )
         if scrape.kv_soft > scrape.kv_threshold:
-            raise ObserveConfigError(
+            raise ConfigError(
                 f"{w}.kv_soft: must be <= kv_threshold ({scrape.kv_threshold:g}), got {scrape.kv_soft:g}"
             )
-        slos_raw = _mapping(d.get("slos", {}), f"{where}.slos")
         slos: dict[str, ClassSlo] = {}
-        for name, slo_raw in slos_raw.items():
-            sw = f"{where}.slos.{name}"
-            s = _mapping(slo_raw, sw)
-            _no_unknown(s, ("ttft_p99_s", "queue_wait_p99_s"), sw)
+        for name, slo_raw in mapping(d.get("slos", {}), f"{where}.slos").items():
+            w = f"{where}.slos.{name}"
+            s = section(slo_raw, w, ("ttft_p99_s", "queue_wait_p99_s"))
             slos[str(name)] = ClassSlo(
-                ttft_p99_s=_num(s, "ttft_p99_s", None, sw),
-                queue_wait_p99_s=_num(s, "queue_wait_p99_s", None, sw),
+                ttft_p99_s=opt_positive_number(s, "ttft_p99_s", w),
+                queue_wait_p99_s=opt_positive_number(s, "queue_wait_p99_s", w),
             )
         return cls(
-            window_s=_num(d, "window_s", 10.0, where),
-            windows=_int(d, "windows", 30, where, 2),
+            window_s=positive_number(d, "window_s", where, 10.0),
+            windows=integer(d, "windows", where, 30, minimum=2),
             hol=hol,
             shape=shape,
             scrape=scrape,
             slos=slos,
         )
-
-
-def _mapping(v: Any, where: str) -> Mapping[str, Any]:
-    if not isinstance(v, Mapping):
-        raise ObserveConfigError(f"{where}: expected a mapping, got {type(v).__name__}")
-    return v
-
-
-def _no_unknown(d: Mapping[str, Any], known: tuple[str, ...], where: str) -> None:
-    for k in d:
-        if k not in known:
-            close = difflib.get_close_matches(str(k), known, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(known)})"
-            raise ObserveConfigError(f"{where}.{k}: unknown key{hint}")
-
-
-def _num(d: Mapping[str, Any], key: str, default: Any, where: str, upper: float | None = None) -> Any:
-    if key not in d:
-        return default
-    v = d[key]
-    if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0 or (upper is not None and v > upper):
-        rng = f"a number in (0, {upper:g}]" if upper is not None else "a positive number"
-        raise ObserveConfigError(f"{where}.{key}: expected {rng}, got {v!r}")
-    return float(v)
-
-
-def _int(d: Mapping[str, Any], key: str, default: int, where: str, minimum: int) -> int:
-    if key not in d:
-        return default
-    v = d[key]
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ObserveConfigError(f"{where}.{key}: expected an integer >= {minimum}, got {v!r}")
-    return v

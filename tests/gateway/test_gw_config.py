@@ -152,8 +152,8 @@ def test_example_configs_load() -> None:
             {"classes": [{"name": "x", "pool": "default", "when": {"min_cost": "x"}}]},
             "classes[0].when.min_cost",
         ),
-        ({"store": {"kind": "etcd"}}, "store.kind: unknown store kind 'etcd'"),
-        ({"store": {"kind": "memory", "url": "x"}}, "store.url: unknown key for store kind memory"),
+        ({"store": {"kind": "etcd"}}, "store.kind: expected one of 'memory', 'redis', got 'etcd'"),
+        ({"store": {"kind": "memory", "url": "x"}}, "store.url: unknown key"),
         (
             {"pricing": {"per_mesage_tokens": 3}},
             "pricing.per_mesage_tokens: unknown key (did you mean 'per_message_tokens'?)",

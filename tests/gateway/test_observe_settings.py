@@ -41,8 +41,8 @@ def test_values() -> None:
         ({"hol": {"min_windows": 20}}, "observability.hol.min_windows: must be <= lookback_windows (12)"),
         ({"shape": {"split_at": 60}}, "observability.shape.two_services_at: must be >= split_at (60)"),
         ({"slos": {"short": {"ttft_p99": 1}}}, "observability.slos.short.ttft_p99: unknown key"),
-        ({"slos": []}, "observability.slos: expected a mapping, got list"),
-        ({"windows": True}, "observability.windows: expected an integer >= 2, got True"),
+        ({"slos": []}, "observability.slos: expected a mapping, got a list"),
+        ({"windows": True}, "observability.windows: expected an integer >= 2, got true"),
     ],
 )
 def test_errors_name_the_field(raw: dict[str, object], msg: str) -> None:

@@ -1,0 +1,80 @@
+"""The ``store:`` section: validation messages name the field; the one factory builds each store."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from budgets.memory import MemoryStore
+from budgets.redis_store import RedisStore
+from gateway.fields import ConfigError
+from gateway.stores import build_store, parse_store
+from tests.budgets.support import layout, shared
+
+
+def test_defaults_and_full_section() -> None:
+    assert parse_store(None).kind == "memory"
+    redis = parse_store({"kind": "redis"}).redis
+    assert redis is not None and redis.fail_mode == "closed"
+    opts = parse_store(
+        {
+            "kind": "redis",
+            "url": "redis://10.0.0.5:6380/2",
+            "key_prefix": "prod",
+            "timeouts": {"connect_s": 0.2, "op_s": 0.1},
+            "fail_mode": "open",
+            "replicas": 3,
+            "poll_interval_s": 0.5,
+            "max_connections": 8,
+        }
+    ).redis
+    assert opts is not None
+    assert (opts.url, opts.key_prefix, opts.fail_mode, opts.replicas) == (
+        "redis://10.0.0.5:6380/2",
+        "prod",
+        "open",
+        3,
+    )
+    assert (opts.connect_timeout_s, opts.op_timeout_s, opts.poll_interval_s, opts.max_connections) == (
+        0.2,
+        0.1,
+        0.5,
+        8,
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"urll": "redis://x"}, "store.urll: unknown key (did you mean 'url'?)"),
+        ({"url": "http://x"}, "store.url: expected redis://"),
+        ({"key_prefix": "a{b}"}, "store.key_prefix: expected a non-empty printable string without braces"),
+        ({"timeouts": {"op": 1}}, "store.timeouts.op: unknown key (did you mean 'op_s'?)"),
+        ({"timeouts": {"op_s": -1}}, "store.timeouts.op_s: expected a positive number, got -1"),
+        ({"timeouts": 3}, "store.timeouts: expected a mapping"),
+        ({"fail_mode": "maybe"}, "store.fail_mode: expected one of 'closed', 'open', got 'maybe'"),
+        ({"replicas": 0}, "store.replicas: expected a positive integer, got 0"),
+        ({"replicas": True}, "store.replicas: expected a positive integer, got true"),
+        ({"poll_interval_s": "fast"}, "store.poll_interval_s: expected a number, got 'fast'"),
+    ],
+)
+def test_invalid_sections_name_the_field(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_store({"kind": "redis", **options})
+    assert str(info.value).startswith(message)
+
+
+def test_unknown_kind_and_memory_options_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"store\.kind: expected one of 'memory', 'redis', got 'etcd'"):
+        parse_store({"kind": "etcd"})
+    with pytest.raises(ConfigError, match=r"store\.url: unknown key"):
+        parse_store({"kind": "memory", "url": "redis://x"})
+
+
+def test_one_factory_builds_every_store_unstarted() -> None:
+    lay = layout([shared("backend:p", 10)], ["a"])
+    assert isinstance(build_store(parse_store(None), lay), MemoryStore)
+    store = build_store(parse_store({"kind": "redis", "key_prefix": "x", "replicas": 2}), lay)
+    assert isinstance(store, RedisStore)
+    assert store.keys.tag == "{tg:x}"
