@@ -1,6 +1,6 @@
 """Request pricing and classing: tokenizers, prompt-cost estimation, size-class rules."""
 
-from classifiers.classes import Classifier, ClassRule, RequestClass, parse_rules
+from classifiers.classes import BOUNDS, SCALAR, Classifier, ClassRule, RequestClass
 from classifiers.pricing import (
     MAX_CHOICES,
     MAX_JSON_DEPTH,
@@ -22,8 +22,10 @@ from classifiers.tokenizers import (
 )
 
 __all__ = [
+    "BOUNDS",
     "MAX_CHOICES",
     "MAX_JSON_DEPTH",
+    "SCALAR",
     "BytesTokenizer",
     "ClassRule",
     "Classifier",
@@ -39,6 +41,5 @@ __all__ = [
     "default_tokenizer",
     "load_tiktoken",
     "load_tokenizer",
-    "parse_rules",
     "show_value",
 ]

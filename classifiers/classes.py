@@ -1,7 +1,9 @@
 """Request classes: configured rules that map a priced request to a backend pool.
 
 Rules are tried in order and the first whose conditions all hold wins; a rule without conditions
-matches everything. When none matches, the request gets the class ``default`` on the default pool.
+matches everything. When none matches, the request gets the class ``default`` on the default pool
+(``None``: the pool that serves the request's model). The rules are read from the config file by
+the gateway (``gateway.class_rules``); this module only matches them.
 
 YAML shape of one rule (every ``when`` key is optional; unknown keys are body fields)::
 
@@ -25,11 +27,11 @@ from typing import Any
 
 from classifiers.pricing import Cost
 
-__all__ = ["ClassRule", "Classifier", "RequestClass", "parse_rules"]
+__all__ = ["BOUNDS", "SCALAR", "ClassRule", "Classifier", "RequestClass"]
 
 DEFAULT_CLASS = "default"
 
-_BOUNDS = (
+BOUNDS = (
     "min_prompt_tokens",
     "max_prompt_tokens",
     "min_decode_tokens",
@@ -37,14 +39,13 @@ _BOUNDS = (
     "min_cost",
     "max_cost",
 )
-_RULE_KEYS = frozenset({"name", "pool", "overflow_pool", "budget_tokens", "when"})
-_Scalar = str | int | float | bool | None
+SCALAR = str | int | float | bool | None  # what a body-field condition may compare with
 
 
 @dataclass(frozen=True, slots=True)
 class RequestClass:
     name: str
-    pool: str
+    pool: str | None  # None: the pool that serves the request's model
     overflow_pool: str | None = None
     budget_tokens: int | None = None
 
@@ -65,103 +66,26 @@ class ClassRule:
     tenants: tuple[str, ...] = ()
     fields: Mapping[str, tuple[Any, ...]] = field(default_factory=lambda: MappingProxyType({}))
 
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any], where: str) -> ClassRule:
-        """Parse one YAML rule; ValueError messages name the offending field (``where.when.x``)."""
-        if not isinstance(d, Mapping):
-            raise ValueError(f"{where}: expected a mapping with 'name' and 'pool', got {d!r}")
-        unknown = sorted(str(k) for k in d if k not in _RULE_KEYS)
-        if unknown:
-            raise ValueError(
-                f"{where}: unknown key(s) {', '.join(unknown)}; a class rule has name, pool, overflow_pool, "
-                "budget_tokens and when (conditions go under when)"
-            )
-        name = _name(d.get("name"), f"{where}.name", required=True)
-        pool = _name(d.get("pool"), f"{where}.pool", required=True)
-        overflow = _name(d.get("overflow_pool"), f"{where}.overflow_pool", required=False)
-        budget = _non_negative(d.get("budget_tokens"), f"{where}.budget_tokens")
-        when = d.get("when")
-        if when is None:
-            when = {}
-        if not isinstance(when, Mapping):
-            raise ValueError(f"{where}.when: expected a mapping of conditions, got {when!r}")
-        bounds = {key: _non_negative(when.get(key), f"{where}.when.{key}") for key in _BOUNDS}
-        for low, high in (
-            ("min_prompt_tokens", "max_prompt_tokens"),
-            ("min_decode_tokens", "max_decode_tokens"),
-            ("min_cost", "max_cost"),
-        ):
-            lo, hi = bounds[low], bounds[high]
-            if lo is not None and hi is not None and lo > hi:
-                raise ValueError(
-                    f"{where}.when: {low} ({lo}) is greater than {high} ({hi}); nothing could match"
-                )
-        models = _globs(when.get("models"), f"{where}.when.models")
-        tenants = _globs(when.get("tenants"), f"{where}.when.tenants")
-        fields: dict[str, tuple[Any, ...]] = {}
-        for key, value in when.items():
-            if key in _BOUNDS or key in ("models", "tenants"):
-                continue
-            if not isinstance(key, str) or not key:
-                raise ValueError(f"{where}.when: field names must be non-empty strings, got {key!r}")
-            fields[key] = _values(value, f"{where}.when.{key}")
-        return cls(
-            name=name,
-            pool=pool,
-            overflow_pool=overflow,
-            budget_tokens=budget,
-            models=models,
-            tenants=tenants,
-            fields=MappingProxyType(fields),
-            **bounds,
-        )
+    def to_config(self) -> dict[str, Any]:
+        """The rule in config-file shape (the inverse of the gateway's ``classes`` parser)."""
+        out: dict[str, Any] = {"name": self.name, "pool": self.pool}
+        if self.overflow_pool is not None:
+            out["overflow_pool"] = self.overflow_pool
+        if self.budget_tokens is not None:
+            out["budget_tokens"] = self.budget_tokens
+        when: dict[str, Any] = {k: getattr(self, k) for k in BOUNDS if getattr(self, k) is not None}
+        if self.models:
+            when["models"] = list(self.models)
+        if self.tenants:
+            when["tenants"] = list(self.tenants)
+        for key, values in self.fields.items():
+            when[key] = list(values) if len(values) > 1 else values[0]
+        if when:
+            out["when"] = when
+        return out
 
     def to_class(self) -> RequestClass:
         return RequestClass(self.name, self.pool, self.overflow_pool, self.budget_tokens)
-
-
-def parse_rules(items: object, where: str = "classes") -> list[ClassRule]:
-    """Parse the ``classes`` list of the config file."""
-    if items is None:
-        return []
-    if not isinstance(items, Sequence) or isinstance(items, str | bytes):
-        raise ValueError(f"{where}: expected a list of class rules, got {items!r}")
-    return [ClassRule.from_dict(item, f"{where}[{i}]") for i, item in enumerate(items)]
-
-
-def _name(value: object, where: str, *, required: bool) -> Any:
-    if value is None and not required:
-        return None
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{where}: expected a non-empty string, got {value!r}")
-    return value
-
-
-def _non_negative(value: object, where: str) -> int | None:
-    if value is None:
-        return None
-    if type(value) is not int or value < 0:
-        raise ValueError(f"{where}: expected a non-negative integer, got {value!r}")
-    return value
-
-
-def _globs(value: object, where: str) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list | tuple) or not all(isinstance(v, str) and v for v in items):
-        raise ValueError(f"{where}: expected a name/glob or a list of them, got {value!r}")
-    return tuple(items)
-
-
-def _values(value: object, where: str) -> tuple[Any, ...]:
-    items = list(value) if isinstance(value, list | tuple) else [value]
-    if not items:
-        raise ValueError(f"{where}: expected a value or a non-empty list of values, got {value!r}")
-    for item in items:
-        if not isinstance(item, _Scalar):
-            raise ValueError(f"{where}: expected strings, numbers, booleans or null, got {item!r}")
-    return tuple(items)
 
 
 def _same(expected: object, actual: object) -> bool:
@@ -189,7 +113,7 @@ class _Compiled:
 class Classifier:
     """First-match classification of priced requests; runs per request, so globs are precompiled."""
 
-    def __init__(self, rules: Sequence[ClassRule], default_pool: str) -> None:
+    def __init__(self, rules: Sequence[ClassRule], default_pool: str | None = None) -> None:
         seen: set[str] = set()
         for rule in rules:
             if rule.name in seen:

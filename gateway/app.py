@@ -31,7 +31,7 @@ from backends.health import HealthChecker, HealthSettings
 from backends.pools import BreakerSettings, Router
 from backends.upstream import make_session
 from budgets.types import BudgetStore
-from classifiers import Classifier, Pricer, PricingSettings, TokenizerRegistry, parse_rules, show_value
+from classifiers import Classifier, Pricer, PricingSettings, TokenizerRegistry, show_value
 from gateway.accesslog import Record
 from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
@@ -45,7 +45,7 @@ from gateway.observe import Observer, ScrapeTarget, StatsSources, observe_routes
 from gateway.observe.stats import config_view
 from gateway.passthrough import PassthroughRoutes
 from gateway.paths import path_problem
-from gateway.proxy import HOME_POOL, Proxy
+from gateway.proxy import Proxy
 from gateway.stores import build_store
 
 log = logging.getLogger("tokengate")
@@ -84,8 +84,8 @@ class Gateway:
         self.config = config
         self.auth = Authenticator(config)
         self.tenants = config.tenants or ((self.auth.open_tenant,) if self.auth.open_tenant else ())
-        rules = parse_rules(list(config.classes))
-        self.classifier = Classifier(rules, HOME_POOL) if rules else None
+        rules = config.classes
+        self.classifier = Classifier(rules) if rules else None
         self.router = Router(
             config.pools,
             BreakerSettings(

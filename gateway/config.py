@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from backends.pools import BackendPoolSpec, BackendSpec, Timeouts
 from budgets.redis_store import RedisOptions
+from classifiers import ClassRule
 from gateway.observe.settings import ObserveSettings
 from gateway.passthrough import DEFAULT_ROUTES, PassthroughRoute
 
@@ -144,9 +145,7 @@ class GatewayConfig:
     tiers: tuple[TierConfig, ...] = DEFAULT_TIERS
     fairness: FairnessConfig = FairnessConfig()
     leases: LeasesConfig = LeasesConfig()
-    # Raw class rules; parsed by classifiers.ClassRule.from_dict on load (validated there) and
-    # again when the app is built.
-    classes: tuple[Mapping[str, Any], ...] = ()
+    classes: tuple[ClassRule, ...] = ()  # first match wins (gateway.class_rules)
     pools: tuple[PoolConfig, ...] = ()
     models: tuple[ModelConfig, ...] = ()
     pricing: PricingConfig = PricingConfig()

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from gateway import stores
+from gateway.class_rules import parse_classes
 from gateway.config import (
     DEFAULT_CONTEXT_LENGTH,
     DEFAULT_TIERS,
@@ -98,7 +99,7 @@ def parse_config(data: Any) -> GatewayConfig:
         tiers=tiers,
         fairness=_fairness(root.get("fairness")),
         leases=_leases(root.get("leases")),
-        classes=_classes(root.get("classes"), {p.name for p in pools}),
+        classes=parse_classes(root.get("classes"), {p.name for p in pools}),
         pools=pools,
         models=_models(root.get("models")),
         pricing=_pricing(root.get("pricing")),
@@ -210,43 +211,6 @@ def _leases(v: Any) -> LeasesConfig:
     if ttl <= 0:
         raise ConfigError(f"leases.ttl_s: expected a positive number, got {show(ttl)}")
     return LeasesConfig(ttl_s=ttl)
-
-
-def _classes(v: Any, pool_names: set[str]) -> tuple[Mapping[str, Any], ...]:
-    if v is None:
-        return ()
-    if not isinstance(v, list):
-        raise ConfigError(f"classes: expected a list of rules, got {show(v)}")
-    try:
-        from classifiers import ClassRule
-    except ImportError:  # pragma: no cover - classifiers is part of the project
-        ClassRule = None  # type: ignore[assignment,misc]
-    names: set[str] = set()
-    out = []
-    for i, rule in enumerate(v):
-        where = f"classes[{i}]"
-        m = mapping(rule, where)
-        if ClassRule is not None:
-            try:
-                parsed = ClassRule.from_dict(m, where)
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
-            name, pool, overflow = parsed.name, parsed.pool, parsed.overflow_pool
-        else:
-            name, pool, overflow = str(m.get("name")), str(m.get("pool")), m.get("overflow_pool")
-        if name in names:
-            raise ConfigError(f"{where}.name: class {name!r} is defined twice")
-        names.add(name)
-        # Without pools the embedded backend's pool "default" is the only one.
-        known = pool_names or {"default"}
-        for key, ref in (("pool", pool), ("overflow_pool", overflow)):
-            if ref is not None and ref not in known:
-                raise ConfigError(
-                    f"{where}.{key}: unknown pool {ref!r}{did_you_mean(str(ref), known)}; "
-                    f"configured pools: {', '.join(sorted(known))}"
-                )
-        out.append(dict(m))
-    return tuple(out)
 
 
 def _pools(v: Any) -> tuple[PoolConfig, ...]:

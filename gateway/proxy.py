@@ -39,8 +39,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tokengate.proxy")
 
-HOME_POOL = "\x00home"  # the Classifier's default pool: "the model's own pool"
-
 _DRAINING = "The gateway is shutting down; retry on another replica"
 
 
@@ -413,7 +411,7 @@ class Proxy:
         elif self.classifier is not None:
             rc = self.classifier.classify(cost=cost, model=x.model, tenant=tenant.name, body=x.body or {})
             klass, overflow, class_budget = rc.name, rc.overflow_pool, rc.budget_tokens
-            primary = None if rc.pool == HOME_POOL else rc.pool
+            primary = rc.pool  # None: the pool that serves the model
         else:
             klass = "default"
         rec = x.record

@@ -21,6 +21,7 @@ from starlette.routing import BaseRoute, Route
 
 from backends.pools import BackendPoolSpec
 from budgets.types import StoreSnapshot
+from classifiers import ClassRule
 from gateway.observe.diagnose import diagnose
 from gateway.observe.observer import Observer
 from gateway.observe.shape import split_plan
@@ -37,7 +38,7 @@ class ConfigView:
     pools: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
 
-def config_view(classes: Sequence[Mapping[str, Any]], pools: Sequence[BackendPoolSpec]) -> ConfigView:
+def config_view(classes: Sequence[ClassRule], pools: Sequence[BackendPoolSpec]) -> ConfigView:
     """The config's class rules and pools in config-file shape, for the split edit.
 
     API keys and timeouts are left out on purpose: /insights must never echo a secret, and the
@@ -56,7 +57,7 @@ def config_view(classes: Sequence[Mapping[str, Any]], pools: Sequence[BackendPoo
                 d["name"] = b.name
             backends.append(d)
         out[p.name] = {"backends": backends}
-    return ConfigView(classes=[dict(c) for c in classes], pools=out)
+    return ConfigView(classes=[c.to_config() for c in classes], pools=out)
 
 
 @dataclass(slots=True)

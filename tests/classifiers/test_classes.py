@@ -4,11 +4,14 @@ from typing import Any
 
 import pytest
 
-from classifiers import Classifier, ClassRule, Cost, RequestClass, parse_rules
+from classifiers import Classifier, Cost, RequestClass
+from gateway.class_rules import parse_classes
 
 
 def classify(rules: list[dict[str, Any]], cost: Cost = Cost(100, 100), **kw: Any) -> str:
-    classifier = Classifier(parse_rules(rules), default_pool="shared")
+    classifier = Classifier(
+        parse_classes(rules, {"p", "shared", "long", "short", "q"}), default_pool="shared"
+    )
     args: dict[str, Any] = {"model": "llama-3-8b", "tenant": "acme", "body": {}}
     args.update(kw)
     return classifier.classify(cost=cost, **args).name
@@ -23,7 +26,9 @@ def test_rule_without_conditions_matches_everything() -> None:
 
 
 def test_default_class_when_nothing_matches() -> None:
-    classifier = Classifier(parse_rules([rule(min_cost=10**6)]), default_pool="shared")
+    unrouted = Classifier(parse_classes([rule(min_cost=10**6)], {"p"}))
+    assert unrouted.classify(cost=Cost(1, 1), model="m", tenant="t", body={}).pool is None  # the model's pool
+    classifier = Classifier(parse_classes([rule(min_cost=10**6)], {"p"}), default_pool="shared")
     result = classifier.classify(cost=Cost(1, 1), model="m", tenant="t", body={})
     assert result == RequestClass(name="default", pool="shared", overflow_pool=None, budget_tokens=None)
 
@@ -77,7 +82,7 @@ def test_all_conditions_must_hold() -> None:
 
 
 def test_first_match_wins_and_carries_its_routing() -> None:
-    rules = parse_rules(
+    rules = parse_classes(
         [
             {
                 "name": "reasoning",
@@ -88,7 +93,8 @@ def test_first_match_wins_and_carries_its_routing() -> None:
             },
             {"name": "long", "when": {"min_cost": 16000}, "pool": "long"},
             {"name": "short", "pool": "short"},
-        ]
+        ],
+        {"long", "short"},
     )
     classifier = Classifier(rules, default_pool="short")
     big = Cost(9000, 9000)
@@ -100,56 +106,4 @@ def test_first_match_wins_and_carries_its_routing() -> None:
 
 def test_duplicate_class_names_are_rejected() -> None:
     with pytest.raises(ValueError, match="'a' is defined twice"):
-        Classifier(parse_rules([{"name": "a", "pool": "p"}, {"name": "a", "pool": "q"}]), default_pool="p")
-
-
-def test_from_dict_builds_the_rule() -> None:
-    r = ClassRule.from_dict(
-        {"name": "r", "pool": "long", "when": {"max_decode_tokens": 5, "tenants": ["a"], "effort": "high"}},
-        "x",
-    )
-    assert (r.max_decode_tokens, r.tenants, dict(r.fields)) == (5, ("a",), {"effort": ("high",)})
-
-
-@pytest.mark.parametrize(
-    ("item", "message"),
-    [
-        (rule(min_cost="x"), "classes[0].when.min_cost: expected a non-negative integer, got 'x'"),
-        (
-            rule(max_prompt_tokens=-1),
-            "classes[0].when.max_prompt_tokens: expected a non-negative integer, got -1",
-        ),
-        (
-            rule(min_decode_tokens=True),
-            "classes[0].when.min_decode_tokens: expected a non-negative integer, got True",
-        ),
-        (rule(min_cost=10, max_cost=5), "classes[0].when: min_cost (10) is greater than max_cost (5)"),
-        (rule(models=[1]), "classes[0].when.models: expected a name/glob"),
-        (rule(tenants={"a": 1}), "classes[0].when.tenants: expected a name/glob"),
-        (rule(reasoning_effort=[]), "classes[0].when.reasoning_effort: expected a value or a non-empty list"),
-        (rule(metadata={"a": 1}), "classes[0].when.metadata: expected strings, numbers, booleans or null"),
-        ({"name": "a", "pool": "p", "when": [1]}, "classes[0].when: expected a mapping"),
-        ({"pool": "p"}, "classes[0].name: expected a non-empty string, got None"),
-        ({"name": "a"}, "classes[0].pool: expected a non-empty string, got None"),
-        (
-            {"name": "a", "pool": "p", "overflow_pool": 3},
-            "classes[0].overflow_pool: expected a non-empty string",
-        ),
-        (
-            {"name": "a", "pool": "p", "budget_tokens": 1.5},
-            "classes[0].budget_tokens: expected a non-negative integer",
-        ),
-        ({"name": "a", "pool": "p", "min_cost": 5}, "classes[0]: unknown key(s) min_cost"),
-        ("short", "classes[0]: expected a mapping"),
-    ],
-)
-def test_from_dict_errors_name_the_field(item: Any, message: str) -> None:
-    with pytest.raises(ValueError) as info:
-        parse_rules([item])
-    assert str(info.value).startswith(message)
-
-
-def test_parse_rules_shapes() -> None:
-    assert parse_rules(None) == []
-    with pytest.raises(ValueError, match="classes: expected a list"):
-        parse_rules({"name": "a"})
+        Classifier([*parse_classes([{"name": "a", "pool": "p"}], {"p"})] * 2, default_pool="p")
