@@ -147,6 +147,7 @@ class MemoryStore:
         )
 
     async def release(self, lease_id: str, actual_decode: int | None = None) -> bool:
+        # actual_decode is the backend's completion-token count; policy.release clamps it.
         live = self._leases.pop(lease_id, None)
         if live is None:
             return False
@@ -213,8 +214,9 @@ class MemoryStore:
                 continue
             fut = self._waiters.pop(ticket.seq, None)
             if fut is None or fut.done():
-                # Nobody can take it any more: give it straight back, then pass again.
-                self._drop_lease(lease.id, now)
+                # Nobody can take it any more: give it straight back (nothing was served), then
+                # pass again.
+                self._drop_lease(lease.id, now, 0)
                 orphaned = True
             else:
                 fut.set_result(lease)
@@ -222,10 +224,10 @@ class MemoryStore:
             self._grant(now)
         return mine
 
-    def _drop_lease(self, lease_id: str, now: float) -> None:
+    def _drop_lease(self, lease_id: str, now: float, actual_decode: int | None) -> None:
         live = self._leases.pop(lease_id, None)
         if live is not None:
-            self._return(live.lease.demand, None, now)
+            self._return(live.lease.demand, actual_decode, now)
 
     def _return(self, demand: Demand, actual_decode: int | None, now: float) -> None:
         policy.release(self._state, demand, actual_decode)
@@ -247,7 +249,7 @@ class MemoryStore:
         now = self._clock()
         if fut.done():
             if not fut.cancelled() and fut.exception() is None:
-                self._drop_lease(fut.result().id, now)
+                self._drop_lease(fut.result().id, now, 0)  # never reached its caller: nothing served
                 self._grant(now)
         else:
             fut.cancel()
@@ -257,7 +259,7 @@ class MemoryStore:
         now = self._clock()
         expired = [lease_id for lease_id, live in self._leases.items() if live.expires_at <= now]
         for lease_id in expired:
-            self._drop_lease(lease_id, now)
+            self._drop_lease(lease_id, now, None)  # usage unknown: the whole reservation is charged
         if expired:
             self._grant(now)
         return len(expired)
