@@ -193,6 +193,7 @@ class MemoryStore:
         )
 
     async def release(self, lease_id: str, actual_decode: int | None = None) -> bool:
+        # actual_decode is the backend's completion-token count; policy.release clamps it.
         live = self._leases.pop(lease_id, None)
         if live is None:
             return False
@@ -261,8 +262,9 @@ class MemoryStore:
                 continue
             fut = self._waiters.pop(ticket.seq, None)
             if fut is None or fut.done():
-                # Nobody can take it any more: give it straight back, then pass again.
-                self._drop_lease(lease.id, now)
+                # Nobody can take it any more: give it straight back (nothing was served), then
+                # pass again.
+                self._drop_lease(lease.id, now, 0)
                 orphaned = True
             else:
                 fut.set_result(lease)
@@ -270,10 +272,10 @@ class MemoryStore:
             self._grant(now)
         return mine
 
-    def _drop_lease(self, lease_id: str, now: float) -> None:
+    def _drop_lease(self, lease_id: str, now: float, actual_decode: int | None) -> None:
         live = self._leases.pop(lease_id, None)
         if live is not None:
-            self._return(live.lease.demand, None, now)
+            self._return(live.lease.demand, actual_decode, now)
 
     def _return(self, demand: Demand, actual_decode: int | None, now: float) -> None:
         policy.release(self._state, demand, actual_decode)
@@ -299,7 +301,7 @@ class MemoryStore:
             outcome: Lease | BaseException | None = fut.exception()
             if outcome is None:
                 outcome = fut.result()
-                self._drop_lease(outcome.id, now)
+                self._drop_lease(outcome.id, now, 0)  # never reached its caller: nothing served
                 self._grant(now)
             if self._on_unclaimed is not None:
                 self._on_unclaimed(outcome)
@@ -311,7 +313,7 @@ class MemoryStore:
         now = self._clock()
         expired = [lease_id for lease_id, live in self._leases.items() if live.expires_at <= now]
         for lease_id in expired:
-            self._drop_lease(lease_id, now)
+            self._drop_lease(lease_id, now, None)  # usage unknown: the whole reservation is charged
         if expired:
             self._grant(now)
         return len(expired)

@@ -19,12 +19,39 @@ Limits
 ``in_flight[pool] + cost <= limit(pool, tier)``. ``NeverFits`` is raised up front when
 ``cost > limit(pool, tier)`` for some pool (it could not fit even with the pool empty).
 
-Service charged (VTC)
----------------------
-- On grant: ``counters[t] += (prefill_weight * prefill + decode_weight * decode) / weight(t)``.
-- On release with ``actual_decode`` known:
-  ``counters[t] = max(0, counters[t] + decode_weight * (actual_decode - decode) / weight(t))``
-  (skipped when the tenant is no longer in the layout). Reaped leases get no correction.
+Service charged (VTC: service is what was served, never what was reserved)
+-----------------------------------------------------------------------------
+- On grant, the prompt: ``counters[t] += prefill_weight * prefill / weight(t)``.
+- On release, the output actually served:
+  ``counters[t] += decode_weight * served_output(decode, actual_decode) / weight(t)``
+  (skipped when the tenant is no longer in the layout), where ``served_output`` is
+
+  - the reported completion tokens clamped to ``[0, decode]``: the backend was told
+    ``max_tokens = decode``, so a report above the reservation is a lie that cannot have been
+    served, and a negative one cannot refund anything;
+  - the whole reservation ``decode`` when the report is missing or is not a whole number
+    (``None``, a bool, NaN, ``2.5``; an integral float such as ``4.0`` counts as 4): an
+    unmeasured request is assumed to have used what it reserved, so withholding usage never
+    buys priority. Reaped leases are charged this way too;
+  - ``0`` for a grant that never reached its caller (the waiter was cancelled as it was granted):
+    nothing was served.
+
+Counters therefore only grow, and never hold reservations that were not served. The reason is the
+lift rule below: a newcomer is lifted to a busy tenant's counter; if that counter held the busy
+tenant's in-flight reservations and each release refunded the unserved part, the busy tenant would
+drop back below the newcomer at every release and keep the pool (issue 9: a newcomer waited behind
+all 27 queued requests of a tenant reserving 1,992 output tokens and using 4). With service counted
+as served, a newcomer whose demand fits is granted at the first release after its arrival that
+serves the busy tenant any output; a release reporting 0 leaves the two counters equal, the tie goes
+to the earlier ticket (the busy tenant's), whose prompt is charged, so the newcomer goes next.
+
+Bound (Sheng et al., OSDI 2024): two tenants backlogged over a stretch of time are charged
+service (divided by weight) that differs by at most ``U / weight(f) + U / weight(g)`` with
+``U = max(prefill_weight * L_in, decode_weight * M)``, ``L_in`` the longest prompt and ``M`` the
+pool's capacity. It assumes ``prefill_weight <= decode_weight`` and one tier, and does not cover
+backfill (a tenant passing a blocked head for up to ``backfill_limit_s``);
+tests/budgets/test_fair_share_bound.py checks it on every store, with ``backfill_limit_s = 0`` and
+adversarial usage reports.
 
 Lift rule (applied when a tenant that is *not backlogged* enqueues or is granted on the fast path)
 --------------------------------------------------------------------------------------------------
@@ -94,8 +121,9 @@ Driving the policy (every store, in this order; ``now`` = the store clock at tha
   5. Wait at most ``min(max_wait_s, tier.max_queue_wait_s)``; then withdraw, grant pass, QueueTimeout.
 - Every withdrawal (timeout, cancellation) is followed by a grant pass: the ticket may have been
   holding pools.
-- ``release``: ``release`` (with the VTC correction), then a grant pass. Reaping: ``release`` of
-  each expired lease without correction, then one grant pass.
+- ``release``: ``release`` (charging the served output), then a grant pass. Reaping: ``release``
+  of each expired lease with no usage (the whole reservation is charged), then one grant pass. A
+  grant whose waiter is already gone is given back with ``actual_decode=0``.
 - ``apply_layout``: replace the layout (leases and counters stay), ``drop_invalid`` (those waiters
   fail with the returned error), then a grant pass.
 """
@@ -202,10 +230,33 @@ def fits(state: PolicyState, demand: Demand) -> bool:
 # ---- fair share ----
 
 
-def service(layout: BudgetLayout, demand: Demand) -> float:
-    policy = layout.policy
-    weight = layout.tenants[demand.tenant].weight
-    return (policy.prefill_weight * demand.prefill + policy.decode_weight * demand.decode) / weight
+def usage_report(reported: object) -> int | None:
+    """A reported output-token count as a whole number, or None when it is missing or not one.
+
+    Reports cross a trust boundary (the backend's ``usage``); anything that is not a whole number
+    (a bool, NaN, infinity, ``2.5``, a string) is treated as no report at all.
+    """
+    if isinstance(reported, bool):
+        return None
+    if isinstance(reported, int):
+        return reported
+    if isinstance(reported, float) and math.isfinite(reported) and reported.is_integer():
+        return int(reported)
+    return None
+
+
+def served_output(decode: int, actual_decode: object) -> int:
+    """Output tokens to charge for a lease that reserved ``decode``: the report clamped to
+    ``[0, decode]``, or the whole reservation when there is no usable report (module docstring)."""
+    reported = usage_report(actual_decode)
+    if reported is None:
+        return decode
+    return min(max(reported, 0), decode)
+
+
+def prompt_service(layout: BudgetLayout, demand: Demand) -> float:
+    """What a grant charges: the prompt, weighted, divided by the tenant's weight."""
+    return layout.policy.prefill_weight * demand.prefill / layout.tenants[demand.tenant].weight
 
 
 def lift(state: PolicyState, tenant: str) -> None:
@@ -236,12 +287,12 @@ def _charge(state: PolicyState, demand: Demand) -> None:
         for name in demand.pools:
             state.in_flight[name] = state.in_flight.get(name, 0) + cost
     tenant = demand.tenant
-    state.counters[tenant] = state.counters.get(tenant, 0.0) + service(state.layout, demand)
+    state.counters[tenant] = state.counters.get(tenant, 0.0) + prompt_service(state.layout, demand)
     state.leases_by_tenant[tenant] = state.leases_by_tenant.get(tenant, 0) + 1
 
 
 def release(state: PolicyState, demand: Demand, actual_decode: int | None) -> None:
-    """Return a lease's tokens; correct the VTC for the real output length when known."""
+    """Return a lease's tokens; charge the tenant's VTC for the output it was served."""
     cost = demand.cost
     for name in demand.pools:
         left = state.in_flight.get(name, 0) - cost
@@ -256,9 +307,10 @@ def release(state: PolicyState, demand: Demand, actual_decode: int | None) -> No
     else:
         state.leases_by_tenant.pop(tenant, None)
     spec = state.layout.tenants.get(tenant)
-    if actual_decode is not None and spec is not None and tenant in state.counters:
-        delta = state.layout.policy.decode_weight * (actual_decode - demand.decode) / spec.weight
-        state.counters[tenant] = max(0.0, state.counters[tenant] + delta)
+    if spec is not None and tenant in state.counters:
+        served = served_output(demand.decode, actual_decode)
+        if served:  # adding 0.0 changes nothing; the Lua port skips the write the same way
+            state.counters[tenant] += state.layout.policy.decode_weight * served / spec.weight
 
 
 # ---- queue operations ----

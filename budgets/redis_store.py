@@ -544,7 +544,7 @@ class RedisStore:
         except (Exception, asyncio.CancelledError):
             return  # Redis down or shutting down: nothing was granted or queued that we know of
         if reply[0] == "G":
-            await self.release(lease_id)
+            await self.release(lease_id, 0)  # never reached its caller: nothing was served
         elif reply[0] == "Q":
             await self._withdraw_quietly(int(reply[1]), lease_id)
 
@@ -1109,8 +1109,11 @@ class RedisStore:
             waiter.future.set_result(fields)
 
 
-def _opt(n: int | None) -> str:
-    return "" if n is None else str(n)
+def _opt(actual_decode: int | None) -> str:
+    # A usage report crosses a trust boundary: only a whole number reaches the script ('' =
+    # unknown); release.lua clamps it to the reservation exactly as policy.release does.
+    reported = policy.usage_report(actual_decode)
+    return "" if reported is None else str(reported)
 
 
 def _settled(joined: int, ttl_ms: int, replicas: int) -> bool:

@@ -168,8 +168,9 @@ class BudgetStore(Protocol):
       ``max_wait_s``. If the awaiting task is cancelled the ticket is withdrawn, and a grant that
       raced the cancellation is released: nothing leaks.
     - ``release`` is idempotent by lease id: True the first time, False afterwards.
-      ``actual_decode`` (the real output tokens, when known) corrects the tenant's fair-share
-      counter for the difference from the reserved decode.
+      ``actual_decode`` (the backend's completion tokens, None when unknown) is the output
+      charged to the tenant's fair-share counter, clamped to ``[0, reserved decode]``; unknown
+      or not a whole number charges the whole reservation, as does reaping (budgets/policy.py).
     - ``heartbeat`` extends live leases; leases not renewed within ``lease_ttl_s`` are reaped
       (by ``reap_expired`` and by the store's own background task) and their tokens returned.
     """

@@ -404,9 +404,26 @@ end
 
 -- ---- fair share ----
 
--- policy.service
-local function service(d, weight)
-  return (P.pw * d.prefill + P.dw * d.decode) / weight
+-- policy.prompt_service: a grant charges the prompt only; output is charged as served, at release.
+local function prompt_service(d, weight)
+  return P.pw * d.prefill / weight
+end
+
+-- policy.usage_report + policy.served_output. ``reported`` is the release argument ('' when
+-- unknown; the Python side only ever sends a whole number or ''): clamped to [0, decode], the
+-- whole reservation when missing or not a whole finite number (n ~= n is NaN).
+local function served_output(decode, reported)
+  local n = tonumber(reported)
+  if n == nil or n ~= n or n == math.huge or n == -math.huge or n ~= math.floor(n) then
+    return decode
+  end
+  if n < 0 then
+    return 0
+  end
+  if n > decode then
+    return decode
+  end
+  return n
 end
 
 local function min_counter_of(names, except)
@@ -457,7 +474,7 @@ end
 local function charge(d)
   add_used(d.pools, d.cost)
   local spec = tenant_spec(d.tenant)
-  set_vtc(d.tenant, (vtc(d.tenant) or 0.0) + service(d, spec.weight))
+  set_vtc(d.tenant, (vtc(d.tenant) or 0.0) + prompt_service(d, spec.weight))
   redis.call('HINCRBY', K.tleases, d.tenant, 1)
 end
 
@@ -484,17 +501,18 @@ local function rate_add(pools, amount, now)
   redis.call('HSET', K.rate, unpack(set))
 end
 
--- policy.release + MemoryStore._return (release-rate meters)
-local function give_back(d, actual, now)
+-- policy.release + MemoryStore._return (release-rate meters). ``served``: the output tokens to
+-- charge (served_output of the report; d.decode for a reaped lease, 0 for a grant never delivered).
+local function give_back(d, served, now)
   add_used(d.pools, -d.cost)
   if tonumber(redis.call('HINCRBY', K.tleases, d.tenant, -1)) <= 0 then
     redis.call('HDEL', K.tleases, d.tenant)
   end
-  if actual ~= nil then
+  if served > 0 then -- adding 0.0 changes nothing (policy.release skips it too)
     local spec = tenant_spec(d.tenant)
     local c = vtc(d.tenant)
     if spec and c ~= nil then
-      set_vtc(d.tenant, math.max(0.0, c + P.dw * (actual - d.decode) / spec.weight))
+      set_vtc(d.tenant, c + P.dw * served / spec.weight)
     end
   end
   rate_add(d.pools, d.cost, now)

@@ -19,7 +19,7 @@ local function reap_main(A)
     delete_lease(expired[i])
     redis.call('ZADD', K.reaped, remember, expired[i])
     if lease ~= nil then
-      give_back(lease.d, nil, now)
+      give_back(lease.d, lease.d.decode, now) -- usage unknown: the whole reservation is charged
     end
   end
   local withdrawn = 0

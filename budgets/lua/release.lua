@@ -1,5 +1,6 @@
 -- release.lua: return a lease's tokens and run a grant pass (MemoryStore.release).
--- A (ARGV after now-override and replica): lease id, actual decode ('' when unknown)
+-- A (ARGV after now-override and replica): lease id, reported completion tokens ('' when unknown;
+-- clamped to the reserved decode, see served_output)
 -- Reply: 1 when the lease was live, -1 when it was reaped (expired), 0 when unknown (already
 -- released, never granted, or lost in a restart). The last two leave a tombstone so a racing
 -- heartbeat restore cannot re-create the lease.
@@ -18,11 +19,7 @@ local function release_main(A)
     return 0
   end
   delete_lease(id)
-  local actual = nil
-  if A[2] ~= '' then
-    actual = tonumber(A[2])
-  end
-  give_back(lease.d, actual, now)
+  give_back(lease.d, served_output(lease.d.decode, A[2]), now)
   grant_pass(now, nil)
   return 1
 end

@@ -19,7 +19,7 @@ local function withdraw_main(A)
   end
   if A[3] == '1' then
     delete_lease(lease.id)
-    give_back(lease.d, nil, now)
+    give_back(lease.d, 0, now) -- granted as its waiter gave up: never reached it, nothing served
     grant_pass(now, nil)
     return { 'R' }
   end

@@ -10,6 +10,7 @@ import pytest
 from budgets.types import NeverFits, QueueTimeout, UnknownTenantOrTier
 from tests.budgets.conftest import StoreFactory
 from tests.budgets.support import (
+    FakeClock,
     assert_idle,
     demand,
     in_flight,
@@ -32,6 +33,31 @@ async def test_immediate_grant_and_release(store_factory: StoreFactory) -> None:
     assert await in_flight(store, "tenant:a") == 30
     assert (await store.snapshot()).leases == 1
     assert await store.release(lease.id, actual_decode=4)
+    await assert_idle(store)
+
+
+async def test_counters_charge_the_prompt_at_grant_and_the_output_served_at_release(
+    store_factory: StoreFactory, clock: FakeClock
+) -> None:
+    store = await store_factory(layout([shared(P, 1000)], ["a"], lease_ttl_s=5.0))
+    d = demand("a", 100, P, decode=60)  # prompt 40, 60 output tokens reserved
+
+    async def counter() -> float:
+        return (await store.snapshot()).virtual_service["a"]
+
+    lease = await store.acquire(d, 1)
+    assert await counter() == 40.0  # the reservation is not service
+    expected = 40.0
+    # Reported completion tokens, clamped to the reservation; none at all: the whole reservation.
+    for reported, served in ((7, 7), (0, 0), (-5, 0), (500, 60), (None, 60)):
+        await store.release(lease.id, actual_decode=reported)
+        expected += 2.0 * served
+        assert await counter() == expected, reported
+        lease = await store.acquire(d, 1)
+        expected += 40.0
+    clock.advance(5.1)  # its owner vanished: reaped, usage unknown, the whole reservation
+    assert await store.reap_expired() == 1
+    assert await counter() == expected + 2.0 * 60
     await assert_idle(store)
 
 

@@ -145,6 +145,39 @@ async def test_idle_tenant_cannot_bank_credit(store_factory: StoreFactory) -> No
     await assert_idle(store)
 
 
+async def test_newcomer_is_granted_at_the_first_release_after_it_arrives(store_factory: StoreFactory) -> None:
+    # Issue 9: "busy" fills the pool with requests that reserve 1,992 output tokens each but are
+    # served 4. A reservation is not service: if the counters held reservations, the newcomer
+    # would be lifted to an inflated counter that each release refunds, and wait behind the
+    # whole queue (measured: all 27 went first; 429 queue_timeout under a sustained backlog).
+    store = await store_factory(layout([shared(P, 4 * 2000)], ["busy", "new"], tiers=FLAT))
+    big = demand("busy", 2000, P, tier="std", decode=1992)
+    held = [await store.acquire(big, 1) for _ in range(4)]
+    w = Waiters(store)
+    for _ in range(27):
+        await w.add("busy", big)
+    for _ in range(5):  # "busy" alone for a while: each release hands the slot to its next request
+        await store.release(held.pop(0).id, actual_decode=4)
+        assert await w.next_grants(1) == ["busy"]
+        held.append(w.granted[-1][1])
+    for _ in range(3):
+        await w.add("new", demand("new", 2000, P, tier="std", decode=1992))
+    await store.release(held.pop(0).id, actual_decode=4)
+    assert await w.next_grants(1) == ["new"]
+    held.append(w.granted[-1][1])
+    # ...and its other two tickets are not left behind the queue either.
+    shares: list[str] = []
+    for _ in range(4):
+        await store.release(held.pop(0).id, actual_decode=4)
+        shares += await w.next_grants(1)
+        held.append(w.granted[-1][1])
+    assert labels_count(shares, "new") == 2, shares
+    await w.cancel_rest(served=len(w.granted))
+    for lease in held:
+        await store.release(lease.id, actual_decode=4)
+    await assert_idle(store)
+
+
 async def test_tier_ceilings_keep_headroom_for_higher_tiers(store_factory: StoreFactory) -> None:
     store = await store_factory(layout([shared(P, 100)], ["a"]))
     leases = [await store.acquire(demand("a", 10, P, tier="batch"), 1) for _ in range(7)]

@@ -1,7 +1,7 @@
 """Differential property test: the Redis store decides exactly what the memory store decides.
 
 Hypothesis drives random operation sequences (acquires of various tenants, tiers, costs and pool
-sets; releases with and without actual usage; clock advances; reaps; heartbeats; cancellations;
+sets; releases with usage reports honest, missing or lying; clock advances; reaps; heartbeats; cancellations;
 live layout changes) through a MemoryStore and a RedisStore sharing one fake clock, and after
 every step requires identical outcomes: the same acquires granted (same queued time) or refused
 (same error and message), the same release and reap results, and identical snapshots (in-flight
@@ -75,7 +75,15 @@ acquire = st.tuples(
     st.sampled_from([0, 0, 5, 15]),
     st.sampled_from(POOL_SETS),
 )
-release = st.tuples(st.just("rel"), st.integers(0, 50), st.one_of(st.none(), st.integers(0, 40)))
+# Usage reports as backends send them, and as they lie: negative, beyond the reservation, not a count.
+usage = st.one_of(
+    st.none(),
+    st.integers(0, 40),
+    st.integers(-(10**12), 10**12),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([4.0, 2.5, True]),
+)
+release = st.tuples(st.just("rel"), st.integers(0, 50), usage)
 advance = st.tuples(st.just("adv"), st.sampled_from([0.1, 0.7, 1.5, 2.5, 6.0]))
 cancel = st.tuples(st.just("cancel"), st.integers(0, 50))
 heartbeat = st.tuples(st.just("hb"), st.integers(0, 50))
@@ -284,6 +292,19 @@ SCENARIOS: dict[str, list[tuple[Any, ...]]] = {
         ("rel", 0, None),
     ],
     # Expiry, heartbeat and reap at the same clock on both stores.
+    # Lies about usage are clamped alike: negative, above the reservation, not a whole number.
+    "lying_usage": [
+        ("acq", "a", "critical", 10, 15, (P,)),
+        ("acq", "b", "critical", 10, 15, (P,)),
+        ("acq", "c", "critical", 10, 15, (P,)),
+        ("acq", "a", "critical", 30, 15, (P,)),
+        ("acq", "b", "critical", 30, 15, (P,)),
+        ("rel", 0, -(10**12)),
+        ("rel", 0, 10**12),
+        ("rel", 0, 2.5),
+        ("rel", 0, float("nan")),
+        ("rel", 0, True),
+    ],
     "reap": [
         ("acq", "a", "critical", 35, 0, (P,)),
         ("acq", "b", "critical", 35, 0, (P,)),

@@ -354,3 +354,41 @@ async def test_drain_deadline_cancels_and_releases(
     await _wait_for(lambda: upstream.cancelled_at is not None)
     await req.close()
     await waiting.close()
+
+
+async def test_release_charges_the_tenant_the_output_the_backend_reported(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
+) -> None:
+    # Fair share counts service, not reservations: the prompt at the grant, then at release the
+    # completion tokens of the backend's usage (2 per token, the default decode weight). A request
+    # whose usage never arrives is charged its whole reservation.
+    _, url = stub_backend
+    gw = await gateway_factory({"pools": stub_pools(url), "tenants": {"t": {"keys": ["k"]}}})
+
+    async def counter() -> float:
+        return float((await gw.store.snapshot()).virtual_service.get("t", 0.0))
+
+    async with httpx.AsyncClient(base_url=gw.url) as c:
+        for stream, chunks in ((False, 3), (True, 5)):
+            before = await counter()
+            body = chat(max_tokens=500, stream=stream)
+            r = await c.post(
+                "/v1/chat/completions", json=body, headers={**AUTH_K, "x-stub-chunks": str(chunks)}
+            )
+            assert r.status_code == 200
+            prefill = int(r.headers["x-tokengate-cost"]) - 500
+            assert await gw.wait_idle() == {"tenant:t": 0, "backend:default": 0}
+            assert await counter() - before == prefill + 2 * chunks, f"stream={stream}"
+    before = await counter()
+    cut = await RawRequest.post(
+        gw.url,
+        "/v1/chat/completions",
+        chat(max_tokens=500, stream=True),
+        {**AUTH_K, "x-stub-chunks": "400", "x-stub-interval": "0.01"},
+    )
+    status, head = await cut.read_head()
+    assert status == 200 and await cut.read_some(64)
+    await cut.close()  # no usage ever arrives
+    assert await gw.wait_idle() == {"tenant:t": 0, "backend:default": 0}
+    prefill = int(head["x-tokengate-cost"]) - 500
+    assert await counter() - before == prefill + 2 * 500
