@@ -12,9 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from backends.pools import BackendPoolSpec, BackendSpec, Timeouts
 from gateway.observe.settings import ObserveSettings
 from gateway.passthrough import DEFAULT_ROUTES, PassthroughRoute
+from gateway.upstream.pools import BackendPoolSpec, BackendSpec, Timeouts
 
 DEFAULT_CONTEXT_LENGTH = 32768
 DEFAULT_TOKENIZER = "cl100k_base"

@@ -16,8 +16,8 @@ from typing import Any
 
 import uvicorn
 
-from backends.pools import BackendPoolSpec, BackendSpec
 from gateway.config import GatewayConfig
+from gateway.upstream.pools import BackendPoolSpec, BackendSpec
 
 
 @dataclass

@@ -24,8 +24,6 @@ import aiohttp
 import orjson
 from yarl import URL
 
-from backends.pools import Backend, NoBackend
-from backends.upstream import REQUEST_DROP, UpstreamFailure, classify_error, response_headers
 from budgets.types import AdmissionError, Demand, Lease, backend_pool, class_pool, tenant_pool
 from classifiers import InvalidRequest, show_value
 from gateway.accesslog import Record
@@ -34,6 +32,8 @@ from gateway.errors import ApiError, from_admission
 from gateway.metrics import Bound
 from gateway.passthrough import PassthroughRoute
 from gateway.sse import UsageRelay, usage_counts
+from gateway.upstream.client import REQUEST_DROP, UpstreamFailure, classify_error, response_headers
+from gateway.upstream.pools import Backend, NoBackend
 
 if TYPE_CHECKING:
     from gateway.app import Gateway

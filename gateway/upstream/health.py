@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from backends.pools import Backend
+from gateway.upstream.pools import Backend
 
 log = logging.getLogger("tokengate.health")
 
