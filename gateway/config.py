@@ -29,7 +29,7 @@ class ListenConfig:
 
 @dataclass(frozen=True, slots=True)
 class StoreConfig:
-    kind: str = "memory"  # memory | redis (redis arrives in a later issue)
+    kind: str = "memory"  # memory | redis
     # Everything else of the section, kept verbatim for the store that understands it.
     options: Mapping[str, Any] = field(default_factory=dict)
 
@@ -61,8 +61,8 @@ class LeasesConfig:
     ttl_s: float = 10.0
 
 
-# The backend-side shapes are defined with the routing code (gateway imports backends, never
-# the reverse) and used directly as the config sections.
+# The backend-side shapes are defined with the routing code (gateway.upstream.pools) and used
+# directly as the config sections.
 TimeoutsConfig = Timeouts
 BackendConfig = BackendSpec
 PoolConfig = BackendPoolSpec
