@@ -13,7 +13,6 @@ of it without letting it grant anything more: ``pause``/``resume``, ``leases``, 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import secrets
@@ -22,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from budgets import policy
+from budgets.background import BackgroundTask
 from budgets.retry import ReleaseRate, retry_after
 from budgets.types import (
     BudgetLayout,
@@ -69,7 +69,7 @@ class MemoryStore:
         self._waiters: dict[int, asyncio.Future[Lease]] = {}
         self._rates: dict[str, ReleaseRate] = {}
         self._reap_interval_s = reap_interval_s
-        self._reaper: asyncio.Task[None] | None = None
+        self._reaper = BackgroundTask("budget-reaper", self._reap_forever, _log)
         self._on_unclaimed = on_unclaimed
         self._paused = False
         self._started = False
@@ -84,18 +84,13 @@ class MemoryStore:
     async def start(self) -> None:
         if self._closed:
             raise StoreUnavailable("store is closed")
-        if self._reaper is None:
-            self._reaper = asyncio.get_running_loop().create_task(self._reap_forever(), name="budget-reaper")
+        self._reaper.start()
         self._started = True
 
     async def close(self) -> None:
         self._closed = True
         self._started = False
-        reaper, self._reaper = self._reaper, None
-        if reaper is not None:
-            reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reaper
+        await self._reaper.stop()
         waiters, self._waiters = self._waiters, {}
         for seq, fut in waiters.items():
             policy.withdraw(self._state, seq)

@@ -27,9 +27,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from backends.health import HealthChecker, HealthSettings
-from backends.pools import BreakerSettings, Router
-from backends.upstream import make_session
 from budgets.types import BudgetStore
 from classifiers import Classifier, Pricer, PricingSettings, TokenizerRegistry, show_value
 from gateway.accesslog import Record
@@ -47,6 +44,9 @@ from gateway.passthrough import PassthroughRoutes
 from gateway.paths import path_problem
 from gateway.proxy import Proxy
 from gateway.stores import build_store
+from gateway.upstream.client import make_session
+from gateway.upstream.health import HealthChecker, HealthSettings
+from gateway.upstream.pools import BreakerSettings, Router
 
 log = logging.getLogger("tokengate")
 

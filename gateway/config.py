@@ -12,11 +12,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from backends.pools import BackendPoolSpec, BackendSpec, Timeouts
 from budgets.redis_store import RedisOptions
 from classifiers import ClassRule
 from gateway.observe.settings import ObserveSettings
 from gateway.passthrough import DEFAULT_ROUTES, PassthroughRoute
+from gateway.upstream.pools import BackendPoolSpec, BackendSpec, Timeouts
 
 DEFAULT_CONTEXT_LENGTH = 32768
 DEFAULT_TOKENIZER = "cl100k_base"
@@ -62,8 +62,8 @@ class LeasesConfig:
     ttl_s: float = 10.0
 
 
-# The backend-side shapes are defined with the routing code (gateway imports backends, never
-# the reverse) and used directly as the config sections.
+# The backend-side shapes are defined with the routing code (gateway.upstream.pools) and used
+# directly as the config sections.
 TimeoutsConfig = Timeouts
 BackendConfig = BackendSpec
 PoolConfig = BackendPoolSpec

@@ -16,8 +16,8 @@ from typing import Any
 
 import uvicorn
 
-from backends.pools import BackendPoolSpec, BackendSpec
 from gateway.config import GatewayConfig
+from gateway.upstream.pools import BackendPoolSpec, BackendSpec
 
 
 @dataclass
@@ -51,7 +51,8 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 async def start_embedded(config: GatewayConfig, *, log_level: str = "warning") -> EmbeddedBackend:
-    from backends.reference.server import DEFAULT_SIM_KV_TOKENS, BackendSettings, build_app
+    from backends.engine.factory import DEFAULT_SIM_KV_TOKENS
+    from backends.reference.server import BackendSettings, build_app
 
     emb = config.embedded_backend
     sock = _bind(emb.host, emb.port)

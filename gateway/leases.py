@@ -8,9 +8,9 @@ At shutdown whatever is still registered is released (the last line of "release 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
+from budgets.background import BackgroundTask
 from budgets.types import BudgetStore
 
 log = logging.getLogger("tokengate.leases")
@@ -21,7 +21,7 @@ class LeaseKeeper:
         self._store = store
         self._period = max(ttl_s / 3.0, 0.01)
         self._live: dict[str, None] = {}  # insertion-ordered set
-        self._task: asyncio.Task[None] | None = None
+        self._beat = BackgroundTask("tokengate-heartbeat", self._run, log)
 
     def __len__(self) -> int:
         return len(self._live)
@@ -33,7 +33,7 @@ class LeaseKeeper:
         self._live.pop(lease_id, None)
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="tokengate-heartbeat")
+        self._beat.start()
 
     async def _run(self) -> None:
         while True:
@@ -47,11 +47,7 @@ class LeaseKeeper:
 
     async def close(self) -> int:
         """Stop beating and release every lease still registered; returns how many."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._beat.stop()
         released = 0
         for lease_id in list(self._live):
             self._live.pop(lease_id, None)

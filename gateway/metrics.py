@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from backends.pools import Backend
 from budgets.types import StoreSnapshot
+from gateway.upstream.pools import Backend
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

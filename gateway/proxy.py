@@ -22,8 +22,6 @@ import aiohttp
 import orjson
 from yarl import URL
 
-from backends.pools import Backend, NoBackend
-from backends.upstream import REQUEST_DROP, classify_error
 from budgets.types import AdmissionError, Demand, backend_pool, class_pool, tenant_pool
 from classifiers import InvalidRequest, show_value
 from gateway.accesslog import Record
@@ -33,6 +31,8 @@ from gateway.exchange import CancelReason, Exchange, Phase, Placement, Receive, 
 from gateway.passthrough import PassthroughRoute
 from gateway.relay import UPSTREAM_ERRORS, relay_raw, relay_sse, relay_whole, upstream_failed
 from gateway.sse import usage_counts
+from gateway.upstream.client import REQUEST_DROP, classify_error
+from gateway.upstream.pools import Backend, NoBackend
 
 if TYPE_CHECKING:
     from gateway.app import Gateway

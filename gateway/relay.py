@@ -15,11 +15,11 @@ from typing import Any
 import aiohttp
 import orjson
 
-from backends.pools import Backend
-from backends.upstream import UpstreamFailure, classify_error, response_headers
 from gateway.errors import ApiError
 from gateway.exchange import Exchange
 from gateway.sse import UsageRelay
+from gateway.upstream.client import UpstreamFailure, classify_error, response_headers
+from gateway.upstream.pools import Backend
 
 log = logging.getLogger("tokengate.proxy")
 

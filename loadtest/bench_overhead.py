@@ -145,7 +145,7 @@ def _bare_app(upstream: str) -> Any:
     from starlette.responses import Response, StreamingResponse
     from starlette.routing import Route
 
-    from backends.upstream import make_session
+    from gateway.upstream.client import make_session
 
     state: dict[str, aiohttp.ClientSession] = {}
     drop = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "accept-encoding"}

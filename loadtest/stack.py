@@ -1,12 +1,11 @@
 """Starts a scenario's stack — simulated reference backends and tokengate gateways — as child processes.
 
-Talks to the rest of tokengate only through its command line (``python -m gateway.cli backend|serve``,
-or ``python -m backends.reference`` where the gateway CLI is not there) and over HTTP.
+Talks to the rest of tokengate only through its command line (``python -m gateway.cli backend|serve``)
+and over HTTP.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -21,28 +20,12 @@ from loadtest.runner import Target
 from loadtest.scenario import Scenario, SetupSpec
 
 
-def _module_exists(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def backend_command(port: int, args: Sequence[str]) -> list[str]:
-    if _module_exists("gateway.cli"):
-        head = [sys.executable, "-m", "gateway.cli", "backend"]
-    elif _module_exists("backends.reference.cli"):
-        head = [sys.executable, "-m", "backends.reference"]
-    else:
-        raise StartupError(
-            "the reference backend is not available (no gateway.cli nor backends.reference.cli)"
-        )
+    head = [sys.executable, "-m", "gateway.cli", "backend"]
     return [*head, "--executor", "sim", "--host", "127.0.0.1", "--port", str(port), *args]
 
 
 def gateway_command(config_path: Path) -> list[str]:
-    if not _module_exists("gateway.cli"):
-        raise StartupError("the tokengate gateway is not available (gateway/cli.py is missing)")
     return [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path)]
 
 

@@ -32,11 +32,11 @@ for step in $STEPS; do
   echo "== $step"
   case $step in
     check)
-      timeout 150 python3 -m backends.gpu_check --shape llama-3.2-1b --out "$OUT/gpu_check_1b.json"
-      timeout 150 python3 -m backends.gpu_check --shape llama-3.1-8b --decode-batches 1,32,128 \
+      timeout 150 python3 -m backends.engine.gpu_check --shape llama-3.2-1b --out "$OUT/gpu_check_1b.json"
+      timeout 150 python3 -m backends.engine.gpu_check --shape llama-3.1-8b --decode-batches 1,32,128 \
         --out "$OUT/gpu_check_8b.json" ;;
     fp32)  # the paged path against the reference with no bf16 rounding in either
-      timeout 150 python3 -m backends.gpu_check --shape llama-3.1-8b --dtype float32 --prefill-lens 4096 \
+      timeout 150 python3 -m backends.engine.gpu_check --shape llama-3.1-8b --dtype float32 --prefill-lens 4096 \
         --decode-batches 1 --out "$OUT/gpu_check_8b_fp32.json" ;;
     calibrate)
       timeout 200 python3 -m backends.engine.calibrate --executor torch --shape llama-3.1-8b --device cuda \

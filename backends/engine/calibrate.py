@@ -23,8 +23,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from backends.engine.factory import ExecutorSettings, build_executor
 from backends.engine.kv_cache import BlockManager
-from backends.engine.sim_executor import CostModel, SimExecutor, StepFeatures
+from backends.engine.sim_executor import CostModel, StepFeatures
 from backends.engine.types import Executor, SeqStep, StepPlan
 
 DEFAULT_KNEES = (0, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
@@ -163,24 +164,6 @@ def measure(executor: Executor, plans: Sequence[StepPlan], repeats: int = 3, war
     return samples
 
 
-def _build_executor(args: argparse.Namespace) -> Executor:
-    if args.executor == "sim":
-        base = CostModel.from_file(args.cost_model) if args.cost_model else CostModel()
-        return SimExecutor(base, block_size=args.block_size, num_blocks=args.num_blocks or 8192)
-    from backends.engine.torch_executor import build_torch_executor
-
-    return build_torch_executor(
-        shape=args.shape,
-        model_dir=args.model_dir,
-        device=args.device,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        seed=args.seed,
-        max_model_len=args.max_model_len,
-    )
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m backends.engine.calibrate", description=__doc__.split("\n")[1]
@@ -191,7 +174,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-blocks", type=int, default=None)
+    parser.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="default: as the server (sim ~450k tokens; torch from memory)",
+    )
     parser.add_argument(
         "--max-model-len", type=int, default=32768, help="longest step to time (prefix + chunk)"
     )
@@ -201,7 +189,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="write the fitted cost model here (JSON)")
     args = parser.parse_args(argv)
 
-    executor = _build_executor(args)
+    executor = build_executor(
+        ExecutorSettings(
+            kind=args.executor,
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            max_model_len=args.max_model_len,
+            cost_model=args.cost_model,
+            shape=args.shape,
+            model_dir=args.model_dir,
+            device=args.device,
+            dtype=args.dtype,
+            seed=args.seed,
+        )
+    )
     plans = calibration_plans(
         block_size=executor.block_size, num_blocks=executor.num_blocks, max_len=args.max_model_len
     )

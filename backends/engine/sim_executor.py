@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from backends.engine.types import SeqStep, StepPlan, StepResult
+from backends.engine.types import SeqStep, StepPlan, StepResult, TextTokenizer
 
 # Single-token cl100k ids of " the", " of", " and", ... " forest" (all decode to readable words).
 WORD_TOKEN_IDS: tuple[int, ...] = (
@@ -168,7 +168,7 @@ class SimExecutor:
         self.vocab_size = CL100K_VOCAB_SIZE
         self.eos_token_id: int | None = CL100K_EOS
         self.eos_after = eos_after  # emit EOS at this output index (None: never)
-        self.tokenizer = None  # use the default cl100k tokenizer
+        self.tokenizer: TextTokenizer | None = None  # served with the default cl100k, whose ids it emits
         self._prefixes: OrderedDict[str, _Prefix] = OrderedDict()
 
     def execute(self, plan: StepPlan) -> StepResult:

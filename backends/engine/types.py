@@ -64,12 +64,33 @@ class StepResult:
     step_time_s: float  # wall time the step took (real executors) or would take (simulated)
 
 
-class Executor(Protocol):
-    """Runs step plans. ``block_size``/``num_blocks`` describe the KV cache it owns."""
+class TextTokenizer(Protocol):
+    """Text <-> token ids: the server encodes prompts with it, the engine decodes outputs."""
 
-    block_size: int
-    num_blocks: int
-    vocab_size: int
-    eos_token_id: int | None
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class Executor(Protocol):
+    """Runs step plans on the KV cache it owns.
+
+    Every member a caller reads is declared here, read-only, so mypy holds each executor and each
+    caller to it (nothing is probed with ``getattr``).
+    """
+
+    @property
+    def block_size(self) -> int: ...  # tokens per KV block
+
+    @property
+    def num_blocks(self) -> int: ...  # KV blocks this executor owns
+
+    @property
+    def vocab_size(self) -> int: ...  # prompt token ids must be below it
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    @property
+    def tokenizer(self) -> TextTokenizer | None: ...  # None: serve with the default (cl100k) tokenizer
 
     def execute(self, plan: StepPlan) -> StepResult: ...

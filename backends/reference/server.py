@@ -33,22 +33,19 @@ from starlette.types import Receive, Scope, Send
 from backends.engine.async_engine import AsyncEngine, EngineDeadError
 from backends.engine.clock import RealClock
 from backends.engine.engine import Engine, RequestOutput
+from backends.engine.factory import ExecutorSettings, build_executor
 from backends.engine.kv_cache import BlockManager
 from backends.engine.request import EngineRequest
 from backends.engine.scheduler import Scheduler, SchedulerConfig
-from backends.engine.sim_executor import CostModel, SimExecutor
-from backends.engine.types import Executor, SamplingParams
+from backends.engine.types import SamplingParams, TextTokenizer
 from backends.reference.chat_template import render_chat
 from backends.reference.errors import ApiError, bad_request, error_response
 from backends.reference.metrics import EngineMetrics
 from backends.reference.protocol import GenerationParams, parse_chat, parse_completion
 from backends.reference.streaming import DONE, Kind, SseFrames, error_frame, full_response
-from backends.reference.tokenizer import TextTokenizer, default_tokenizer
+from backends.reference.tokenizer import default_tokenizer
 
 log = logging.getLogger("tokengate.backend")
-
-# Sim KV cache: ~an 8B model on an 80 GB GPU at 90 % memory (~57 GB of KV at 128 KiB/token).
-DEFAULT_SIM_KV_TOKENS = 450_000
 
 
 @dataclass
@@ -76,6 +73,21 @@ class BackendSettings:
     dtype: str | None = None
     seed: int = 0
 
+    def executor_settings(self) -> ExecutorSettings:
+        return ExecutorSettings(
+            kind=self.executor,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            max_model_len=self.max_model_len,
+            cost_model=self.cost_model,
+            eos_after=self.sim_eos_after,
+            shape=self.shape,
+            model_dir=self.model_dir,
+            device=self.device,
+            dtype=self.dtype,
+            seed=self.seed,
+        )
+
     def scheduler_config(self) -> SchedulerConfig:
         budget = self.max_num_batched_tokens
         if budget is None:
@@ -88,29 +100,6 @@ class BackendSettings:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             policy=self.scheduling_policy,
         )
-
-
-def _build_executor(settings: BackendSettings) -> tuple[Executor, TextTokenizer | None]:
-    if settings.executor == "sim":
-        cost = CostModel.from_file(settings.cost_model) if settings.cost_model else CostModel()
-        bs = settings.block_size
-        num_blocks = settings.num_blocks or max(DEFAULT_SIM_KV_TOKENS // bs, -(-settings.max_model_len // bs))
-        return SimExecutor(cost, block_size=bs, num_blocks=num_blocks, eos_after=settings.sim_eos_after), None
-    if settings.executor == "torch":
-        from backends.engine.torch_executor import build_torch_executor  # torch only when asked for
-
-        ex = build_torch_executor(
-            shape=settings.shape,
-            model_dir=settings.model_dir,
-            device=settings.device,
-            dtype=settings.dtype,
-            block_size=settings.block_size,
-            num_blocks=settings.num_blocks,
-            seed=settings.seed,
-            max_model_len=settings.max_model_len,
-        )
-        return ex, getattr(ex, "tokenizer", None)
-    raise ValueError(f"unknown executor {settings.executor!r}; expected 'sim' or 'torch'")
 
 
 async def _wait_disconnect(receive: Receive) -> None:
@@ -167,7 +156,8 @@ class ReferenceBackend:
         self.created = int(time.time())
         self.registry = CollectorRegistry()
         self.metrics = EngineMetrics(self.registry, settings.model)
-        executor, tokenizer = _build_executor(settings)
+        executor = build_executor(settings.executor_settings())
+        tokenizer = executor.tokenizer
         self.tokenizer: TextTokenizer = tokenizer if tokenizer is not None else default_tokenizer()
         config = settings.scheduler_config()
         self.scheduler = Scheduler(

@@ -8,18 +8,15 @@ price. A torch executor loaded from a Hugging Face directory brings its own toke
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
 import tiktoken
 
 
-class TextTokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
-    def decode(self, ids: Sequence[int]) -> str: ...
-
-
 class TiktokenText:
-    """Encodes like the gateway (special-token text is ordinary text); decodes leniently."""
+    """Encodes like the gateway (special-token text is ordinary text); decodes leniently.
+
+    Satisfies ``backends.engine.types.TextTokenizer``.
+    """
 
     def __init__(self, encoding: tiktoken.Encoding) -> None:
         self._enc = encoding

@@ -20,7 +20,7 @@ HOL pairs and shape readings once per window; the scraper polls backends' ``/met
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, Protocol
@@ -28,11 +28,14 @@ from typing import Any, Protocol
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from budgets.background import BackgroundTask
 from gateway.observe.hol import HolPair, hol_pairs
 from gateway.observe.scrape import BackendLoadCollector, BackendLoads, BackendScraper, ScrapeTarget
 from gateway.observe.settings import ObserveSettings
 from gateway.observe.shape import ShapeReading, ShapeTracker
 from gateway.observe.windows import ClassWindows
+
+log = logging.getLogger("tokengate.observe")
 
 
 class RequestRecord(Protocol):
@@ -75,7 +78,7 @@ class Observer:
         self.scraper = BackendScraper(self.loads)
         self._pairs: list[HolPair] = []
         self._readings: list[ShapeReading] = []
-        self._task: asyncio.Task[None] | None = None
+        self._ticker = BackgroundTask("tokengate-observe-ticker", self._tick, log)
         self._seen_closed = -1
         # Admitted requests whose tokens are in flight, by record identity -> (class, cost).
         self._in_flight: dict[int, tuple[str, int]] = {}
@@ -147,16 +150,11 @@ class Observer:
     # ---- lifecycle ----
 
     async def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._tick(), name="tokengate-observe-ticker")
+        self._ticker.start()
         await self.scraper.start()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._ticker.stop()
         await self.scraper.close()
 
     async def check_store(self) -> None:
@@ -174,11 +172,14 @@ class Observer:
         period = min(1.0, self.settings.window_s / 4)
         next_store = 0.0
         while True:
-            self.refresh()
-            now = self.clock()
-            if now >= next_store:
-                next_store = now + self.settings.scrape.interval_s
-                await self.check_store()
+            try:
+                self.refresh()
+                now = self.clock()
+                if now >= next_store:
+                    next_store = now + self.settings.scrape.interval_s
+                    await self.check_store()
+            except Exception:  # stale stats are survivable; a dead ticker never refreshes again
+                log.exception("observer tick failed")
             await asyncio.sleep(period)
 
     # ---- Prometheus ----

@@ -23,6 +23,7 @@ import httpx
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from budgets.background import BackgroundTask
 from gateway.observe.settings import ScrapeSettings
 
 log = logging.getLogger("tokengate.observe")
@@ -338,23 +339,17 @@ class BackendScraper:
         self.loads = loads
         self._headers = dict(headers or {})
         self._client: httpx.AsyncClient | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._poller = BackgroundTask("tokengate-backend-scraper", self._loop, log)
 
     async def start(self) -> None:
-        if self._task is not None or not len(self.loads):
+        if self._poller.running or not len(self.loads):
             return
         s = self.loads.settings
         self._client = httpx.AsyncClient(timeout=s.timeout_s, headers=self._headers)
-        self._task = asyncio.create_task(self._loop(), name="tokengate-backend-scraper")
+        self._poller.start()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await self._poller.stop()
         if self._client is not None:
             await self._client.aclose()
             self._client = None

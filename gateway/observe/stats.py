@@ -19,13 +19,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from backends.pools import BackendPoolSpec
 from budgets.types import StoreSnapshot
 from classifiers import ClassRule
 from gateway.observe.diagnose import diagnose
 from gateway.observe.observer import Observer
 from gateway.observe.shape import split_plan
 from gateway.observe.windows import Quantiles
+from gateway.upstream.pools import BackendPoolSpec
 
 STATS_VERSION = 1
 

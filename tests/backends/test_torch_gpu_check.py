@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from backends import gpu_check
+from backends.engine import gpu_check
 
 
 def test_gpu_check_main_on_tiny_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from backends.pools import BackendPoolSpec, BackendSpec, BreakerSettings, NoBackend, Router
+from gateway.upstream.pools import BackendPoolSpec, BackendSpec, BreakerSettings, NoBackend, Router
 
 
 def router(breaker: BreakerSettings = BreakerSettings()) -> Router:

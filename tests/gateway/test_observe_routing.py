@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from backends.pools import BackendPool, BackendPoolSpec, BackendSpec, BreakerSettings
 from gateway.observe.scrape import BackendLoad, parse_engine_metrics
 from gateway.observe.settings import ScrapeSettings
+from gateway.upstream.pools import BackendPool, BackendPoolSpec, BackendSpec, BreakerSettings
 
 
 class Clock:

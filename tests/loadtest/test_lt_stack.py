@@ -16,9 +16,6 @@ from loadtest.compare import compare, run_options
 from loadtest.scenario import parse_scenario
 from loadtest.stack import spawned_stack
 
-pytest.importorskip("gateway.cli")
-pytest.importorskip("backends.reference.cli")
-
 
 def _tiny(name: str, **extra: Any) -> dict[str, Any]:
     raw: dict[str, Any] = {

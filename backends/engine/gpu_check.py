@@ -1,7 +1,7 @@
 """GPU check for the torch executor: correctness against a naive forward, prefill and decode speed.
 
-    python -m backends.gpu_check --out gpu_check.json            # CUDA, llama-3.2-1b, bf16
-    python -m backends.gpu_check --device cpu --shape tiny       # smoke test anywhere
+    python -m backends.engine.gpu_check --out gpu_check.json            # CUDA, llama-3.2-1b, bf16
+    python -m backends.engine.gpu_check --device cpu --shape tiny       # smoke test anywhere
 
 Steps, all through the real executor (paged cache, the same code path the server uses):
 
@@ -73,7 +73,9 @@ def _ints(text: str) -> list[int]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m backends.gpu_check", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m backends.engine.gpu_check", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     p.add_argument("--shape", default=None, help="tiny | llama-3.2-1b (default on CUDA) | llama-3.1-8b")
     p.add_argument(

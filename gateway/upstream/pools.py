@@ -3,7 +3,7 @@
 Each backend has a capacity in tokens (its KV cache) and a gateway-local count of tokens in
 flight on it; routing picks, within the class's pool, the healthy backend serving the model
 with the most free tokens. Health is a passive circuit breaker (consecutive connect failures
-open it for a cooldown) plus an active probe (:mod:`backends.health`) that closes it again.
+open it for a cooldown) plus an active probe (:mod:`gateway.upstream.health`) that closes it again.
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ the cooldown closes the breaker. A failed probe counts like a failed connect.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -17,7 +16,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from backends.pools import Backend
+from budgets.background import BackgroundTask
+from gateway.upstream.pools import Backend
 
 log = logging.getLogger("tokengate.health")
 
@@ -39,19 +39,16 @@ class HealthChecker:
         self._backends = tuple(backends)
         self._settings = settings
         self._client: httpx.AsyncClient | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._prober = BackgroundTask("tokengate-health", self._run, log)
         self._last_probe: dict[int, float] = {}
 
     async def start(self) -> None:
-        self._client = httpx.AsyncClient(timeout=self._settings.probe_timeout_s, trust_env=False)
-        self._task = asyncio.create_task(self._run(), name="tokengate-health")
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=self._settings.probe_timeout_s, trust_env=False)
+        self._prober.start()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._prober.stop()
         if self._client is not None:
             await self._client.aclose()
             self._client = None
