@@ -89,7 +89,9 @@ class Exchange:
     lease: Lease | None = None
     # forward
     client_wants_usage: bool = True
-    completion_tokens: int | None = None  # as the backend reported it; None when unknown
+    # Served output for fair share: as reported; 0 when nothing reached a backend or it answered an
+    # error; None when unknown (the store then charges the whole reservation).
+    completion_tokens: int | None = None
 
     def cancel(self, reason: CancelReason) -> None:
         if not self.done and self.cancel_reason is None:

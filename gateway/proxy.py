@@ -494,6 +494,7 @@ class Proxy:
                     tried.append(backend)
                     nxt = pool.pick(model, exclude=tried)
                     if nxt is None:
+                        x.completion_tokens = 0  # it never reached a backend: nothing was served
                         raise upstream_failed(x, exc.failure) from None
                     log.warning(
                         "upstream connect failed, retrying on the next backend: %s", exc.failure.detail
@@ -527,6 +528,8 @@ class Proxy:
         complete = False
         try:
             status = resp.status
+            if status >= 400:
+                x.completion_tokens = 0  # refused or failed: the backend generated nothing
             try:
                 if x.kind is RouteKind.PASSTHROUGH and status < 500:
                     await relay_raw(x, resp, t_up)
@@ -551,7 +554,8 @@ class Proxy:
                 # and aborts the generation.
                 resp.close()
         rec.prompt_tokens, rec.completion_tokens = usage_counts(usage)
-        x.completion_tokens = rec.completion_tokens
+        if rec.completion_tokens is not None:
+            x.completion_tokens = rec.completion_tokens
 
     def _payload(self, x: Exchange, backend: Backend) -> bytes:
         """The bytes to send; re-serialized only when something must change. Sets whether the client

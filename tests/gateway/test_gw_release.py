@@ -392,3 +392,33 @@ async def test_release_charges_the_tenant_the_output_the_backend_reported(
     assert await gw.wait_idle() == {"tenant:t": 0, "backend:default": 0}
     prefill = int(head["x-tokengate-cost"]) - 500
     assert await counter() - before == prefill + 2 * 500
+
+
+async def test_a_request_the_backend_refused_or_never_saw_is_charged_its_prompt_only(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
+) -> None:
+    # Nothing was generated, so no output service is charged (the prompt was admitted, so it is).
+    _, url = stub_backend
+    dead = f"http://127.0.0.1:{free_port()}"
+    pools = {
+        "default": {"backends": [{"url": url, "capacity_tokens": 100_000, "models": ["stub-model"]}]},
+        "dead": {"backends": [{"url": dead, "capacity_tokens": 100_000, "models": ["gone-model"]}]},
+    }
+    gw = await gateway_factory({"pools": pools, "tenants": {"t": {"keys": ["k"]}}})
+
+    async def counter() -> float:
+        return float((await gw.store.snapshot()).virtual_service.get("t", 0.0))
+
+    async with httpx.AsyncClient(base_url=gw.url) as c:
+        for model, headers, status in (
+            ("stub-model", {"x-stub-status": "422"}, 422),
+            ("stub-model", {"x-stub-status": "500"}, 502),
+            ("gone-model", {}, 502),
+        ):
+            before = await counter()
+            body = chat(max_tokens=500) | {"model": model}
+            r = await c.post("/v1/chat/completions", json=body, headers={**AUTH_K, **headers})
+            assert r.status_code == status, model
+            prefill = int(r.headers["x-tokengate-cost"]) - 500
+            assert await gw.wait_idle() == {"tenant:t": 0, "backend:default": 0, "backend:dead": 0}
+            assert await counter() - before == prefill, (model, headers)
