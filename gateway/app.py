@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -27,13 +28,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from budgets.types import BudgetStore
+from budgets.types import BudgetLayout, BudgetStore
 from classifiers import Classifier, Pricer, PricingSettings, TokenizerRegistry, show_value
 from gateway.accesslog import Record
 from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
+from gateway.config_loader import load_config
 from gateway.errors import ApiError, error_body
 from gateway.exchange import CancelReason, Exchange, Phase, Receive, RouteKind, Scope, Send
+from gateway.fields import ConfigError
 from gateway.layout import build_layout
 from gateway.leases import LeaseKeeper
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
@@ -60,6 +63,27 @@ _ROUTES = {
 _RAW_ROUTES = {path.encode(): kind for path, kind in _ROUTES.items()}
 
 
+# Sections that shape the process itself: a reload keeps their running values until a restart.
+RESTART_ONLY = (
+    "listen",
+    "workers",
+    "store",
+    "limits",
+    "upstream",
+    "leases",
+    "health",
+    "metrics",
+    "observability",
+    "embedded_backend",
+)
+
+
+def _breaker(config: GatewayConfig) -> BreakerSettings:
+    return BreakerSettings(
+        failure_threshold=config.health.failure_threshold, cooldown_s=config.health.cooldown_s
+    )
+
+
 async def _send_error(send: Send, exc: ApiError) -> None:
     body = exc.body()
     headers = exc.headers()
@@ -81,24 +105,11 @@ class Gateway:
                 "no backend pools configured: configure `pools`, or run `tokengate serve`, which starts "
                 "the embedded reference backend when there are none"
             )
-        self.config = config
-        self.auth = Authenticator(config)
-        self.tenants = config.tenants or ((self.auth.open_tenant,) if self.auth.open_tenant else ())
-        rules = config.classes
-        self.classifier = Classifier(rules) if rules else None
-        self.router = Router(
-            config.pools,
-            BreakerSettings(
-                failure_threshold=config.health.failure_threshold, cooldown_s=config.health.cooldown_s
-            ),
-        )
-        self.models = ModelTable(config.models)
-        self.pricer = Pricer(
-            TokenizerRegistry(models=self.models.tokenizer_specs()),
-            PricingSettings(**config.pricing.settings),
-        )
-        self.layout = build_layout(config, rules, self.tenants)
-        self.store: BudgetStore = store or build_store(config.store, self.layout, clock)
+        # The live parts: rebuilt by `apply` (reload, admin API) while requests flow.
+        self.router = Router(config.pools, _breaker(config))
+        layout = self._configure(config)
+        # Everything else lives as long as the process.
+        self.store: BudgetStore = store or build_store(config.store, layout, clock)
         self.metrics = GatewayMetrics(
             tenants=[t.name for t in self.tenants], top_tenants=config.metrics.top_tenants
         )
@@ -112,7 +123,6 @@ class Gateway:
                 probe_timeout_s=h.probe_timeout_s,
             ),
         )
-        self.passthrough = PassthroughRoutes(config.passthrough)
         self.exchanges: set[Exchange] = set()  # requests in the gateway right now (drain waits on them)
         # Called once per finished request with its record and perf_counter end time (cheap,
         # synchronous, on the event loop; exceptions are logged and ignored).
@@ -120,29 +130,27 @@ class Gateway:
         # Request-class observability: per-class windows, HOL fingerprint, pool shape, and each
         # engine's own load scraped from its /metrics (routing reads it through Backend.load).
         self.observer = Observer(
-            config.observability,
-            targets=[
-                ScrapeTarget(b.pool, b.name, b.spec.capacity_tokens, b.spec.url + "/metrics")
-                for b in self.router.backends
-            ],
-            store_health=self.store.healthy,
+            config.observability, targets=self._scrape_targets(), store_health=self.store.healthy
         )
         for collector in self.observer.collectors():
             self.metrics.registry.register(collector)
-        for b in self.router.backends:
-            b.load = self.observer.loads.get(b.name)
+        self._attach_loads()
         self.request_hooks.append(self.observer.finished)
         stats_sources = StatsSources(
             self.observer,
             snapshot=self.store.snapshot,
-            config_view=lambda: config_view(config.classes, config.pools),
+            config_view=lambda: config_view(self.config.classes, self.config.pools),
         )
         self.draining = False
         self._drained = False
         self.session: aiohttp.ClientSession | None = None
         self._proxy: Proxy | None = None
         self._discovery: asyncio.Task[None] | None = None
-        self._models_body: bytes | None = None
+        self._applying = asyncio.Lock()
+        # Where `reload` reads the config from, and what `tokengate serve` adds to it (the embedded
+        # backend's pool); set by the server, None in tests that build the app from a dict.
+        self.config_path: str | None = None
+        self.prepare: Callable[[GatewayConfig], GatewayConfig] = lambda c: c
         self.ops = Starlette(
             routes=[
                 Route("/metrics", self._metrics, methods=["GET"]),
@@ -152,6 +160,81 @@ class Gateway:
             ],
             exception_handlers={HTTPException: self._http_error, Exception: self._server_error},
         )
+
+    # ---- configuration, live ----
+
+    def _configure(self, config: GatewayConfig) -> BudgetLayout:
+        """Build the parts that follow the config; returns the budget layout they imply."""
+        previous: GatewayConfig | None = getattr(self, "config", None)
+        self.config = config
+        self.auth = Authenticator(config)
+        self.tenants = config.tenants or ((self.auth.open_tenant,) if self.auth.open_tenant else ())
+        self.classifier = Classifier(config.classes) if config.classes else None
+        if previous is None or previous.models != config.models or previous.pricing != config.pricing:
+            # Rebuilt only on change: the pricer's tokenizer caches are worth keeping.
+            self.models = ModelTable(config.models)
+            self.pricer = Pricer(
+                TokenizerRegistry(models=self.models.tokenizer_specs()),
+                PricingSettings(**config.pricing.settings),
+            )
+        self.passthrough = PassthroughRoutes(config.passthrough)
+        self.layout = build_layout(config, config.classes, self.tenants)
+        return self.layout
+
+    def _scrape_targets(self) -> list[ScrapeTarget]:
+        return [
+            ScrapeTarget(b.pool, b.name, b.spec.capacity_tokens, b.spec.url + "/metrics")
+            for b in self.router.backends
+        ]
+
+    def _attach_loads(self) -> None:
+        for b in self.router.backends:
+            b.load = self.observer.loads.get(b.name)
+
+    async def apply(self, config: GatewayConfig) -> list[str]:
+        """Switch to ``config`` without a restart, while requests flow; returns what it could not apply.
+
+        Tenants, keys, tiers, pools and their backends, classes, models, pricing, pass-through routes
+        and fairness apply at once: a lowered budget makes new requests wait while running ones
+        finish, a raised one wakes waiting requests, a removed tenant's new requests are refused.
+        Sections that shape the process itself (listen, workers, store, limits, upstream, leases,
+        health, metrics, observability, embedded_backend) keep their running values until a restart;
+        their names are returned (and logged).
+        """
+        if not config.pools:
+            raise ValueError("no backend pools configured: a running gateway keeps at least one pool")
+        async with self._applying:
+            old = self.config
+            kept = [name for name in RESTART_ONLY if getattr(config, name) != getattr(old, name)]
+            if kept:
+                config = dataclasses.replace(config, **{name: getattr(old, name) for name in kept})
+                log.warning("config change needs a restart to take effect: %s", ", ".join(kept))
+            changed = self.router.reconfigure(config.pools, _breaker(config))
+            layout = self._configure(config)
+            self.metrics.set_tenants([t.name for t in self.tenants])
+            self.health.set_backends(list(self.router.backends))
+            await self.observer.retarget(self._scrape_targets())
+            self._attach_loads()
+            await self.store.apply_layout(layout)
+            if self._proxy is not None:
+                self._proxy.bind(self)
+            if any(not b.spec.models for b in changed.added) and self.session is not None:
+                await self.health.discover_models()
+            log.info(
+                "configuration applied: %d tenants, %d pools (%d backends added, %d removed)",
+                len(self.tenants),
+                len(self.router.pools),
+                len(changed.added),
+                len(changed.removed),
+            )
+            return kept
+
+    async def reload(self) -> list[str]:
+        """Re-read the config file and apply it; a bad file raises ConfigError and changes nothing."""
+        if self.config_path is None:
+            raise ConfigError("this gateway was started without a config file: there is nothing to reload")
+        config = self.prepare(load_config(self.config_path))
+        return await self.apply(config)
 
     # ---- lifecycle ----
 

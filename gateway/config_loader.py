@@ -240,7 +240,9 @@ def _pools(v: Any) -> tuple[PoolConfig, ...]:
 
 def _backend(v: Any, where: str) -> BackendConfig:
     m = section(
-        v, where, ("url", "capacity_tokens", "models", "api_key", "accepts_priority", "timeouts", "name")
+        v,
+        where,
+        ("url", "capacity_tokens", "models", "api_key", "accepts_priority", "timeouts", "name", "draining"),
     )
     url = string(m, "url", where, None)
     if not re.match(r"^https?://[^/\s]+", url):
@@ -261,6 +263,7 @@ def _backend(v: Any, where: str) -> BackendConfig:
         accepts_priority=boolean(m, "accepts_priority", where, False),
         timeouts=timeouts,
         name=string(m, "name", where, url),
+        draining=boolean(m, "draining", where, False),
     )
 
 

@@ -53,6 +53,7 @@ class Bound:
 class GatewayMetrics:
     def __init__(self, *, tenants: Sequence[str] = (), top_tenants: int = 20) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
+        self._top = top_tenants
         self._named_tenants = frozenset(list(tenants)[:top_tenants])
         self._bound: dict[tuple[str, str, str], Bound] = {}
         r = self.registry
@@ -132,6 +133,13 @@ class GatewayMetrics:
             "tokengate_requests_in_flight", "Requests inside the gateway now", registry=r
         )
         self.draining = Gauge("tokengate_draining", "1 while the gateway is draining", registry=r)
+
+    def set_tenants(self, tenants: Sequence[str]) -> None:
+        """The tenants that get their own label from now on (after a reconfiguration)."""
+        named = frozenset(list(tenants)[: self._top])
+        if named != self._named_tenants:
+            self._named_tenants = named
+            self._bound.clear()  # children bound under the old naming
 
     def tenant_label(self, tenant: str) -> str:
         return tenant if tenant in self._named_tenants else "other"

@@ -160,38 +160,34 @@ class Proxy:
     """Request handling; one instance per app, created at start-up (needs the session)."""
 
     def __init__(self, gw: Gateway, session: aiohttp.ClientSession) -> None:
-        cfg = gw.config
         self.gw = gw
         self.session = session
-        self.auth = gw.auth
-        self.router = gw.router
-        self.pricer = gw.pricer
-        self.classifier = gw.classifier
-        self.models = gw.models
         self.store = gw.store
         self.keeper = gw.keeper
         self.metrics = gw.metrics
         self.exchanges = gw.exchanges
         self.hooks = gw.request_hooks  # the same list: hooks added later are seen
         self.observer = gw.observer
+        self._demand_pools: dict[tuple[str, str, str | None], tuple[str, ...]] = {}
+        self._urls: dict[tuple[int, bytes], URL] = {}
+        self.bind(gw)
+
+    def bind(self, gw: Gateway) -> None:
+        """Take the gateway's live parts (again, after a reconfiguration). Requests in flight keep
+        the references they already read; the next step of each reads the new ones."""
+        cfg = gw.config
+        self.auth = gw.auth
+        self.router = gw.router
+        self.pricer = gw.pricer
+        self.classifier = gw.classifier
+        self.models = gw.models
         self.max_body = cfg.limits.max_body_bytes
         self.body_deadlines = BodyDeadlines(cfg.limits.body_timeout_s, cfg.limits.body_idle_timeout_s)
         self.default_max_tokens = cfg.pricing.default_max_tokens
         self.enforce_max_tokens = cfg.enforce_max_tokens
         self.open_mode = cfg.open_mode
-        self._demand_pools: dict[tuple[str, str, str | None], tuple[str, ...]] = {}
-        self._urls: dict[tuple[int, bytes], URL] = {}
-        # Per-backend constants, computed once.
-        self._timeouts: dict[int, aiohttp.ClientTimeout] = {}
-        self._auth_header: dict[int, tuple[str, str] | None] = {}
-        for b in self.router.backends:
-            t = b.spec.timeouts
-            self._timeouts[id(b)] = aiohttp.ClientTimeout(
-                total=None, sock_connect=t.connect_s, sock_read=t.read_s
-            )
-            self._auth_header[id(b)] = (
-                ("Authorization", f"Bearer {b.spec.api_key}") if b.spec.api_key else None
-            )
+        self._demand_pools.clear()  # pool names may have changed meaning
+        self._urls.clear()  # backends may have moved
 
     # ---- the request, end to end ----
 
@@ -472,10 +468,10 @@ class Proxy:
         retried on the pool's next one. Records the completion tokens the backend reported."""
         placement, cost = x.placement, x.cost
         assert placement is not None and cost is not None
-        pool = self.router.pools[placement.pool]
+        pool = self.router.pools.get(placement.pool)  # None: removed by a reconfiguration meanwhile
         model = x.model or None
-        backend = pool.pick(model)
-        if backend is None:
+        backend = pool.pick(model) if pool is not None else None
+        if pool is None or backend is None:
             raise ApiError(
                 503,
                 f"No healthy backend in pool {placement.pool!r}",
@@ -511,7 +507,7 @@ class Proxy:
                 self._upstream_url(backend, x.scope),
                 data=payload,
                 headers=self._request_headers(x, backend),
-                timeout=self._timeouts[id(backend)],
+                timeout=backend.request_timeout,
             )
         except UPSTREAM_ERRORS as exc:
             failure = classify_error(exc, pool=rec.pool or "?", backend=backend.name)
@@ -595,7 +591,7 @@ class Proxy:
 
     def _request_headers(self, x: Exchange, backend: Backend) -> list[tuple[str, str]]:
         headers = x.headers
-        auth = self._auth_header[id(backend)]
+        auth = backend.auth_header
         if auth is not None:
             headers = [h for h in headers if h[0] != "Authorization"] if self.open_mode else headers.copy()
             headers.append(auth)

@@ -149,6 +149,12 @@ class Observer:
 
     # ---- lifecycle ----
 
+    async def retarget(self, targets: Sequence[ScrapeTarget]) -> None:
+        """Scrape these backends from now on (after a reconfiguration)."""
+        self.loads.retarget(targets, clock=self.clock)
+        if self._ticker.running:
+            await self.scraper.start()  # no-op when already scraping; starts it for a first target
+
     async def start(self) -> None:
         self._ticker.start()
         await self.scraper.start()

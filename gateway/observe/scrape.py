@@ -318,6 +318,21 @@ class BackendLoads:
                 t.pool, t.backend, url, settings, t.capacity_tokens, clock=clock
             )
 
+    def retarget(self, targets: Iterable[ScrapeTarget], clock: Callable[[], float] | None = None) -> None:
+        """Scrape these from now on; a backend that stays keeps what was learned of it."""
+        old = self._by_url
+        self._by_url = {}
+        for t in targets:
+            load = old.get(t.backend)
+            if load is None or load.pool != t.pool:
+                url = t.metrics_url or t.backend.rstrip("/") + "/metrics"
+                load = BackendLoad(
+                    t.pool, t.backend, url, self.settings, t.capacity_tokens, clock=clock or time.monotonic
+                )
+            else:
+                load.capacity_tokens = t.capacity_tokens
+            self._by_url[t.backend] = load
+
     def get(self, backend: str) -> BackendLoad | None:
         return self._by_url.get(backend)
 

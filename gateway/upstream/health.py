@@ -42,6 +42,12 @@ class HealthChecker:
         self._prober = BackgroundTask("tokengate-health", self._run, log)
         self._last_probe: dict[int, float] = {}
 
+    def set_backends(self, backends: Sequence[Backend]) -> None:
+        """Probe these from now on (after a reconfiguration); a new backend is probed on the next pass."""
+        self._backends = tuple(backends)
+        live = {id(b) for b in self._backends}
+        self._last_probe = {k: v for k, v in self._last_probe.items() if k in live}
+
     async def start(self) -> None:
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=self._settings.probe_timeout_s, trust_env=False)

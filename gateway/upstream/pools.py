@@ -14,6 +14,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import aiohttp
+
 
 @dataclass(frozen=True, slots=True)
 class Timeouts:
@@ -32,6 +34,7 @@ class BackendSpec:
     accepts_priority: bool = False
     timeouts: Timeouts = Timeouts()
     name: str = ""  # defaults to the URL; used in metrics and logs
+    draining: bool = False  # takes no new requests; those in flight finish (before removing it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +69,12 @@ class LoadSignal(Protocol):
 
 @dataclass(slots=True, eq=False)
 class Backend:
-    """One backend's live state. Mutated only from the event loop thread."""
+    """One backend's live state. Mutated only from the event loop thread.
+
+    A reconfiguration (reload, admin API) keeps the object of a backend that stays (same pool and
+    URL) and gives it its new spec (``respec``): requests in flight hold this object, so its counters
+    and health must carry over.
+    """
 
     spec: BackendSpec
     pool: str
@@ -78,10 +86,26 @@ class Backend:
     down_since: float = 0.0
     discovered_models: tuple[str, ...] = ()
     load: LoadSignal | None = None  # optional, from scraping the backend's /metrics
+    # Derived from the spec once (the proxy uses them per request).
+    request_timeout: aiohttp.ClientTimeout = field(default_factory=aiohttp.ClientTimeout)
+    auth_header: tuple[str, str] | None = None
     _models: frozenset[str] = field(default_factory=frozenset)
 
     def __post_init__(self) -> None:
-        self._models = frozenset(self.spec.models)
+        self.respec(self.spec, self.breaker)
+
+    def respec(self, spec: BackendSpec, breaker: BreakerSettings) -> None:
+        self.spec = spec
+        self.breaker = breaker
+        self._models = frozenset(spec.models)
+        t = spec.timeouts
+        self.request_timeout = aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s, sock_read=t.read_s)
+        self.auth_header = ("Authorization", f"Bearer {spec.api_key}") if spec.api_key else None
+
+    @property
+    def available(self) -> bool:
+        """May take a new request: healthy and not draining."""
+        return self.healthy and not self.spec.draining
 
     @property
     def name(self) -> str:
@@ -134,16 +158,16 @@ class Backend:
 
 
 class BackendPool:
-    def __init__(self, spec: BackendPoolSpec, breaker: BreakerSettings) -> None:
-        self.name = spec.name
-        self.capacity_tokens = spec.capacity_tokens
-        self.backends: tuple[Backend, ...] = tuple(Backend(b, spec.name, breaker) for b in spec.backends)
+    def __init__(self, name: str, backends: Sequence[Backend]) -> None:
+        self.name = name
+        self.backends: tuple[Backend, ...] = tuple(backends)
+        self.capacity_tokens = sum(b.spec.capacity_tokens for b in self.backends)
 
     def serves(self, model: str) -> bool:
         return any(b.serves(model) for b in self.backends)
 
     def has_healthy(self, model: str) -> bool:
-        return any(b.healthy and b.serves(model) for b in self.backends)
+        return any(b.available and b.serves(model) for b in self.backends)
 
     def pick(self, model: str | None, exclude: Collection[Backend] = ()) -> Backend | None:
         """The healthy backend serving ``model`` (None: any) with the most free tokens (first on ties),
@@ -155,7 +179,7 @@ class BackendPool:
         best: Backend | None = None
         best_key = (False, 0.0)
         for b in self.backends:
-            if b.healthy and (model is None or b.serves(model)) and b not in exclude:
+            if b.available and (model is None or b.serves(model)) and b not in exclude:
                 load = b.load
                 if load is None:
                     key = (True, float(b.free_tokens))
@@ -175,15 +199,51 @@ class NoBackend(Exception):
         self.unknown_model = unknown_model
 
 
+@dataclass(frozen=True, slots=True)
+class Reconfigured:
+    added: tuple[Backend, ...]
+    removed: tuple[Backend, ...]
+
+
 class Router:
     def __init__(
         self, pools: Sequence[BackendPoolSpec], breaker: BreakerSettings = BreakerSettings()
     ) -> None:
+        self.pools: dict[str, BackendPool] = {}
+        self._serves_all = False
+        self._configured_models: frozenset[str] = frozenset()
+        self.reconfigure(pools, breaker)
+
+    def reconfigure(
+        self, pools: Sequence[BackendPoolSpec], breaker: BreakerSettings = BreakerSettings()
+    ) -> Reconfigured:
+        """Take a new set of pools; backends that stay (same pool and URL) keep their live state.
+
+        Returns what was added and removed (the health checker and scraper follow).
+        """
         if not pools:
             raise ValueError("at least one backend pool is required")
-        self.pools: dict[str, BackendPool] = {p.name: BackendPool(p, breaker) for p in pools}
-        self._serves_all = any(not b.spec.models for p in self.pools.values() for b in p.backends)
+        old = {(b.pool, b.spec.url): b for b in self.backends}
+        kept: set[int] = set()
+        added: list[Backend] = []
+        new_pools: dict[str, BackendPool] = {}
+        for p in pools:
+            members = []
+            for spec in p.backends:
+                b = old.get((p.name, spec.url))
+                if b is None:
+                    b = Backend(spec, p.name, breaker)
+                    added.append(b)
+                else:
+                    b.respec(spec, breaker)
+                    kept.add(id(b))
+                members.append(b)
+            new_pools[p.name] = BackendPool(p.name, members)
+        removed = tuple(b for b in old.values() if id(b) not in kept)
+        self.pools = new_pools
+        self._serves_all = any(not b.models for p in pools for b in p.backends)
         self._configured_models = frozenset(m for p in pools for b in p.backends for m in b.models)
+        return Reconfigured(tuple(added), removed)
 
     @property
     def backends(self) -> Iterable[Backend]:

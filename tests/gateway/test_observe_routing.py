@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gateway.observe.scrape import BackendLoad, parse_engine_metrics
 from gateway.observe.settings import ScrapeSettings
-from gateway.upstream.pools import BackendPool, BackendPoolSpec, BackendSpec, BreakerSettings
+from gateway.upstream.pools import BackendPool, BackendPoolSpec, BackendSpec, BreakerSettings, Router
 
 
 class Clock:
@@ -23,7 +23,7 @@ def _pool() -> BackendPool:
             BackendSpec("http://127.0.0.1:18002", 100_000),
         ),
     )
-    return BackendPool(spec, BreakerSettings())
+    return Router([spec], BreakerSettings()).pools["p"]
 
 
 def _load(clock: Clock, text: str | None) -> BackendLoad:
