@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -31,12 +31,12 @@ from starlette.routing import Route
 from budgets.types import BudgetLayout, BudgetStore
 from classifiers import Classifier, Pricer, PricingSettings, TokenizerRegistry, show_value
 from gateway.accesslog import Record
+from gateway.admin.control import Control, state_store_for
+from gateway.admin.tokens import load_tokens
 from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
-from gateway.config_loader import load_config
 from gateway.errors import ApiError, error_body
 from gateway.exchange import CancelReason, Exchange, Phase, Receive, RouteKind, Scope, Send
-from gateway.fields import ConfigError
 from gateway.layout import build_layout
 from gateway.leases import LeaseKeeper
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
@@ -75,6 +75,7 @@ RESTART_ONLY = (
     "metrics",
     "observability",
     "embedded_backend",
+    "admin",
 )
 
 
@@ -99,13 +100,17 @@ class Gateway:
         *,
         store: BudgetStore | None = None,
         clock: Callable[[], float] | None = None,
+        raw: Mapping[str, Any] | None = None,
     ) -> None:
+        """``raw``: the config as read from its file (what admin changes are written over); None when
+        the config did not come from a file or mapping (the admin API then cannot change it)."""
         if not config.pools:
             raise ValueError(
                 "no backend pools configured: configure `pools`, or run `tokengate serve`, which starts "
                 "the embedded reference backend when there are none"
             )
         # The live parts: rebuilt by `apply` (reload, admin API) while requests flow.
+        self._expiries: Mapping[str, float] = {}
         self.router = Router(config.pools, _breaker(config))
         layout = self._configure(config)
         # Everything else lives as long as the process.
@@ -151,6 +156,8 @@ class Gateway:
         # backend's pool); set by the server, None in tests that build the app from a dict.
         self.config_path: str | None = None
         self.prepare: Callable[[GatewayConfig], GatewayConfig] = lambda c: c
+        self.tokens = load_tokens(config.admin.tokens_file)
+        self.control = Control(self, state_store_for(config), raw)
         self.ops = Starlette(
             routes=[
                 Route("/metrics", self._metrics, methods=["GET"]),
@@ -167,7 +174,7 @@ class Gateway:
         """Build the parts that follow the config; returns the budget layout they imply."""
         previous: GatewayConfig | None = getattr(self, "config", None)
         self.config = config
-        self.auth = Authenticator(config)
+        self.auth = Authenticator(config, self._expiries)
         self.tenants = config.tenants or ((self.auth.open_tenant,) if self.auth.open_tenant else ())
         self.classifier = Classifier(config.classes) if config.classes else None
         if previous is None or previous.models != config.models or previous.pricing != config.pricing:
@@ -191,7 +198,9 @@ class Gateway:
         for b in self.router.backends:
             b.load = self.observer.loads.get(b.name)
 
-    async def apply(self, config: GatewayConfig) -> list[str]:
+    async def apply(
+        self, config: GatewayConfig, key_expiries: Mapping[str, float] | None = None
+    ) -> list[str]:
         """Switch to ``config`` without a restart, while requests flow; returns what it could not apply.
 
         Tenants, keys, tiers, pools and their backends, classes, models, pricing, pass-through routes
@@ -209,6 +218,8 @@ class Gateway:
             if kept:
                 config = dataclasses.replace(config, **{name: getattr(old, name) for name in kept})
                 log.warning("config change needs a restart to take effect: %s", ", ".join(kept))
+            if key_expiries is not None:
+                self._expiries = key_expiries
             changed = self.router.reconfigure(config.pools, _breaker(config))
             layout = self._configure(config)
             self.metrics.set_tenants([t.name for t in self.tenants])
@@ -230,11 +241,9 @@ class Gateway:
             return kept
 
     async def reload(self) -> list[str]:
-        """Re-read the config file and apply it; a bad file raises ConfigError and changes nothing."""
-        if self.config_path is None:
-            raise ConfigError("this gateway was started without a config file: there is nothing to reload")
-        config = self.prepare(load_config(self.config_path))
-        return await self.apply(config)
+        """Re-read the config file and apply it (with the admin API's changes over it); a bad file
+        raises ConfigError and changes nothing."""
+        return await self.control.reload()
 
     # ---- lifecycle ----
 
@@ -243,6 +252,7 @@ class Gateway:
             max_connections=self.config.upstream.max_connections, keepalive_s=self.config.upstream.keepalive_s
         )
         await self.store.start()
+        await self.control.start()
         self.keeper.start()
         await self.health.start()
         await self.observer.start()
@@ -261,6 +271,7 @@ class Gateway:
             log.warning("released %d leases still held at shutdown", leaked)
         await self.health.close()
         await self.observer.close()
+        await self.control.close()
         if self.session is not None:
             await self.session.close()
         await self.store.close()
@@ -438,6 +449,10 @@ class Gateway:
 
 
 def build_app(
-    config: GatewayConfig, *, store: BudgetStore | None = None, clock: Callable[[], float] | None = None
+    config: GatewayConfig,
+    *,
+    store: BudgetStore | None = None,
+    clock: Callable[[], float] | None = None,
+    raw: Mapping[str, Any] | None = None,
 ) -> Gateway:
-    return Gateway(config, store=store, clock=clock)
+    return Gateway(config, store=store, clock=clock, raw=raw)

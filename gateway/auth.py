@@ -8,6 +8,7 @@ open tenant, ``default``, accepts any key or none.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Mapping
 
 from classifiers import show_value
@@ -20,8 +21,10 @@ def _digest(key: str) -> bytes:
 
 
 class Authenticator:
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(self, config: GatewayConfig, expiries: Mapping[str, float] | None = None) -> None:
+        """``expiries``: hex digest -> wall time a key stops working (a rotated key's overlap window)."""
         self._by_digest: dict[bytes, TenantConfig] = {}
+        self._expiry = {bytes.fromhex(d): t for d, t in (expiries or {}).items()}
         tiers = {t.name: t for t in config.tiers}
         self._tiers: Mapping[str, TierConfig] = tiers
         self.open_tenant: TenantConfig | None = None
@@ -44,7 +47,16 @@ class Authenticator:
                 "Missing API key: send it as 'Authorization: Bearer <key>' (or an 'api-key' / 'x-api-key' header).",
                 code="missing_api_key",
             )
-        tenant = self._by_digest.get(_digest(key))
+        d = _digest(key)
+        tenant = self._by_digest.get(d)
+        if tenant is not None and self._expiry:
+            ends = self._expiry.get(d)
+            if ends is not None and time.time() >= ends:
+                raise ApiError(
+                    401,
+                    "This API key has expired (it was rotated); use its replacement.",
+                    code="expired_api_key",
+                )
         if tenant is None:
             # Never echo the key itself, not even partly.
             raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")

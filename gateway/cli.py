@@ -36,10 +36,11 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from gateway.config_loader import ConfigError, check_workers, load_config
+    from gateway.config_loader import ConfigError, check_workers, load_raw, parse_config
 
     try:
-        config = load_config(args.config)
+        raw = load_raw(args.config) if args.config else {}
+        config = parse_config(raw)
         workers = args.workers if args.workers is not None else config.workers
         if workers < 1:
             raise ConfigError(f"--workers: expected a positive integer, got {workers}")
@@ -60,7 +61,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     if workers > 1:
         return serve_workers(args.config, host=host, port=port, workers=workers, log_level=args.log_level)
     try:
-        return serve(config, host=host, port=port, log_level=args.log_level)
+        return serve(config, host=host, port=port, log_level=args.log_level, config_path=args.config, raw=raw)
     except (OSError, ValueError) as exc:
         print(f"tokengate serve: {exc}", file=sys.stderr)
         return 2

@@ -107,6 +107,16 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class AdminConfig:
+    # Lines "<role> <token>" (admin | read | metrics), besides TOKENGATE_ADMIN_TOKEN,
+    # TOKENGATE_READONLY_TOKEN and TOKENGATE_METRICS_TOKEN. No token at all: the admin API is off.
+    tokens_file: str | None = None
+    # Memory store: persist what the admin API changed here (JSON). With the Redis store the state
+    # lives in Redis, shared by every replica.
+    state_file: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class MetricsConfig:
     top_tenants: int = 20
 
@@ -153,6 +163,7 @@ class GatewayConfig:
     limits: LimitsConfig = LimitsConfig()
     # /v1 routes forwarded besides the priced ones (gateway.passthrough); anything else is a 404.
     passthrough: tuple[PassthroughRoute, ...] = DEFAULT_ROUTES
+    admin: AdminConfig = AdminConfig()
     metrics: MetricsConfig = MetricsConfig()
     health: HealthConfig = HealthConfig()
     upstream: UpstreamConfig = UpstreamConfig()

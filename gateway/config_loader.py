@@ -22,6 +22,7 @@ from gateway.class_rules import parse_classes
 from gateway.config import (
     DEFAULT_CONTEXT_LENGTH,
     DEFAULT_TIERS,
+    AdminConfig,
     BackendConfig,
     EmbeddedBackendConfig,
     FairnessConfig,
@@ -71,8 +72,11 @@ _FALLBACK_PRICING_FIELDS = frozenset(
 
 def load_config(path: str | Path | None) -> GatewayConfig:
     """Read ``path`` (YAML); ``None`` means the embedded defaults."""
-    if path is None:
-        return parse_config({})
+    return parse_config(load_raw(path) if path is not None else {})
+
+
+def load_raw(path: str | Path) -> dict[str, Any]:
+    """The file's YAML as a mapping (not yet validated); errors name the file."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -82,7 +86,11 @@ def load_config(path: str | Path | None) -> GatewayConfig:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{p}: not valid YAML: {exc}") from None
-    return parse_config({} if data is None else data)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected a mapping of sections at the top, got {show(data)}")
+    return data
 
 
 def parse_config(data: Any) -> GatewayConfig:
@@ -106,6 +114,7 @@ def parse_config(data: Any) -> GatewayConfig:
         tenants=_tenants(root.get("tenants"), tiers, tier_names),
         limits=_limits(root.get("limits")),
         passthrough=_passthrough(root.get("passthrough")),
+        admin=_admin(root.get("admin")),
         metrics=_metrics_section(root.get("metrics")),
         health=_health(root.get("health")),
         upstream=_upstream(root.get("upstream")),
@@ -154,6 +163,7 @@ _TOP_KEYS = (
     "tenants",
     "limits",
     "passthrough",
+    "admin",
     "metrics",
     "health",
     "upstream",
@@ -441,6 +451,13 @@ def _passthrough(v: Any) -> tuple[PassthroughRoute, ...]:
             )
         out.append(PassthroughRoute(method, path, boolean(r, "generates", where, method != "GET")))
     return tuple(out)
+
+
+def _admin(v: Any) -> AdminConfig:
+    m = section(v, "admin", ("tokens_file", "state_file"))
+    return AdminConfig(
+        tokens_file=opt_string(m, "tokens_file", "admin"), state_file=opt_string(m, "state_file", "admin")
+    )
 
 
 def _metrics_section(v: Any) -> MetricsConfig:

@@ -9,16 +9,22 @@ then lets uvicorn close connections and run the lifespan shutdown.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
 import socket
 import sys
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import uvicorn
 
 from gateway.accesslog import LineHandler
 from gateway.app import Gateway, build_app
 from gateway.config import GatewayConfig
+from gateway.config_loader import load_raw, parse_config
 from gateway.embedded import start_embedded, with_embedded_pool
+from gateway.fields import ConfigError
 from gateway.http_server import GuardedHttpToolsProtocol, connection_limits, guarded_protocol
 
 log = logging.getLogger("tokengate")
@@ -63,16 +69,34 @@ def _uvicorn_config(app: Gateway, host: str, port: int, log_level: str) -> uvico
     )
 
 
-async def serve_async(config: GatewayConfig, *, host: str, port: int, log_level: str = "info") -> None:
+async def serve_async(
+    config: GatewayConfig,
+    *,
+    host: str,
+    port: int,
+    log_level: str = "info",
+    config_path: str | None = None,
+    raw: Mapping[str, Any] | None = None,
+) -> None:
+    """``raw``: the file's YAML as read (admin changes are written over it); ``{}`` without a file."""
     embedded = None
+    prepare: Callable[[GatewayConfig], GatewayConfig] = _unchanged
     if not config.pools:
-        embedded = await start_embedded(config)
-        config = with_embedded_pool(config, embedded)
+        started = await start_embedded(config)
+        embedded = started
+
+        def prepare(c: GatewayConfig) -> GatewayConfig:
+            # Every later config (reload, admin change) without pools of its own keeps the embedded one.
+            return c if c.pools else with_embedded_pool(c, started)
+
         log.info(
-            "no pools configured: embedded reference backend on %s (model %s)", embedded.url, embedded.model
+            "no pools configured: embedded reference backend on %s (model %s)", started.url, started.model
         )
     try:
-        app = build_app(config)
+        app = build_app(prepare(config), raw={} if raw is None else raw)
+        app.config_path = config_path
+        app.prepare = prepare
+        _reload_on_sighup(app)
         server = DrainingServer(_uvicorn_config(app, host, port, log_level), app)
         await server.serve()
     finally:
@@ -80,13 +104,45 @@ async def serve_async(config: GatewayConfig, *, host: str, port: int, log_level:
             await embedded.stop()
 
 
-def serve(config: GatewayConfig, *, host: str, port: int, log_level: str = "info") -> int:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop ships with uvicorn[standard]
-        asyncio.run(serve_async(config, host=host, port=port, log_level=log_level))
-    else:
-        uvloop.run(serve_async(config, host=host, port=port, log_level=log_level))
+def _unchanged(config: GatewayConfig) -> GatewayConfig:
+    return config
+
+
+def _reload_on_sighup(app: Gateway) -> None:
+    """SIGHUP re-reads the config file and applies it live; a bad file is logged and changes nothing."""
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def reload() -> None:
+        try:
+            kept = await app.reload()
+        except (ConfigError, ValueError) as exc:
+            log.error("reload refused, the running configuration is unchanged: %s", exc)
+            return
+        log.info("reloaded %s%s", app.config_path, f" (needs a restart: {', '.join(kept)})" if kept else "")
+
+    def on_hup() -> None:
+        task = asyncio.get_running_loop().create_task(reload())
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    with contextlib.suppress(NotImplementedError, RuntimeError):  # no signals off the main thread
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, on_hup)
+
+
+def serve(
+    config: GatewayConfig,
+    *,
+    host: str,
+    port: int,
+    log_level: str = "info",
+    config_path: str | None = None,
+    raw: Mapping[str, Any] | None = None,
+) -> int:
+    import uvloop
+
+    uvloop.run(
+        serve_async(config, host=host, port=port, log_level=log_level, config_path=config_path, raw=raw)
+    )
     return 0
 
 
@@ -97,13 +153,15 @@ def app_from_env() -> Gateway:
     """uvicorn factory for ``--workers N``: each worker loads the config named in the environment."""
     import os
 
-    from gateway.config_loader import load_config
-
-    config = load_config(os.environ.get(CONFIG_ENV) or None)
+    path = os.environ.get(CONFIG_ENV) or None
+    raw = load_raw(path) if path else {}
+    config = parse_config(raw)
     # The worker's protocol class is named by import string (a class made at run time cannot cross
     # into a spawned worker); this worker process serves one config, so it sets the limits here.
     GuardedHttpToolsProtocol.limits = connection_limits(config)
-    return build_app(config)
+    app = build_app(config, raw=raw)
+    app.config_path = path
+    return app
 
 
 def serve_workers(

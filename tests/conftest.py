@@ -411,7 +411,7 @@ async def gateway_factory() -> AsyncIterator[GatewayFactory]:
     started: list[Served] = []
 
     async def start(config: Mapping[str, Any]) -> RunningGateway:
-        app = build_app(parse_config(dict(config)))
+        app = build_app(parse_config(dict(config)), raw=dict(config))
         # The gateway's own protocol and limits, as `tokengate serve` runs it.
         served = await serve_asgi(app, http=guarded_protocol(connection_limits(app.config)))
         started.append(served)

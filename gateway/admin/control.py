@@ -1,0 +1,150 @@
+"""The admin state in use: every change is validated, saved, then applied to the running gateway.
+
+``Control`` owns the current ``AdminState`` and the config file's raw YAML. A change (from the API,
+a reload, or another replica through the state store) produces the effective configuration
+(``state.effective_raw``), which is parsed by the normal loader — so an invalid change is refused
+with the loader's message — and applied with ``Gateway.apply``. Changes are serialised by one lock;
+a save that lost a race with another replica (``Conflict``) re-reads the state and tries again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from gateway.admin.persist import Conflict, MemoryStateStore, RedisStateStore, StateStore
+from gateway.admin.state import AdminState, effective_raw, key_expiries
+from gateway.admin.tokens import Caller
+from gateway.config import GatewayConfig
+from gateway.config_loader import load_raw, parse_config
+from gateway.errors import ApiError
+from gateway.fields import ConfigError
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+
+log = logging.getLogger("tokengate.admin")
+audit = logging.getLogger("tokengate.audit")
+
+Mutation = Callable[[AdminState], AdminState]
+
+
+def state_store_for(config: GatewayConfig) -> StateStore:
+    """Redis when the budgets are in Redis (every replica shares the state), else this process."""
+    if config.store.kind == "redis" and config.store.redis is not None:
+        opts = config.store.redis
+        return RedisStateStore(
+            opts.url, "{tg:" + opts.key_prefix + "}", connect_timeout_s=opts.connect_timeout_s
+        )
+    return MemoryStateStore(config.admin.state_file)
+
+
+class Control:
+    def __init__(self, gw: Gateway, store: StateStore, file_raw: Mapping[str, Any] | None) -> None:
+        self.gw = gw
+        self.store = store
+        self.file_raw = file_raw  # None: started from a config object, not a file: nothing to overlay
+        self.state = AdminState()
+        self._lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        self.state = await self.store.load()
+        if self.file_raw is not None and self.state.version > 0:
+            await self.gw.apply(self.effective(self.state), key_expiries(self.state))
+        await self.store.start(self._changed_elsewhere)
+
+    async def close(self) -> None:
+        await self.store.close()
+
+    def effective(self, state: AdminState, file_raw: Mapping[str, Any] | None = None) -> GatewayConfig:
+        raw = self.file_raw if file_raw is None else file_raw
+        assert raw is not None
+        return self.gw.prepare(parse_config(effective_raw(raw, state)))
+
+    async def change(self, caller: Caller, action: str, target: str, mutate: Mutation) -> AdminState:
+        """Validate, save and apply one change; audited. Raises ApiError 400/409 when refused."""
+        if self.file_raw is None:
+            raise ApiError(
+                409,
+                "This gateway was built from a config object, not a file: the admin API cannot change it",
+                code="not_changeable",
+            )
+        async with self._lock:
+            for _ in range(5):
+                current = self.state
+                new = mutate(current).bumped()
+                try:
+                    config = self.effective(new)
+                except ConfigError as exc:
+                    raise ApiError(
+                        400, f"The change would make the configuration invalid: {exc}", code="invalid_change"
+                    ) from None
+                try:
+                    await self.store.save(new, current.version)
+                except Conflict:
+                    self.state = await self.store.load()  # another replica saved first: redo on top
+                    continue
+                self.state = new
+                await self.gw.apply(config, key_expiries(new))
+                _audit(caller, action, target, current, new)
+                return new
+        raise ApiError(409, "The admin state kept changing under this request; retry", code="conflict")
+
+    async def reload(self, caller: Caller | None = None) -> list[str]:
+        """Re-read the config file and apply it with the admin state over it."""
+        path = self.gw.config_path
+        if path is None:
+            raise ConfigError("this gateway was started without a config file: there is nothing to reload")
+        async with self._lock:
+            raw = load_raw(path)
+            config = self.effective(self.state, raw)  # raises ConfigError: nothing changes
+            kept = await self.gw.apply(config, key_expiries(self.state))
+            self.file_raw = raw
+        audit.info(_line(caller, "reload", path, None, None))
+        return kept
+
+    async def _changed_elsewhere(self, state: AdminState) -> None:
+        async with self._lock:
+            if state.version <= self.state.version:
+                return
+            self.state = state
+            if self.file_raw is None:
+                return
+            try:
+                await self.gw.apply(self.effective(state), key_expiries(state))
+            except (ConfigError, ValueError) as exc:  # valid where it was made; not with this file
+                log.error("admin change version %d from another replica not applied: %s", state.version, exc)
+                return
+            log.info("applied admin change version %d from another replica", state.version)
+
+
+def _audit(caller: Caller, action: str, target: str, before: AdminState, after: AdminState) -> None:
+    audit.info(_line(caller, action, target, _view(before, target), _view(after, target)))
+
+
+def _view(state: AdminState, target: str) -> Any:
+    """The part of the state an action touched (never a key's digest)."""
+    kind, _, name = target.partition("/")
+    if kind == "keys":
+        record = state.keys.get(name)
+        return None if record is None else record.public()
+    return state.overrides.get(kind, {}).get(name, "(file)")
+
+
+def _line(caller: Caller | None, action: str, target: str, before: Any, after: Any) -> str:
+    return orjson.dumps(
+        {
+            "ts": time.time(),
+            "actor": "signal/file" if caller is None else f"{caller.role.value}:{caller.fingerprint}",
+            "action": action,
+            "target": target,
+            "before": before,
+            "after": after,
+        },
+        default=str,
+    ).decode()
