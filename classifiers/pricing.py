@@ -88,6 +88,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import os
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -167,6 +170,10 @@ class PricingSettings:
     inline_max_chars: int = 8192
     # Threads of the encode pool; 0 encodes everything inline (aprice_* then equals price_*).
     encode_threads: int = 2
+    # How much lower the encode threads' CPU priority is than the event loop's (a Linux nice
+    # increment; 0 keeps them equal): on a busy machine tokenizing long prompts waits for the CPU,
+    # serving requests does not.
+    encode_nice: int = 10
 
 
 _JSON_TYPE = {
@@ -290,6 +297,15 @@ class _Scrubbing:
             return off.count_nogil(_scrub(text))
 
 
+def _lower_priority(nice: int) -> None:
+    """Run in each encode thread as it starts: lower that thread's CPU priority alone."""
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return  # elsewhere PRIO_PROCESS takes a process id, not a thread's
+    me = threading.get_native_id()
+    with contextlib.suppress(OSError):  # a sandbox may refuse; the pool works the same, unprioritised
+        os.setpriority(os.PRIO_PROCESS, me, min(19, os.getpriority(os.PRIO_PROCESS, me) + nice))
+
+
 def _offloadable(tok: Tokenizer) -> bool:
     """Whether `tok` can count in a thread with the GIL released (see OffLoopCounting)."""
     if type(tok) is TiktokenTokenizer:
@@ -378,6 +394,9 @@ class Pricer:
     3. otherwise the set-aside texts are encoded concurrently in a pool of
        ``settings.encode_threads`` threads (tiktoken and ``encode_batch`` release the GIL, so the
        loop keeps serving other requests meanwhile), then a second pass prices with their counts.
+       On Linux those threads run ``settings.encode_nice`` lower in CPU priority than the loop: on
+       a saturated machine a thread at the loop's priority takes the CPU from it as surely as an
+       inline encode would (measured, docs/benchmarks.md), so long prompts wait for the CPU instead.
 
     Validation errors raised by the first pass are raised at once (they do not depend on counts);
     a context-length verdict waits for the real count so its message is the one ``price_*`` gives.
@@ -385,11 +404,13 @@ class Pricer:
     byte estimate holds the GIL, so a thread would not free the loop, and it runs inline (about
     1 ms per 100 KB).
 
-    Overload: the pool is bounded (``encode_threads``) and its queue is FIFO. A flood of huge
-    prompts queues there, waiting for a thread, instead of stalling the loop; what can wait is
-    bounded by the gateway's own limits (``limits.max_body_bytes`` per request, ``max_connections``
-    requests), i.e. by bodies the gateway already holds in memory. A caller cancelled while its
-    texts wait (client disconnect) drops its queued encodes. `close` stops the pool at shutdown.
+    Overload: the pool is bounded (``encode_threads``) and its queue is FIFO, across tenants. A
+    flood of huge prompts queues there, waiting for a thread, instead of stalling the loop: their
+    own pricing gets slower, other requests' does not. What can wait is bounded by the gateway's
+    own limits (``limits.max_body_bytes`` per request, ``max_connections`` requests), i.e. by
+    bodies the gateway already holds in memory; the queue holds references to those texts, no
+    copies. A caller cancelled while its texts wait (client disconnect) drops its queued encodes;
+    one already running finishes (at most one body's text). `close` stops the pool at shutdown.
     """
 
     def __init__(self, tokenizers: TokenizerRegistry, settings: PricingSettings = PricingSettings()) -> None:
@@ -614,7 +635,10 @@ class Pricer:
             with self._pool_lock:  # created on first need, so a pricer that never offloads has no threads
                 if self._pool is None and not self._closed:
                     self._pool = concurrent.futures.ThreadPoolExecutor(
-                        max_workers=self._s.encode_threads, thread_name_prefix="tokengate-encode"
+                        max_workers=self._s.encode_threads,
+                        thread_name_prefix="tokengate-encode",
+                        initializer=_lower_priority,
+                        initargs=(self._s.encode_nice,),
                     )
                 pool = self._pool
         return pool

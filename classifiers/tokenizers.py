@@ -18,8 +18,9 @@ repeated content (system prompts, chat history, tool schemas) nearly free.
 Off the event loop: the first two also implement `OffLoopCounting` — ``cached_count`` (the count
 from the memo alone, or None; never encodes) and ``count_nogil`` (the same count as ``count``,
 with the GIL released while encoding, so a thread can run it while the loop serves others).
-tiktoken releases the GIL inside ``encode_ordinary``; the Hugging Face binding releases it only in
-``encode_batch``, which ``count_nogil`` therefore uses. The byte estimate has no such method: its
+tiktoken releases the GIL inside ``encode_ordinary`` (per chunk: building a chunk's token list
+takes it back for ~0.1 ms); the Hugging Face binding releases it only in ``encode_batch``, which
+``count_nogil`` therefore uses. The byte estimate has no such method: its
 work is a few C calls that hold the GIL (about 1 ms per MB of text), so a thread could not free
 the loop; it runs inline.
 """
@@ -111,18 +112,24 @@ _SAFE_CUT = re.compile(r"(?<=[A-Za-z]) (?=[A-Za-z])")
 _CHUNKABLE = frozenset(
     {"gpt2", "r50k_base", "p50k_base", "p50k_edit", "cl100k_base", "o200k_base", "o200k_harmony"}
 )
-_CHUNK_CHARS = 2048
+# Chunk size: the memo's granularity, and in a thread the text encoded per GIL-free call. The
+# token list of one chunk (~4k ints) is built with the GIL held, so a chunk bounds that hold at
+# ~0.1 ms; 2 KB chunks meant ~70 GIL hand-offs per 28k-token prompt, each one a wait for a busy loop.
+_CHUNK_CHARS = 16_384
 _CACHE_CHARS = 16_000_000
 
 
 class TiktokenTokenizer:
     """A tiktoken encoding; `count` is exactly ``len(encoding.encode_ordinary(text))``."""
 
-    def __init__(self, encoding: tiktoken.Encoding, name: str | None = None) -> None:
+    def __init__(
+        self, encoding: tiktoken.Encoding, name: str | None = None, *, chunk_chars: int = _CHUNK_CHARS
+    ) -> None:
         self.name = name or encoding.name
         self._encoding = encoding
         base = encoding.name.removesuffix("_offline")
         self._chunk = base in _CHUNKABLE
+        self._chunk_chars = chunk_chars
         self._cache = _CountCache(_CACHE_CHARS)
 
     @property
@@ -134,19 +141,19 @@ class TiktokenTokenizer:
         return self._encoding.encode_ordinary(text)
 
     def count(self, text: str) -> int:
-        if len(text) <= _CHUNK_CHARS or not self._chunk:
+        if len(text) <= self._chunk_chars or not self._chunk:
             return self._count_piece(text)
-        return sum(self._count_piece(piece) for piece in _pieces(text))
+        return sum(self._count_piece(piece) for piece in _pieces(text, self._chunk_chars))
 
     def cached_count(self, text: str) -> int | None:
         """The count when every chunk of `text` is memoised, else None; never encodes.
 
         Stops at the first chunk it does not know, so probing a never-seen text costs one chunk.
         """
-        if len(text) <= _CHUNK_CHARS or not self._chunk:
+        if len(text) <= self._chunk_chars or not self._chunk:
             return self._cache.get(text)
         total = 0
-        for piece in _pieces(text):
+        for piece in _pieces(text, self._chunk_chars):
             n = self._cache.get(piece)
             if n is None:
                 return None
@@ -165,12 +172,12 @@ class TiktokenTokenizer:
         return n
 
 
-def _pieces(text: str) -> Iterator[str]:
-    """`text` cut into chunks of about _CHUNK_CHARS characters at _SAFE_CUT boundaries."""
+def _pieces(text: str, size: int) -> Iterator[str]:
+    """`text` cut into chunks of about `size` characters at _SAFE_CUT boundaries."""
     start = 0
     end = len(text)
     while start < end:
-        cut = _SAFE_CUT.search(text, start + _CHUNK_CHARS) if end - start > _CHUNK_CHARS else None
+        cut = _SAFE_CUT.search(text, start + size) if end - start > size else None
         stop = cut.start() if cut is not None else end
         yield text[start:stop]
         start = stop

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -60,6 +62,7 @@ class Call:
     chars: int
     thread: int
     encoded: bool  # False when the count came from the memo
+    nice: int  # the calling thread's CPU priority (Linux: per thread)
 
 
 class Recording:
@@ -73,7 +76,8 @@ class Recording:
         self._gate = gate  # when set: count_nogil waits for it (to hold a pool thread busy)
 
     def _record(self, method: str, text: str) -> None:
-        call = Call(method, len(text), threading.get_ident(), self._tok.cached_count(text) is None)
+        nice = os.getpriority(os.PRIO_PROCESS, 0)
+        call = Call(method, len(text), threading.get_ident(), self._tok.cached_count(text) is None, nice)
         with self._lock:
             self.calls.append(call)
 
@@ -125,6 +129,9 @@ async def test_a_long_never_seen_prompt_is_encoded_off_the_loop_thread(
     long_calls = [c for c in recording.calls if c.chars == len(text) and c.encoded and c.method != "peek"]
     assert [c.method for c in long_calls] == ["count_nogil"]
     assert long_calls[0].thread != loop
+    if sys.platform.startswith("linux"):  # the encode thread yields the CPU to the loop
+        expected = min(19, os.getpriority(os.PRIO_PROCESS, 0) + pricer.settings.encode_nice)
+        assert long_calls[0].nice == expected
     assert all(c.thread == loop for c in recording.calls if c.chars < 100)
 
 

@@ -116,22 +116,28 @@ _pieces = st.sampled_from(
 )
 
 
+# Small chunks cross many boundaries per example; the default size is checked as well.
+_chunk_sizes = st.sampled_from([32, 300, 2048, 16_384])
+
+
 @settings(max_examples=60, deadline=None)
-@given(st.lists(_pieces, min_size=1, max_size=400), st.integers(min_value=1, max_value=30))
-def test_chunking_never_changes_the_count(enc: tiktoken.Encoding, pieces: list[str], repeat: int) -> None:
+@given(st.lists(_pieces, min_size=1, max_size=400), st.integers(min_value=1, max_value=30), _chunk_sizes)
+def test_chunking_never_changes_the_count(
+    enc: tiktoken.Encoding, pieces: list[str], repeat: int, chunk: int
+) -> None:
     # Repeated so the text crosses several chunk boundaries at varied positions.
     text = "".join(pieces) * repeat
-    tok = TiktokenTokenizer(enc)  # a fresh cache, so every chunk is really counted
+    tok = TiktokenTokenizer(enc, chunk_chars=chunk)  # a fresh cache, so every chunk is really counted
     assert tok.count(text) == len(enc.encode_ordinary(text))
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(_pieces, min_size=1, max_size=200), st.integers(min_value=1, max_value=30))
+@given(st.lists(_pieces, min_size=1, max_size=200), st.integers(min_value=1, max_value=30), _chunk_sizes)
 def test_the_memo_alone_gives_the_count_once_every_chunk_was_counted(
-    enc: tiktoken.Encoding, pieces: list[str], repeat: int
+    enc: tiktoken.Encoding, pieces: list[str], repeat: int, chunk: int
 ) -> None:
     text = "".join(pieces) * repeat
-    tok = TiktokenTokenizer(enc)
+    tok = TiktokenTokenizer(enc, chunk_chars=chunk)
     assert tok.cached_count(text) is None  # never seen: the memo does not know it, and it encodes nothing
     assert tok.count_nogil(text) == len(enc.encode_ordinary(text))
     assert tok.cached_count(text) == tok.count(text)
