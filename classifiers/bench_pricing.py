@@ -2,12 +2,15 @@
 
 Two numbers: *cold* prices a prompt the tokenizer has never seen (every chunk really encoded),
 *warm* re-prices the same body (chunk counts come from the memo, as for a repeated system
-prompt or a chat history). `measure` returns them for the gateway's benchmark.
+prompt or a chat history). `measure` returns them for the gateway's benchmark, with what a short
+one-message chat costs through ``price_chat`` and through ``aprice_chat`` (its fast path: no
+thread hop; best of several runs).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import random
 import statistics
 import time
@@ -23,7 +26,7 @@ _WORDS = (
 ).split()
 
 
-def _prompt(rng: random.Random, tokens: int) -> str:
+def prompt_text(rng: random.Random, tokens: int) -> str:
     """Prose-like text of about `tokens` cl100k tokens, different for every seed."""
     words: list[str] = []
     while len(words) < tokens * 9 // 10:
@@ -45,11 +48,41 @@ def _body(text: str) -> dict[str, Any]:
     }
 
 
+_SHORT = {
+    "model": "bench",
+    "max_tokens": 16,
+    "messages": [
+        {"role": "user", "content": "Could you tell me, in two short sentences, why the sky is blue?"}
+    ],
+}
+
+
+def _short_chat_us(
+    pricer: Pricer, limits: dict[str, Any], calls: int = 2000, runs: int = 7
+) -> tuple[float, float]:
+    """Microseconds per short chat with price_chat and with aprice_chat (best of `runs`, interleaved)."""
+
+    async def timed() -> tuple[float, float]:
+        best_sync = best_async = float("inf")
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                pricer.price_chat(_SHORT, **limits)
+            t1 = time.perf_counter()
+            for _ in range(calls):
+                await pricer.aprice_chat(_SHORT, **limits)
+            t2 = time.perf_counter()
+            best_sync, best_async = min(best_sync, t1 - t0), min(best_async, t2 - t1)
+        return best_sync / calls * 1e6, best_async / calls * 1e6
+
+    return asyncio.run(timed())
+
+
 def measure(tokens: int = 28_000, rounds: int = 20) -> dict[str, float]:
     """Median milliseconds per `price_chat` call, cold and warm, plus the prompt size priced."""
     pricer = Pricer(TokenizerRegistry())
     rng = random.Random(28_000)
-    bodies = [_body(_prompt(rng, tokens)) for _ in range(rounds)]
+    bodies = [_body(prompt_text(rng, tokens)) for _ in range(rounds)]
     limits: dict[str, Any] = {"default_max_tokens": 512, "max_tokens_limit": None, "context_length": 200_000}
     pricer.price_chat(_body("warm up the encoder"), **limits)
     cold = []
@@ -68,11 +101,15 @@ def measure(tokens: int = 28_000, rounds: int = 20) -> dict[str, float]:
     t0 = time.perf_counter()
     encoding.encode_ordinary(text)
     plain = time.perf_counter() - t0
+    short_sync_us, short_async_us = _short_chat_us(pricer, limits)
+    pricer.close()
     return {
         "prompt_tokens": float(prefill),
         "cold_ms": statistics.median(cold) * 1000,
         "warm_ms": statistics.median(warm) * 1000,
         "plain_tiktoken_ms": plain * 1000,
+        "short_sync_us": short_sync_us,
+        "short_async_us": short_async_us,
     }
 
 
@@ -85,7 +122,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"price_chat, {r['prompt_tokens']:.0f}-token prompt: cold {r['cold_ms']:.2f} ms, "
         f"warm {r['warm_ms']:.3f} ms (median of {args.rounds}); "
-        f"one plain encode_ordinary: {r['plain_tiktoken_ms']:.2f} ms"
+        f"one plain encode_ordinary: {r['plain_tiktoken_ms']:.2f} ms; a short chat: "
+        f"{r['short_sync_us']:.1f} us with price_chat, {r['short_async_us']:.1f} us with aprice_chat"
     )
 
 

@@ -70,6 +70,11 @@ under the same limit and cap. Reasoning tokens are part of ``max_output_tokens``
 ``reasoning.effort`` (validated: none, minimal, low, medium, high, xhigh, max, or null) does not
 change the reservation.
 
+Off the event loop
+------------------
+``Pricer.aprice_*`` give exactly what ``price_*`` give, tokenizing long never-seen texts in a small
+thread pool so an event loop keeps serving other requests meanwhile (see `Pricer`).
+
 Hostile input
 -------------
 Client JSON serialized for counting (tools, schemas, unknown items) may nest at most
@@ -81,13 +86,25 @@ text with them replaced.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import sys
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from classifiers.tokenizers import BytesTokenizer, TiktokenTokenizer, Tokenizer, TokenizerRegistry
+from classifiers.tokenizers import (
+    BytesTokenizer,
+    OffLoopCounting,
+    TiktokenTokenizer,
+    Tokenizer,
+    TokenizerRegistry,
+)
 
 __all__ = [
     "MAX_CHOICES",
@@ -146,6 +163,17 @@ class PricingSettings:
     file_tokens: int = 4096
     # A Responses API `item_reference` names an item stored on the server; its size is unknown here.
     item_reference_tokens: int = 16
+    # Off the event loop (Pricer.aprice_*): a request's texts are tokenized inline while they total
+    # at most this many characters; beyond that, texts the tokenizer has not memoised go to the
+    # encode pool. 8192 characters of prose are ~0.4 ms of tiktoken, about what the gateway spends
+    # on a request anyway, so no request stalls the loop for much longer than its own handling.
+    inline_max_chars: int = 8192
+    # Threads of the encode pool; 0 encodes everything inline (aprice_* then equals price_*).
+    encode_threads: int = 2
+    # How much lower the encode threads' CPU priority is than the event loop's (a Linux nice
+    # increment; 0 keeps them equal): on a busy machine tokenizing long prompts waits for the CPU,
+    # serving requests does not.
+    encode_nice: int = 10
 
 
 _JSON_TYPE = {
@@ -257,6 +285,83 @@ class _Scrubbing:
         except (TypeError, UnicodeError):
             return self._tok.count(_scrub(text))
 
+    def cached_count(self, text: str) -> int | None:
+        peek = getattr(self._tok, "cached_count", None)
+        return None if peek is None else peek(text)  # type: ignore[no-any-return]
+
+    def count_nogil(self, text: str) -> int:
+        off: OffLoopCounting = self._tok  # type: ignore[assignment]  # only used when _offloadable
+        try:
+            return off.count_nogil(text)
+        except (TypeError, UnicodeError):
+            return off.count_nogil(_scrub(text))
+
+
+def _lower_priority(nice: int) -> None:
+    """Run in each encode thread as it starts: lower that thread's CPU priority alone."""
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return  # elsewhere PRIO_PROCESS takes a process id, not a thread's
+    me = threading.get_native_id()
+    with contextlib.suppress(OSError):  # a sandbox may refuse; the pool works the same, unprioritised
+        os.setpriority(os.PRIO_PROCESS, me, min(19, os.getpriority(os.PRIO_PROCESS, me) + nice))
+
+
+def _offloadable(tok: Tokenizer) -> bool:
+    """Whether `tok` can count in a thread with the GIL released (see OffLoopCounting)."""
+    if type(tok) is TiktokenTokenizer:
+        return True
+    if type(tok) is _Scrubbing:
+        tok = tok._tok
+    return hasattr(tok, "count_nogil") and hasattr(tok, "cached_count")
+
+
+class _Probe:
+    """The tokenizer a walk sees in `Pricer.aprice_*`: counts now what is cheap, defers the rest.
+
+    First pass: texts are counted at once while the request's texts so far total at most
+    `budget` characters (the inline budget: small requests never leave the loop), and beyond that
+    any text the tokenizer has memoised; any other text is recorded in `pending` and counts 0 for
+    now. The budget is per request, not per text, so many medium texts cannot add up to a long
+    stall. After the pending texts are encoded off the loop, `settle` hands their counts over and
+    the walk runs again: every count is then exact, so the second walk returns exactly what the
+    synchronous price would.
+    """
+
+    __slots__ = ("_budget", "_known", "name", "pending", "tok")
+
+    def __init__(self, tok: Tokenizer, budget: int) -> None:
+        self.tok = tok
+        self.name = tok.name
+        self._budget = budget
+        self._known: dict[str, int] | None = None
+        self.pending: dict[str, None] | None = None  # insertion-ordered set, made on first need
+
+    def count(self, text: str) -> int:
+        known = self._known
+        if known is not None:
+            n = known.get(text)
+            # Second pass: a text not encoded off the loop is short or memoised: count it here.
+            return n if n is not None else self.tok.count(text)
+        size = len(text)
+        if size <= self._budget:
+            self._budget -= size
+            return self.tok.count(text)
+        self._budget = 0
+        n = self.tok.cached_count(text)  # type: ignore[attr-defined]  # _offloadable checked it
+        if n is not None:
+            return int(n)
+        if self.pending is None:
+            self.pending = {}
+        self.pending[text] = None
+        return 0
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text)
+
+    def settle(self, counts: dict[str, int]) -> None:
+        self._known = counts
+        self.pending = None
+
 
 _BYTES = BytesTokenizer()
 _RESPONSES_ROLES = ("user", "assistant", "system", "developer")
@@ -273,6 +378,41 @@ _MAX_PASSTHROUGH_DECODE = 2**32
 
 
 class Pricer:
+    """Prices request bodies in tokens (rules in the module docstring).
+
+    Off the event loop
+    ------------------
+    ``price_*`` run on the caller's thread. Each has an ``aprice_*`` counterpart with the same
+    arguments and exactly the same result or exception, for an event loop that must not stall on a
+    long prompt (a never-seen 28k-token prompt is ~7 ms of tiktoken):
+
+    1. a first synchronous pass validates and prices everything cheap: the request's texts are
+       counted inline while they total at most ``settings.inline_max_chars`` characters, and
+       beyond that the texts the tokenizer has memoised; other texts are set aside (counting 0);
+    2. nothing set aside (every short request): the `Cost` is returned at once, with no thread hop
+       and no suspension of the caller;
+    3. otherwise the set-aside texts are encoded concurrently in a pool of
+       ``settings.encode_threads`` threads (tiktoken and ``encode_batch`` release the GIL, so the
+       loop keeps serving other requests meanwhile), then a second pass prices with their counts.
+       On Linux those threads run ``settings.encode_nice`` lower in CPU priority than the loop: on
+       a saturated machine a thread at the loop's priority takes the CPU from it as surely as an
+       inline encode would (measured, docs/benchmarks.md), so long prompts wait for the CPU instead.
+
+    Validation errors raised by the first pass are raised at once (they do not depend on counts);
+    a context-length verdict waits for the real count so its message is the one ``price_*`` gives.
+    Only tokenizers implementing `OffLoopCounting` (tiktoken, Hugging Face) are offloaded; the
+    byte estimate holds the GIL, so a thread would not free the loop, and it runs inline (about
+    1 ms per 100 KB).
+
+    Overload: the pool is bounded (``encode_threads``) and its queue is FIFO, across tenants. A
+    flood of huge prompts queues there, waiting for a thread, instead of stalling the loop: their
+    own pricing gets slower, other requests' does not. What can wait is bounded by the gateway's
+    own limits (``limits.max_body_bytes`` per request, ``max_connections`` requests), i.e. by
+    bodies the gateway already holds in memory; the queue holds references to those texts, no
+    copies. A caller cancelled while its texts wait (client disconnect) drops its queued encodes;
+    one already running finishes (at most one body's text). `close` stops the pool at shutdown.
+    """
+
     def __init__(self, tokenizers: TokenizerRegistry, settings: PricingSettings = PricingSettings()) -> None:
         self._tokenizers = tokenizers
         self._s = settings
@@ -284,6 +424,9 @@ class Pricer:
             "file": settings.file_tokens,
         }
         self._safe: dict[int, Tokenizer] = {}
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self._closed = False
 
     @property
     def settings(self) -> PricingSettings:
@@ -300,6 +443,216 @@ class Pricer:
         context_length: int,
     ) -> Cost:
         tok = self._tokenizer(body)
+        return self._walk_chat(tok, body, default_max_tokens, max_tokens_limit, context_length)
+
+    def price_completion(
+        self,
+        body: Mapping[str, Any],
+        *,
+        default_max_tokens: int,
+        max_tokens_limit: int | None,
+        context_length: int,
+    ) -> Cost:
+        tok = self._tokenizer(body)
+        return self._walk_completion(tok, body, default_max_tokens, max_tokens_limit, context_length)
+
+    def price_embeddings(self, body: Mapping[str, Any], *, context_length: int | None = None) -> Cost:
+        tok = self._tokenizer(body)
+        return self._walk_embeddings(tok, body, context_length)
+
+    def price_responses(
+        self,
+        body: Mapping[str, Any],
+        *,
+        default_max_tokens: int,
+        max_tokens_limit: int | None,
+        context_length: int,
+    ) -> Cost:
+        """Price ``POST /v1/responses`` like chat (see the module docstring for the rules).
+
+        Only what the body shows is priced: ``previous_response_id``, ``conversation`` and
+        ``item_reference`` items make the server prepend state the gateway cannot see.
+        """
+        tok = self._tokenizer(body)
+        return self._walk_responses(tok, body, default_max_tokens, max_tokens_limit, context_length)
+
+    def price_passthrough(
+        self,
+        body_bytes: bytes,
+        *,
+        model: str | None,
+        default_max_tokens: int,
+        generates: bool = True,
+        context_length: int | None = None,
+    ) -> Cost:
+        """A conservative price for an allow-listed pass-through POST; never raises.
+
+        ``model``: a model the gateway serves (its tokenizer counts), or None (the byte estimate).
+        ``generates``: whether the route can produce tokens when the body names no output limit.
+        ``context_length``: when given, caps the decode at ``context_length - prefill``.
+        """
+        tok = self._passthrough_tokenizer(model)
+        return self._walk_passthrough(tok, body_bytes, default_max_tokens, generates, context_length)
+
+    # ---- the same, with large never-seen texts tokenized off the event loop -----------------
+
+    async def aprice_chat(
+        self,
+        body: Mapping[str, Any],
+        *,
+        default_max_tokens: int,
+        max_tokens_limit: int | None,
+        context_length: int,
+    ) -> Cost:
+        """`price_chat`'s exact result (or exception); see "Off the event loop" in the class doc."""
+        args = (body, default_max_tokens, max_tokens_limit, context_length)
+        first = self._first_pass(self._walk_chat, self._tokenizer(body), args)
+        if isinstance(first, Cost):
+            return first
+        return await self._second_pass(first, self._walk_chat, args)
+
+    async def aprice_completion(
+        self,
+        body: Mapping[str, Any],
+        *,
+        default_max_tokens: int,
+        max_tokens_limit: int | None,
+        context_length: int,
+    ) -> Cost:
+        """`price_completion`'s exact result (or exception), large texts tokenized off the loop."""
+        args = (body, default_max_tokens, max_tokens_limit, context_length)
+        first = self._first_pass(self._walk_completion, self._tokenizer(body), args)
+        if isinstance(first, Cost):
+            return first
+        return await self._second_pass(first, self._walk_completion, args)
+
+    async def aprice_embeddings(self, body: Mapping[str, Any], *, context_length: int | None = None) -> Cost:
+        """`price_embeddings`'s exact result (or exception), large texts tokenized off the loop."""
+        args = (body, context_length)
+        first = self._first_pass(self._walk_embeddings, self._tokenizer(body), args)
+        if isinstance(first, Cost):
+            return first
+        return await self._second_pass(first, self._walk_embeddings, args)
+
+    async def aprice_responses(
+        self,
+        body: Mapping[str, Any],
+        *,
+        default_max_tokens: int,
+        max_tokens_limit: int | None,
+        context_length: int,
+    ) -> Cost:
+        """`price_responses`'s exact result (or exception), large texts tokenized off the loop."""
+        args = (body, default_max_tokens, max_tokens_limit, context_length)
+        first = self._first_pass(self._walk_responses, self._tokenizer(body), args)
+        if isinstance(first, Cost):
+            return first
+        return await self._second_pass(first, self._walk_responses, args)
+
+    async def aprice_passthrough(
+        self,
+        body_bytes: bytes,
+        *,
+        model: str | None,
+        default_max_tokens: int,
+        generates: bool = True,
+        context_length: int | None = None,
+    ) -> Cost:
+        """`price_passthrough`'s exact result, a large body tokenized off the loop; never raises."""
+        args = (body_bytes, default_max_tokens, generates, context_length)
+        first = self._first_pass(self._walk_passthrough, self._passthrough_tokenizer(model), args)
+        if isinstance(first, Cost):
+            return first
+        return await self._second_pass(first, self._walk_passthrough, args)
+
+    def close(self) -> None:
+        """Stop the encode pool; idempotent. Call it at shutdown.
+
+        Encodes still queued are cancelled and their callers count those texts inline instead;
+        encodes already running finish first (each is one text, at most one request body long), so
+        this returns within one encode. Pricing keeps working afterwards, always inline.
+        """
+        with self._pool_lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    # ---- off-loop machinery --------------------------------------------------------------
+
+    def _first_pass(self, walk: Callable[..., Cost], tok: Tokenizer, args: tuple[Any, ...]) -> Cost | _Probe:
+        """Price with what is cheap now; a `_Probe` holding the texts to encode off the loop, if any."""
+        if self._closed or self._s.encode_threads <= 0 or not _offloadable(tok):
+            return walk(tok, *args)
+        probe = _Probe(tok, self._s.inline_max_chars)
+        try:
+            cost = walk(probe, *args)
+        except InvalidRequest as exc:
+            # A deferred text counted 0 so far: only a context-length verdict depends on it, and
+            # its message must carry the real count, so that one waits for the encode.
+            if probe.pending is None or exc.code != "context_length_exceeded":
+                raise
+            return probe
+        return cost if probe.pending is None else probe
+
+    async def _second_pass(self, probe: _Probe, walk: Callable[..., Cost], args: tuple[Any, ...]) -> Cost:
+        texts = list(probe.pending or ())
+        counts = await self._encode(probe.tok, texts)
+        probe.settle(dict(zip(texts, counts, strict=True)))
+        return walk(probe, *args)
+
+    async def _encode(self, tok: Tokenizer, texts: list[str]) -> list[int]:
+        """Token counts of `texts`, encoded concurrently in the pool while the loop runs on."""
+        pool = self._executor()
+        off: OffLoopCounting = tok  # type: ignore[assignment]  # _first_pass checked _offloadable
+        futures: list[concurrent.futures.Future[int]] = []
+        if pool is not None:
+            try:
+                for text in texts:
+                    futures.append(pool.submit(off.count_nogil, text))
+            except RuntimeError:  # closed between _executor() and submit: the rest run inline below
+                pass
+        if futures:
+            try:
+                await asyncio.wait([asyncio.wrap_future(f) for f in futures])
+            except asyncio.CancelledError:
+                # The caller went away (client disconnect): drop what has not started yet.
+                for f in futures:
+                    f.cancel()
+                raise
+        counts = []
+        for i, text in enumerate(texts):
+            # Not submitted, or cancelled by close(): counted here, inline (shutdown fails no request).
+            if i >= len(futures) or futures[i].cancelled():
+                counts.append(tok.count(text))
+            else:
+                counts.append(futures[i].result())
+        return counts
+
+    def _executor(self) -> concurrent.futures.ThreadPoolExecutor | None:
+        pool = self._pool
+        if pool is None and not self._closed:
+            with self._pool_lock:  # created on first need, so a pricer that never offloads has no threads
+                if self._pool is None and not self._closed:
+                    self._pool = concurrent.futures.ThreadPoolExecutor(
+                        max_workers=self._s.encode_threads,
+                        thread_name_prefix="tokengate-encode",
+                        initializer=_lower_priority,
+                        initargs=(self._s.encode_nice,),
+                    )
+                pool = self._pool
+        return pool
+
+    # ---- walks: validate and price with a given tokenizer ------------------------------------
+
+    def _walk_chat(
+        self,
+        tok: Tokenizer,
+        body: Mapping[str, Any],
+        default_max_tokens: int,
+        max_tokens_limit: int | None,
+        context_length: int,
+    ) -> Cost:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise InvalidRequest(
@@ -319,15 +672,14 @@ class Pricer:
         self._check_context(prefill, context_length, "messages")
         return Cost(prefill=prefill, decode=min(per_choice, context_length - prefill) * choices)
 
-    def price_completion(
+    def _walk_completion(
         self,
+        tok: Tokenizer,
         body: Mapping[str, Any],
-        *,
         default_max_tokens: int,
         max_tokens_limit: int | None,
         context_length: int,
     ) -> Cost:
-        tok = self._tokenizer(body)
         lengths = self._prompt_lengths(tok, body.get("prompt"), "prompt")
         suffix = body.get("suffix")
         if suffix is not None:
@@ -342,27 +694,20 @@ class Pricer:
         decode = sum(min(per_choice, context_length - n) for n in lengths) * choices
         return Cost(prefill=sum(lengths), decode=decode)
 
-    def price_embeddings(self, body: Mapping[str, Any], *, context_length: int | None = None) -> Cost:
-        tok = self._tokenizer(body)
+    def _walk_embeddings(self, tok: Tokenizer, body: Mapping[str, Any], context_length: int | None) -> Cost:
         lengths = self._prompt_lengths(tok, body.get("input"), "input")
         if context_length is not None:
             self._check_context(max(lengths), context_length, "input")
         return Cost(prefill=sum(lengths), decode=0)
 
-    def price_responses(
+    def _walk_responses(
         self,
+        tok: Tokenizer,
         body: Mapping[str, Any],
-        *,
         default_max_tokens: int,
         max_tokens_limit: int | None,
         context_length: int,
     ) -> Cost:
-        """Price ``POST /v1/responses`` like chat (see the module docstring for the rules).
-
-        Only what the body shows is priced: ``previous_response_id``, ``conversation`` and
-        ``item_reference`` items make the server prepend state the gateway cannot see.
-        """
-        tok = self._tokenizer(body)
         self._check_stored_state(body)
         prefill = self._s.reply_priming_tokens
         instructions = body.get("instructions")
@@ -381,22 +726,14 @@ class Pricer:
         self._check_context(prefill, context_length, "input")
         return Cost(prefill=prefill, decode=min(per_sequence, context_length - prefill))
 
-    def price_passthrough(
+    def _walk_passthrough(
         self,
+        tok: Tokenizer,
         body_bytes: bytes,
-        *,
-        model: str | None,
         default_max_tokens: int,
-        generates: bool = True,
-        context_length: int | None = None,
+        generates: bool,
+        context_length: int | None,
     ) -> Cost:
-        """A conservative price for an allow-listed pass-through POST; never raises.
-
-        ``model``: a model the gateway serves (its tokenizer counts), or None (the byte estimate).
-        ``generates``: whether the route can produce tokens when the body names no output limit.
-        ``context_length``: when given, caps the decode at ``context_length - prefill``.
-        """
-        tok: Tokenizer = self._safe_tokenizer(self._tokenizers.for_model(model)) if model else _BYTES
         prefill = max(1, tok.count(body_bytes.decode("utf-8", "replace"))) if body_bytes else 0
         decode = -1
         if body_bytes.lstrip()[:1] == b"{":
@@ -441,6 +778,9 @@ class Pricer:
                     f"'stream_options' must be an object, got {_kind(options)}", param="stream_options"
                 )
         return self._safe_tokenizer(self._tokenizers.for_model(model))
+
+    def _passthrough_tokenizer(self, model: str | None) -> Tokenizer:
+        return self._safe_tokenizer(self._tokenizers.for_model(model)) if model else _BYTES
 
     def _safe_tokenizer(self, tok: Tokenizer) -> Tokenizer:
         if type(tok) is TiktokenTokenizer or type(tok) is BytesTokenizer:

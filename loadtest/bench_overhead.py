@@ -23,6 +23,15 @@ mode: p50/p99 latency, requests/s, and CPU seconds per request of the proxy/gate
 the time to price a 28k-token prompt (``classifiers.bench_pricing``). With ``--redis`` also Redis's
 own CPU per request (``INFO cpu`` used_cpu_sys + used_cpu_user around each gateway-redis run) and
 the p50 the Redis store adds over the memory store per scenario.
+
+With ``--with-long-prompts RATE`` the benchmark measures instead whether pricing long prompts
+stalls the gateway: each short-request run is done twice, *quiet* and while a sender process
+posts never-seen ~28k-token chat prompts (``--long-tokens``) at RATE per second, open loop, to
+the same target. Reported: the short requests' p50/p99 per target and background, the
+gateway-added p50/p99 (gateway minus direct under the same background) and the ratio of the
+gateway-added p99 with long prompts to its quiet value (target: at most 2x), the same for the
+bare proxy (the control: it relays the same bodies and prices nothing), and the long requests'
+own latency. Example: ``--with-long-prompts 20 --concurrency 1 --modes plain``.
 """
 
 from __future__ import annotations
@@ -31,8 +40,10 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import itertools
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -246,6 +257,76 @@ async def _load(url: str, concurrency: int, duration: float, warmup: float, stre
     return {"latencies": lat, "errors": errors, "duration": duration, "n_all": total}
 
 
+# ---- never-seen long prompts in the background ----
+
+
+def _long_bodies(count: int, tokens: int) -> list[bytes]:
+    """`count` chat bodies of about `tokens` prompt tokens, never seen before (a fresh random seed)."""
+    import orjson
+
+    from classifiers.bench_pricing import prompt_text
+
+    rng = random.Random(int.from_bytes(os.urandom(8), "big"))
+    return [
+        orjson.dumps(
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": prompt_text(rng, tokens)}],
+                "max_tokens": CHUNKS,
+            }
+        )
+        for _ in range(count)
+    ]
+
+
+async def _send_long(url: str, bodies: list[bytes], rate: float) -> dict[str, Any]:
+    """Post `bodies` at `rate` per second, open loop (each on schedule, whatever the last one did)."""
+    import aiohttp
+
+    headers = {"content-type": "application/json", "authorization": "Bearer bench"}
+    statuses: dict[str, int] = {}
+    lat: list[float] = []
+
+    async def one(session: aiohttp.ClientSession, body: bytes) -> None:
+        t0 = time.perf_counter()
+        try:
+            async with session.post(url, data=body, headers=headers) as r:
+                await r.read()
+                status = str(r.status)
+        except aiohttp.ClientError as exc:
+            status = type(exc).__name__
+        if status == "200":
+            lat.append(time.perf_counter() - t0)
+        statuses[status] = statuses.get(status, 0) + 1
+
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as s:
+        start = time.perf_counter()
+        tasks = []
+        for i, body in enumerate(bodies):
+            delay = start + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(s, body)))
+        await asyncio.gather(*tasks)
+    return {"sent": len(bodies), "statuses": statuses, "latencies": lat}
+
+
+def _start_long_sender(url: str, args: argparse.Namespace, out: str) -> subprocess.Popen[bytes]:
+    """A sender process; returns once its prompts are generated and it is about to send."""
+    seconds = args.warmup + args.duration + 1.0  # covers the whole load run, warm-up included
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--role", "long", "--url", url, "--rate", str(args.with_long_prompts),
+         "--seconds", str(seconds), "--long-tokens", str(args.long_tokens), "--out", out],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    if proc.stdout.readline().strip() != b"ready":
+        proc.kill()
+        raise RuntimeError("the long-prompt sender did not start")
+    return proc
+
+
 # ---- orchestration ----
 
 
@@ -375,6 +456,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "bare": (f"http://127.0.0.1:{bare_port}/v1/chat/completions", procs[1].pid),
             "gateway": (f"http://127.0.0.1:{gw_port}/v1/chat/completions", gw.pid),
         }
+        backgrounds = [""]
+        if args.with_long_prompts:
+            # The bare proxy stays as the control: it relays the same long bodies but prices nothing.
+            backgrounds = ["", "|long"]
         if args.redis:
             redis = PrivateRedis()
             gwr_port = _free_port()
@@ -389,48 +474,61 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 _wait_ready(url.replace("/v1/chat/completions", "/readyz"))
         time.sleep(0.5)
         results: dict[str, Any] = {}
-        for rnd in range(args.rounds):
-            for stream in args.modes:
-                for conc in args.concurrency:
-                    for name, (url, pid) in targets.items():
-                        key = f"{name}|c{conc}|{'stream' if stream else 'plain'}"
-                        # Redis's CPU is charged to the one target that talks to it.
-                        meter = redis if name == "gateway-redis" else None
-                        cpu0 = _cpu_seconds(pid) if pid else 0.0
-                        rcpu0 = meter.cpu_seconds() if meter else 0.0
-                        result_path = os.path.join(tmp.name, "load.json")
-                        subprocess.run(
-                            [sys.executable, __file__, "--role", "load", "--url", url, "--c", str(conc),
-                             "--duration", str(args.duration), "--warmup", str(args.warmup), "--stream", str(int(stream)),
-                             "--out", result_path],
-                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True,
-                        )  # fmt: skip
-                        cpu1 = _cpu_seconds(pid) if pid else 0.0
-                        rcpu1 = meter.cpu_seconds() if meter else 0.0
-                        with open(result_path) as f:
-                            data = json.load(f)
-                        agg = results.setdefault(
-                            key,
-                            {
-                                "latencies": [],
-                                "errors": 0,
-                                "seconds": 0.0,
-                                "cpu": 0.0,
-                                "redis_cpu": 0.0,
-                                "n_all": 0,
-                            },
-                        )
-                        agg["latencies"] += data["latencies"]
-                        agg["errors"] += data["errors"]
-                        agg["seconds"] += data["duration"]
-                        agg["n_all"] += data["n_all"]
-                        agg["cpu"] += cpu1 - cpu0
-                        agg["redis_cpu"] += rcpu1 - rcpu0
-                        print(
-                            f"round {rnd + 1} {key:<30} n={len(data['latencies']):>6} "
-                            f"p50={_pct(data['latencies'], 0.5) * 1e3:7.3f} ms",
-                            file=sys.stderr,
-                        )
+        # Rounds outermost: every scenario is measured once per round, interleaved across targets.
+        for rnd, stream, conc, background, (name, (url, pid)) in itertools.product(
+            range(args.rounds), args.modes, args.concurrency, backgrounds, targets.items()
+        ):
+            key = f"{name}|c{conc}|{'stream' if stream else 'plain'}{background}"
+            long_out = os.path.join(tmp.name, "long.json")
+            sender = _start_long_sender(url, args, long_out) if background else None
+            # Redis's CPU is charged to the one target that talks to it.
+            meter = redis if name == "gateway-redis" else None
+            cpu0 = _cpu_seconds(pid) if pid else 0.0
+            rcpu0 = meter.cpu_seconds() if meter else 0.0
+            result_path = os.path.join(tmp.name, "load.json")
+            subprocess.run(
+                [sys.executable, __file__, "--role", "load", "--url", url, "--c", str(conc),
+                 "--duration", str(args.duration), "--warmup", str(args.warmup), "--stream", str(int(stream)),
+                 "--out", result_path],
+                cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True,
+            )  # fmt: skip
+            cpu1 = _cpu_seconds(pid) if pid else 0.0
+            rcpu1 = meter.cpu_seconds() if meter else 0.0
+            long_run: dict[str, Any] | None = None
+            if sender is not None:
+                sender.wait(args.warmup + args.duration + 120)
+                with open(long_out) as f:
+                    long_run = json.load(f)
+            with open(result_path) as f:
+                data = json.load(f)
+            agg = results.setdefault(
+                key,
+                {
+                    "latencies": [],
+                    "errors": 0,
+                    "seconds": 0.0,
+                    "cpu": 0.0,
+                    "redis_cpu": 0.0,
+                    "n_all": 0,
+                },
+            )
+            agg["latencies"] += data["latencies"]
+            agg["errors"] += data["errors"]
+            agg["seconds"] += data["duration"]
+            agg["n_all"] += data["n_all"]
+            agg["cpu"] += cpu1 - cpu0
+            agg["redis_cpu"] += rcpu1 - rcpu0
+            if long_run is not None:
+                bg = agg.setdefault("long", {"sent": 0, "statuses": {}, "latencies": []})
+                bg["sent"] += long_run["sent"]
+                bg["latencies"] += long_run["latencies"]
+                for status, n in long_run["statuses"].items():
+                    bg["statuses"][status] = bg["statuses"].get(status, 0) + n
+            print(
+                f"round {rnd + 1} {key:<30} n={len(data['latencies']):>6} "
+                f"p50={_pct(data['latencies'], 0.5) * 1e3:7.3f} ms",
+                file=sys.stderr,
+            )
         summary: dict[str, Any] = {}
         for key, agg in results.items():
             lat = agg["latencies"]
@@ -443,6 +541,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 # CPU is read around the whole load run (warm-up included): divide by all requests.
                 "cpu_ms_per_req": (agg["cpu"] / agg["n_all"] * 1e3) if agg["n_all"] and agg["cpu"] else None,
             }
+            if "long" in agg:
+                bg = agg["long"]
+                summary[key]["long_prompts"] = {
+                    "sent": bg["sent"],
+                    "statuses": bg["statuses"],
+                    "p50_ms": _pct(bg["latencies"], 0.5) * 1e3,
+                    "p99_ms": _pct(bg["latencies"], 0.99) * 1e3,
+                }
             if key.startswith("gateway-redis|"):
                 summary[key]["redis_cpu_ms_per_req"] = (
                     agg["redis_cpu"] / agg["n_all"] * 1e3 if agg["n_all"] else None
@@ -551,11 +657,68 @@ def report(
     return "\n".join(lines) + "\n\n" + "\n".join(checks) + "\n"
 
 
+LONG_P99_RATIO_TARGET = 2.0
+
+
+def report_long(summary: dict[str, Any], args: argparse.Namespace, pricing: dict[str, float] | None) -> str:
+    """Short requests quiet vs while never-seen long prompts are priced (``--with-long-prompts``)."""
+    rate = args.with_long_prompts
+    lines = [
+        "| mode | concurrency | background | direct p50 | direct p99 | gateway p50 | gateway p99 "
+        "| gateway-added p50 | gateway-added p99 | bare-added p99 |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    checks = []
+    for stream in args.modes:
+        mode = "stream" if stream else "plain"
+        for conc in args.concurrency:
+            added, bare_added = {}, {}
+            for background, label in (("", "quiet"), ("|long", f"long prompts {rate:g}/s")):
+                d = summary[f"direct|c{conc}|{mode}{background}"]
+                g = summary[f"gateway|c{conc}|{mode}{background}"]
+                b = summary[f"bare|c{conc}|{mode}{background}"]
+                added[background] = (g["p50_ms"] - d["p50_ms"], g["p99_ms"] - d["p99_ms"])
+                bare_added[background] = b["p99_ms"] - d["p99_ms"]
+                lines.append(
+                    f"| {mode} | {conc} | {label} | {d['p50_ms']:.3f} | {d['p99_ms']:.3f} | {g['p50_ms']:.3f} "
+                    f"| {g['p99_ms']:.3f} | {added[background][0]:.3f} | {added[background][1]:.3f} "
+                    f"| {bare_added[background]:.3f} |"
+                )
+            quiet, loaded = added[""][1], added["|long"][1]
+            ratio = loaded / quiet if quiet > 0 else float("inf")
+            verdict = "met" if ratio <= LONG_P99_RATIO_TARGET else "NOT met"
+            checks.append(
+                f"- {mode} c={conc}: gateway-added p99 **{loaded:.3f} ms** with never-seen "
+                f"~{args.long_tokens // 1000}k-token prompts at {rate:g}/s vs {quiet:.3f} ms quiet: "
+                f"**{ratio:.2f}x** (target <= {LONG_P99_RATIO_TARGET:g}x: {verdict})"
+            )
+            quiet_bare, loaded_bare = bare_added[""], bare_added["|long"]
+            checks.append(
+                f"  - control: the bare proxy's added p99 {loaded_bare:.3f} ms with the long prompts vs "
+                f"{quiet_bare:.3f} ms quiet ({loaded_bare / quiet_bare if quiet_bare > 0 else float('inf'):.2f}x)"
+            )
+            for name in ("direct", "bare", "gateway"):
+                bg = summary[f"{name}|c{conc}|{mode}|long"]["long_prompts"]
+                checks.append(
+                    f"  - long prompts to {name}: {bg['sent']} sent, statuses {bg['statuses']}, "
+                    f"p50 {bg['p50_ms']:.1f} ms, p99 {bg['p99_ms']:.1f} ms"
+                )
+    if pricing:
+        checks.append(
+            f"- pricing a {pricing['prompt_tokens']:.0f}-token chat prompt: {pricing['cold_ms']:.2f} ms cold, "
+            f"{pricing['warm_ms']:.2f} ms warm; a short chat: {pricing['short_sync_us']:.1f} us with "
+            f"price_chat, {pricing['short_async_us']:.1f} us with aprice_chat"
+        )
+    return "\n".join(lines) + "\n\n" + "\n".join(checks) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
-        "--role", choices=["bench", "stub", "bare", "load"], default="bench", help=argparse.SUPPRESS
+        "--role", choices=["bench", "stub", "bare", "load", "long"], default="bench", help=argparse.SUPPRESS
     )
+    p.add_argument("--rate", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--seconds", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--upstream", help=argparse.SUPPRESS)
     p.add_argument("--url", help=argparse.SUPPRESS)
@@ -573,6 +736,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also measure gateway-redis: the same gateway on a private redis-server (store kind redis)",
     )
+    p.add_argument(
+        "--with-long-prompts",
+        type=float,
+        default=0.0,
+        metavar="RATE",
+        help="measure short requests quiet and while never-seen long prompts arrive at RATE/s (direct, gateway)",
+    )
+    p.add_argument("--long-tokens", type=int, default=28_000, help="prompt tokens of each long prompt")
     p.add_argument(
         "--access-log",
         action=argparse.BooleanOptionalAction,
@@ -595,6 +766,15 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w") as f:
             json.dump(out, f)
         return 0
+    if args.role == "long":
+        import uvloop
+
+        bodies = _long_bodies(max(1, int(args.rate * args.seconds)), args.long_tokens)
+        print("ready", flush=True)
+        out = uvloop.run(_send_long(args.url, bodies, args.rate))
+        with open(args.out, "w") as f:
+            json.dump(out, f)
+        return 0
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.modes = [m == "stream" for m in args.modes.split(",")]
     # Ctrl-C raises KeyboardInterrupt; make SIGTERM unwind the same way so run()'s cleanup stops
@@ -605,8 +785,17 @@ def main(argv: list[str] | None = None) -> int:
 
     pricing = measure()
     redis = redis_checks(summary, args) if args.redis else None
-    text = report(summary, args, pricing, redis)
+    if args.with_long_prompts:
+        text = report_long(summary, args, pricing)
+    else:
+        text = report(summary, args, pricing, redis)
     flags = " --redis" if args.redis else ""
+    if args.with_long_prompts:
+        flags += (
+            f" --with-long-prompts {args.with_long_prompts:g} --long-tokens {args.long_tokens}"
+            f" --concurrency {','.join(map(str, args.concurrency))}"
+            f" --modes {','.join('stream' if m else 'plain' for m in args.modes)}"
+        )
     print(
         f"\ncommand: python loadtest/bench_overhead.py{flags} --duration {args.duration} --rounds {args.rounds}\n"
     )

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import re
 import shutil
 import socket
 from pathlib import Path
@@ -23,7 +24,7 @@ from classifiers import (
     default_tokenizer,
     load_tokenizer,
 )
-from classifiers.tokenizers import _CountCache, _require_cached
+from classifiers.tokenizers import _CountCache, _dense_runs, _require_cached
 
 CL100K_URL = "https://openaipublic.blob.core.windows.net/encodings/cl100k_base.tiktoken"
 
@@ -115,13 +116,61 @@ _pieces = st.sampled_from(
 )
 
 
+# Small chunks cross many boundaries per example; the default size is checked as well.
+_chunk_sizes = st.sampled_from([32, 300, 2048, 16_384])
+
+
 @settings(max_examples=60, deadline=None)
-@given(st.lists(_pieces, min_size=1, max_size=400), st.integers(min_value=1, max_value=30))
-def test_chunking_never_changes_the_count(enc: tiktoken.Encoding, pieces: list[str], repeat: int) -> None:
+@given(st.lists(_pieces, min_size=1, max_size=400), st.integers(min_value=1, max_value=30), _chunk_sizes)
+def test_chunking_never_changes_the_count(
+    enc: tiktoken.Encoding, pieces: list[str], repeat: int, chunk: int
+) -> None:
     # Repeated so the text crosses several chunk boundaries at varied positions.
     text = "".join(pieces) * repeat
-    tok = TiktokenTokenizer(enc)  # a fresh cache, so every chunk is really counted
+    tok = TiktokenTokenizer(enc, chunk_chars=chunk)  # a fresh cache, so every chunk is really counted
     assert tok.count(text) == len(enc.encode_ordinary(text))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(_pieces, min_size=1, max_size=200), st.integers(min_value=1, max_value=30), _chunk_sizes)
+def test_the_memo_alone_gives_the_count_once_every_chunk_was_counted(
+    enc: tiktoken.Encoding, pieces: list[str], repeat: int, chunk: int
+) -> None:
+    text = "".join(pieces) * repeat
+    tok = TiktokenTokenizer(enc, chunk_chars=chunk)
+    assert tok.cached_count(text) is None  # never seen: the memo does not know it, and it encodes nothing
+    assert tok.count_nogil(text) == len(enc.encode_ordinary(text))
+    assert tok.cached_count(text) == tok.count(text)
+
+
+def test_hf_counts_off_the_loop_like_on_it(tiny_hf: Path) -> None:
+    tok = HFTokenizer(tiny_hf)
+    text = "hello world ! " * 50 + "unknown"
+    assert tok.cached_count(text) is None
+    fresh = HFTokenizer(tiny_hf)
+    assert tok.count_nogil(text) == fresh.count(text) == len(fresh.encode(text))
+    assert tok.cached_count(text) == fresh.count(text)
+
+
+_DENSE_REFERENCE = re.compile(rb"[A-Za-z0-9]{20,}")
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.sampled_from(["a", "Z", "7", " ", "+", "/", "=", "\n", "é", "日", "-", "_"]),
+            st.integers(15, 45).map(lambda n: "x9" * (n // 2)),
+        ),
+        max_size=60,
+    )
+)
+def test_the_byte_estimate_finds_dense_runs_exactly_as_the_regex_does(pieces: list[str]) -> None:
+    # The scan replaced `findall` of this regex (20x slower); non-ASCII is dropped first, so runs
+    # on both sides of it join, in both.
+    data = "".join(pieces).encode("ascii", "ignore")
+    runs = b"".join(_DENSE_REFERENCE.findall(data))
+    assert _dense_runs(data) == (len(runs), len(runs) - len(runs.translate(None, b"0123456789")))
 
 
 def test_count_cache_is_bounded() -> None:
