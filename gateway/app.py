@@ -180,6 +180,8 @@ class Gateway:
         if previous is None or previous.models != config.models or previous.pricing != config.pricing:
             # Rebuilt only on change: the pricer's tokenizer caches are worth keeping.
             self.models = ModelTable(config.models)
+            if previous is not None:
+                self.pricer.close()  # its queued encodes fall back to counting inline; none fails
             self.pricer = Pricer(
                 TokenizerRegistry(models=self.models.tokenizer_specs()),
                 PricingSettings(**config.pricing.settings),
@@ -275,6 +277,7 @@ class Gateway:
         if self.session is not None:
             await self.session.close()
         await self.store.close()
+        self.pricer.close()
 
     async def drain(self, timeout_s: float) -> None:
         """Stop admitting (503), fail queued requests, let in-flight ones finish up to ``timeout_s``,

@@ -246,7 +246,7 @@ class Proxy:
         await self.read(x)
         watcher = asyncio.create_task(_watch_disconnect(x))
         try:
-            self.price(x)
+            await self.price(x)
             self.classify(x)
             await self.admit(x)
             try:
@@ -310,14 +310,14 @@ class Proxy:
 
     # ---- 3. price ----
 
-    def price(self, x: Exchange) -> None:
+    async def price(self, x: Exchange) -> None:
         """Parse and validate the body, and price it: ``x.model``, ``x.body``, ``x.cost``."""
         tenant = x.tenant
         assert tenant is not None
         default_max = tenant.default_max_tokens or self.default_max_tokens
         if x.kind is RouteKind.PASSTHROUGH:
             model, x.body = self._passthrough_model(x.raw)
-            x.cost = self.pricer.price_passthrough(
+            x.cost = await self.pricer.aprice_passthrough(
                 x.raw,
                 model=model,
                 default_max_tokens=default_max,
@@ -347,28 +347,28 @@ class Proxy:
         p = self.pricer
         try:
             if x.kind is RouteKind.CHAT:
-                x.cost = p.price_chat(
+                x.cost = await p.aprice_chat(
                     body,
                     default_max_tokens=default_max,
                     max_tokens_limit=tenant.max_max_tokens,
                     context_length=ctx,
                 )
             elif x.kind is RouteKind.RESPONSES:
-                x.cost = p.price_responses(
+                x.cost = await p.aprice_responses(
                     body,
                     default_max_tokens=default_max,
                     max_tokens_limit=tenant.max_max_tokens,
                     context_length=ctx,
                 )
             elif x.kind is RouteKind.COMPLETION:
-                x.cost = p.price_completion(
+                x.cost = await p.aprice_completion(
                     body,
                     default_max_tokens=default_max,
                     max_tokens_limit=tenant.max_max_tokens,
                     context_length=ctx,
                 )
             else:
-                x.cost = p.price_embeddings(body, context_length=ctx)
+                x.cost = await p.aprice_embeddings(body, context_length=ctx)
         except InvalidRequest as exc:
             raise ApiError(400, exc.message, param=exc.param, code=exc.code) from None
 
