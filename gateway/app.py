@@ -31,6 +31,7 @@ from starlette.routing import Route
 from budgets.types import BudgetLayout, BudgetStore
 from classifiers import Classifier, Pricer, PricingSettings, TokenizerRegistry, show_value
 from gateway.accesslog import Record
+from gateway.admin.api import AdminApi
 from gateway.admin.control import Control, state_store_for
 from gateway.admin.tokens import load_tokens
 from gateway.auth import Authenticator
@@ -111,6 +112,8 @@ class Gateway:
             )
         # The live parts: rebuilt by `apply` (reload, admin API) while requests flow.
         self._expiries: Mapping[str, float] = {}
+        self.models: ModelTable
+        self.pricer: Pricer
         self.router = Router(config.pools, _breaker(config))
         layout = self._configure(config)
         # Everything else lives as long as the process.
@@ -158,12 +161,14 @@ class Gateway:
         self.prepare: Callable[[GatewayConfig], GatewayConfig] = lambda c: c
         self.tokens = load_tokens(config.admin.tokens_file)
         self.control = Control(self, state_store_for(config), raw)
+        self.admin_api = AdminApi(self)
         self.ops = Starlette(
             routes=[
                 Route("/metrics", self._metrics, methods=["GET"]),
                 Route("/healthz", self._healthz, methods=["GET"]),
                 Route("/readyz", self._readyz, methods=["GET"]),
                 *observe_routes(stats_sources),
+                *self.admin_api.routes(),
             ],
             exception_handlers={HTTPException: self._http_error, Exception: self._server_error},
         )

@@ -94,6 +94,7 @@ class TenantConfig:
     default_max_tokens: int | None = None  # None = pricing.default_max_tokens
     max_max_tokens: int | None = None  # larger per-choice requests are a 400
     max_queue_len: int = 64
+    models: tuple[str, ...] = ()  # model globs this tenant may use; empty = every served model
 
 
 @dataclass(frozen=True, slots=True)

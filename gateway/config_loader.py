@@ -231,7 +231,7 @@ def _pools(v: Any) -> tuple[PoolConfig, ...]:
     seen_urls: dict[str, str] = {}
     for name, body in m.items():
         where = f"pools.{valid_name(name, 'pools')}"
-        p = section(body, where, ("backends",))
+        p = section(body, where, ("backends", "budget_tokens"))
         raw = p.get("backends")
         if not isinstance(raw, list) or not raw:
             raise ConfigError(f"{where}.backends: expected a non-empty list of backends, got {show(raw)}")
@@ -244,7 +244,13 @@ def _pools(v: Any) -> tuple[PoolConfig, ...]:
                 )
             seen_urls[be.url] = where
             backends.append(be)
-        out.append(PoolConfig(name=name, backends=tuple(backends)))
+        out.append(
+            PoolConfig(
+                name=name,
+                backends=tuple(backends),
+                budget_tokens=opt_integer(p, "budget_tokens", where, minimum=1),
+            )
+        )
     return tuple(out)
 
 
@@ -348,6 +354,7 @@ def _tenants(v: Any, tiers: Sequence[TierConfig], tier_names: set[str]) -> tuple
                 "default_max_tokens",
                 "max_max_tokens",
                 "max_queue_len",
+                "models",
             ),
         )
         keys = string_list(t, "keys", where)
@@ -385,6 +392,7 @@ def _tenants(v: Any, tiers: Sequence[TierConfig], tier_names: set[str]) -> tuple
                 default_max_tokens=default_max,
                 max_max_tokens=max_max,
                 max_queue_len=integer(t, "max_queue_len", where, 64, minimum=0),
+                models=string_list(t, "models", where),
             )
         )
     return tuple(out)

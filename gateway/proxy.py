@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
@@ -342,6 +343,13 @@ class Proxy:
             )
         if not self.router.known_model(model):
             raise self._unknown_model(model)
+        if tenant.models and not any(fnmatchcase(model, g) for g in tenant.models):
+            raise ApiError(
+                403,
+                f"This API key may not use the model {show_value(model)}; it may use: {', '.join(tenant.models)}",
+                param="model",
+                code="model_not_allowed",
+            )
         x.body, x.model = body, model
         ctx = self.models.context_length(model)
         p = self.pricer

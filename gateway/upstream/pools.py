@@ -41,10 +41,14 @@ class BackendSpec:
 class BackendPoolSpec:
     name: str
     backends: tuple[BackendSpec, ...]
+    budget_tokens: int | None = None  # the pool's budget; default: its backends' capacities summed
 
     @property
     def capacity_tokens(self) -> int:
-        return sum(b.capacity_tokens for b in self.backends)
+        """Tokens the pool may hold in flight."""
+        if self.budget_tokens is not None:
+            return self.budget_tokens
+        return sum(b.capacity_tokens for b in self.backends if not b.draining)
 
 
 @dataclass(frozen=True, slots=True)

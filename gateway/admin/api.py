@@ -1,0 +1,579 @@
+"""The admin API, ``/admin/v1/...``: tenants, API keys, pools and backends, tiers, live state, reload.
+
+JSON in and out, errors in OpenAI's shape. Every route needs ``Authorization: Bearer <token>``: a
+``read`` token may use GET, an ``admin`` token everything (``gateway.admin.tokens``). With no admin
+token configured every ``/admin`` path is a 404: the API is off, never open. Changes go through
+``Control`` (validated by the config loader, saved for every replica, applied live, audited). The
+routes are described by an OpenAPI 3.1 document at ``GET /admin/v1/openapi.json``.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from classifiers import show_value
+from gateway.accesslog import Record
+from gateway.admin.openapi import document
+from gateway.admin.state import (
+    KINDS,
+    AdminState,
+    KeyRecord,
+    config_key_digest,
+    config_key_id,
+    digest,
+    effective_raw,
+)
+from gateway.admin.tokens import Caller, Role
+from gateway.config import DEFAULT_TIERS
+from gateway.errors import ApiError
+from gateway.fields import ConfigError
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+
+Handler = Callable[[Request, Caller], Awaitable[Response]]
+
+_TENANT_FIELDS = (
+    "budget_tokens",
+    "weight",
+    "tier",
+    "default_max_tokens",
+    "max_max_tokens",
+    "max_queue_len",
+    "models",
+)
+_MAX_BODY = 64 * 1024
+
+
+def _json(data: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+
+
+def _error(exc: ApiError) -> Response:
+    return Response(
+        exc.body(),
+        status_code=exc.status,
+        media_type="application/json",
+        headers=dict((k.decode(), v.decode()) for k, v in exc.headers() if k != b"content-type"),
+    )
+
+
+@dataclass
+class RecentErrors:
+    """The last failed requests (a request hook): what the live state shows an operator."""
+
+    size: int = 50
+
+    def __post_init__(self) -> None:
+        self.items: deque[dict[str, Any]] = deque(maxlen=self.size)
+        self.served: dict[str, int] = {}  # tenant -> prompt + completion tokens reported, this process
+
+    def __call__(self, rec: Record, end: float) -> None:
+        if rec.prompt_tokens is not None or rec.completion_tokens is not None:
+            self.served[rec.tenant] = (
+                self.served.get(rec.tenant, 0) + (rec.prompt_tokens or 0) + (rec.completion_tokens or 0)
+            )
+        if rec.status >= 400 or rec.outcome not in ("ok", "backend_4xx"):
+            self.items.append(
+                {
+                    "at": time.time(),
+                    "tenant": rec.tenant,
+                    "class": rec.klass,
+                    "pool": rec.pool,
+                    "status": rec.status,
+                    "outcome": rec.outcome,
+                    "error": None if rec.error is None else rec.error[:300],
+                }
+            )
+
+
+class AdminApi:
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+        self.recent = RecentErrors()
+        gw.request_hooks.append(self.recent)
+
+    # ---- plumbing ----
+
+    def routes(self) -> list[BaseRoute]:
+        r: list[tuple[str, Handler, str, Role]] = [
+            ("/admin/v1/openapi.json", self.openapi, "GET", Role.READ),
+            ("/admin/v1/tenants", self.list_tenants, "GET", Role.READ),
+            ("/admin/v1/tenants", self.create_tenant, "POST", Role.ADMIN),
+            ("/admin/v1/tenants/{name}", self.get_tenant, "GET", Role.READ),
+            ("/admin/v1/tenants/{name}", self.update_tenant, "PATCH", Role.ADMIN),
+            ("/admin/v1/tenants/{name}", self.delete_tenant, "DELETE", Role.ADMIN),
+            ("/admin/v1/tenants/{name}/keys", self.list_keys, "GET", Role.READ),
+            ("/admin/v1/tenants/{name}/keys", self.create_key, "POST", Role.ADMIN),
+            ("/admin/v1/keys/{key_id}", self.revoke_key, "DELETE", Role.ADMIN),
+            ("/admin/v1/keys/{key_id}/rotate", self.rotate_key, "POST", Role.ADMIN),
+            ("/admin/v1/pools", self.list_pools, "GET", Role.READ),
+            ("/admin/v1/pools/{name}", self.get_pool, "GET", Role.READ),
+            ("/admin/v1/pools/{name}", self.update_pool, "PATCH", Role.ADMIN),
+            ("/admin/v1/pools/{name}/backends", self.add_backend, "POST", Role.ADMIN),
+            ("/admin/v1/pools/{name}/backends", self.update_backend, "PATCH", Role.ADMIN),
+            ("/admin/v1/pools/{name}/backends", self.remove_backend, "DELETE", Role.ADMIN),
+            ("/admin/v1/tiers", self.list_tiers, "GET", Role.READ),
+            ("/admin/v1/tiers/{name}", self.put_tier, "PUT", Role.ADMIN),
+            ("/admin/v1/tiers/{name}", self.delete_tier, "DELETE", Role.ADMIN),
+            ("/admin/v1/state", self.live_state, "GET", Role.READ),
+            ("/admin/v1/overrides", self.list_overrides, "GET", Role.READ),
+            ("/admin/v1/overrides/{kind}/{name}", self.reset_override, "DELETE", Role.ADMIN),
+            ("/admin/v1/reload", self.reload, "POST", Role.ADMIN),
+        ]
+        by_path: dict[str, dict[str, tuple[Handler, Role]]] = {}
+        for path, handler, method, role in r:
+            by_path.setdefault(path, {})[method] = (handler, role)
+        return [
+            Route(path, self._dispatch(methods), methods=list(methods)) for path, methods in by_path.items()
+        ]
+
+    def _dispatch(
+        self, methods: Mapping[str, tuple[Handler, Role]]
+    ) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            try:
+                caller = self._caller(request)
+                handler, needed = methods[request.method]
+                if not caller.role.allows(needed):
+                    raise ApiError(
+                        403,
+                        f"This token may only read; {request.method} needs an admin token",
+                        code="forbidden",
+                    )
+                return await handler(request, caller)
+            except ApiError as exc:
+                return _error(exc)
+
+        return endpoint
+
+    def _caller(self, request: Request) -> Caller:
+        tokens = self.gw.tokens
+        if not tokens.enabled:
+            raise ApiError(
+                404,
+                "The admin API is off: set TOKENGATE_ADMIN_TOKEN (or admin.tokens_file) to enable it",
+                code="admin_api_off",
+            )
+        caller = tokens.caller(request.headers.get("authorization"))
+        if caller is None or caller.role is Role.METRICS:
+            raise ApiError(
+                401,
+                "Send an admin or read-only token: 'Authorization: Bearer <token>'",
+                code="invalid_admin_token",
+            )
+        return caller
+
+    async def _body(self, request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        if len(raw) > _MAX_BODY:
+            raise ApiError(
+                413, f"Admin request bodies are limited to {_MAX_BODY} bytes", code="request_too_large"
+            )
+        try:
+            data = orjson.loads(raw or b"{}")
+        except orjson.JSONDecodeError as exc:
+            raise ApiError(400, f"The body is not valid JSON: {exc}", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "The body must be a JSON object", code="invalid_json")
+        return data
+
+    def _raw(self) -> dict[str, Any]:
+        """The effective config in file shape (the file with the admin state over it)."""
+        control = self.gw.control
+        return effective_raw(control.file_raw or {}, control.state)
+
+    # ---- tenants ----
+
+    def _tenant_view(self, name: str) -> dict[str, Any]:
+        for t in self.gw.config.tenants:
+            if t.name == name:
+                d = asdict(t)
+                d.pop("keys")
+                d["models"] = list(t.models)
+                d["source"] = self._source("tenants", name)
+                return d
+        raise ApiError(404, f"No tenant {show_value(name)}", code="tenant_not_found")
+
+    def _source(self, kind: str, name: str) -> str:
+        control = self.gw.control
+        in_file = name in ((control.file_raw or {}).get(kind) or {})
+        if name in control.state.overrides.get(kind, {}):
+            return "admin" if not in_file else "admin (over the file)"
+        return "file"
+
+    async def list_tenants(self, request: Request, caller: Caller) -> Response:
+        return _json({"tenants": [self._tenant_view(t.name) for t in self.gw.config.tenants]})
+
+    async def get_tenant(self, request: Request, caller: Caller) -> Response:
+        return _json(self._tenant_view(request.path_params["name"]))
+
+    async def create_tenant(self, request: Request, caller: Caller) -> Response:
+        body = await self._body(request)
+        name = body.pop("name", None)
+        if not isinstance(name, str) or not name:
+            raise ApiError(400, "'name' must be a non-empty string", param="name", code="invalid_type")
+        if name in (self._raw().get("tenants") or {}):
+            raise ApiError(409, f"Tenant {show_value(name)} exists; PATCH it instead", code="tenant_exists")
+        section = _tenant_section(body)
+        await self.gw.control.change(
+            caller, "tenant.create", f"tenants/{name}", lambda s: s.with_override("tenants", name, section)
+        )
+        return _json(self._tenant_view(name), 201)
+
+    async def update_tenant(self, request: Request, caller: Caller) -> Response:
+        name = request.path_params["name"]
+        body = await self._body(request)
+        current = (self._raw().get("tenants") or {}).get(name)
+        if not isinstance(current, Mapping):
+            raise ApiError(404, f"No tenant {show_value(name)}", code="tenant_not_found")
+        merged = {k: v for k, v in current.items() if k != "keys"}
+        merged.update(_tenant_section(body))
+        merged = {k: v for k, v in merged.items() if v is not None}
+        await self.gw.control.change(
+            caller, "tenant.update", f"tenants/{name}", lambda s: s.with_override("tenants", name, merged)
+        )
+        return _json(self._tenant_view(name))
+
+    async def delete_tenant(self, request: Request, caller: Caller) -> Response:
+        name = request.path_params["name"]
+        if name not in (self._raw().get("tenants") or {}):
+            raise ApiError(404, f"No tenant {show_value(name)}", code="tenant_not_found")
+        await self.gw.control.change(
+            caller, "tenant.delete", f"tenants/{name}", lambda s: s.with_override("tenants", name, None)
+        )
+        return _json({"deleted": name})
+
+    # ---- keys ----
+
+    def _keys_of(self, tenant: str) -> list[dict[str, Any]]:
+        control = self.gw.control
+        out: list[dict[str, Any]] = []
+        file_tenant = ((control.file_raw or {}).get("tenants") or {}).get(tenant)
+        listed = file_tenant.get("keys") if isinstance(file_tenant, Mapping) else None
+        for key in [listed] if isinstance(listed, str) else list(listed or []):
+            if not isinstance(key, str):
+                continue
+            d = config_key_digest(key)
+            kid = config_key_id(tenant, d)
+            record = control.state.keys.get(kid)
+            view = (record or KeyRecord(kid, tenant, d, "", 0.0, source="config")).public()
+            view["prefix"] = None if key.startswith("sha256:") else key[:10]
+            out.append(view)
+        out += [r.public() for r in control.state.keys.values() if r.tenant == tenant and r.source == "admin"]
+        return out
+
+    async def list_keys(self, request: Request, caller: Caller) -> Response:
+        name = request.path_params["name"]
+        self._tenant_view(name)  # 404 for an unknown tenant
+        return _json({"keys": self._keys_of(name)})
+
+    async def create_key(self, request: Request, caller: Caller) -> Response:
+        tenant = request.path_params["name"]
+        self._tenant_view(tenant)
+        body = await self._body(request)
+        label = body.get("name")
+        if label is not None and not isinstance(label, str):
+            raise ApiError(400, "'name' must be a string", param="name", code="invalid_type")
+        key, record = _new_key(tenant, label)
+        await self.gw.control.change(caller, "key.create", f"keys/{record.id}", lambda s: s.with_key(record))
+        return _json({**record.public(), "key": key}, 201)
+
+    def _find_key(self, key_id: str) -> KeyRecord:
+        control = self.gw.control
+        record = control.state.keys.get(key_id)
+        if record is not None:
+            return record
+        for tenant in (control.file_raw or {}).get("tenants") or {}:
+            for view in self._keys_of(tenant):
+                if view["id"] == key_id:
+                    digest_ = next(
+                        config_key_digest(k)
+                        for k in _listed_keys((control.file_raw or {})["tenants"][tenant])
+                        if config_key_id(tenant, config_key_digest(k)) == key_id
+                    )
+                    return KeyRecord(key_id, tenant, digest_, view["prefix"] or "", 0.0, source="config")
+        raise ApiError(404, f"No API key with id {show_value(key_id)}", code="key_not_found")
+
+    async def revoke_key(self, request: Request, caller: Caller) -> Response:
+        record = self._find_key(request.path_params["key_id"])
+        if record.revoked_at is not None:
+            return _json(record.public())
+        revoked = KeyRecord(**{**asdict(record), "revoked_at": time.time()})
+        await self.gw.control.change(caller, "key.revoke", f"keys/{record.id}", lambda s: s.with_key(revoked))
+        return _json(revoked.public())
+
+    async def rotate_key(self, request: Request, caller: Caller) -> Response:
+        old = self._find_key(request.path_params["key_id"])
+        if old.revoked_at is not None:
+            raise ApiError(409, "A revoked key cannot be rotated; create a new one", code="key_revoked")
+        body = await self._body(request)
+        overlap = body.get("overlap_s", 3600)
+        if (
+            isinstance(overlap, bool)
+            or not isinstance(overlap, int | float)
+            or not 0 <= overlap <= 30 * 86400
+        ):
+            raise ApiError(
+                400,
+                "'overlap_s' must be a number of seconds from 0 to 2592000",
+                param="overlap_s",
+                code="invalid_value",
+            )
+        key, new = _new_key(old.tenant, old.name)
+        ending = KeyRecord(**{**asdict(old), "expires_at": time.time() + float(overlap)})
+
+        def mutate(s: AdminState) -> AdminState:
+            return s.with_key(ending).with_key(new)
+
+        await self.gw.control.change(caller, "key.rotate", f"keys/{old.id}", mutate)
+        return _json(
+            {**new.public(), "key": key, "replaces": old.id, "old_key_expires_at": ending.expires_at}, 201
+        )
+
+    # ---- pools and backends ----
+
+    def _pool_view(self, name: str) -> dict[str, Any]:
+        pool = self.gw.router.pools.get(name)
+        if pool is None:
+            raise ApiError(404, f"No pool {show_value(name)}", code="pool_not_found")
+        spec = next(p for p in self.gw.config.pools if p.name == name)
+        return {
+            "name": name,
+            "budget_tokens": spec.budget_tokens,
+            "capacity_tokens": spec.capacity_tokens,
+            "source": self._source("pools", name),
+            "backends": [
+                {
+                    "name": b.name,
+                    "url": b.spec.url,
+                    "capacity_tokens": b.spec.capacity_tokens,
+                    "models": list(b.spec.models),
+                    "draining": b.spec.draining,
+                    "healthy": b.healthy,
+                    "in_flight_tokens": b.in_flight_tokens,
+                    "in_flight_requests": b.in_flight_requests,
+                }
+                for b in pool.backends
+            ],
+        }
+
+    async def list_pools(self, request: Request, caller: Caller) -> Response:
+        return _json({"pools": [self._pool_view(p) for p in self.gw.router.pools]})
+
+    async def get_pool(self, request: Request, caller: Caller) -> Response:
+        return _json(self._pool_view(request.path_params["name"]))
+
+    def _pool_raw(self, name: str) -> dict[str, Any]:
+        pool = (self._raw().get("pools") or {}).get(name)
+        if not isinstance(pool, Mapping):
+            raise ApiError(404, f"No pool {show_value(name)}", code="pool_not_found")
+        return {**pool, "backends": [dict(b) for b in pool.get("backends") or []]}
+
+    async def _change_pool(self, caller: Caller, action: str, name: str, pool: dict[str, Any]) -> Response:
+        await self.gw.control.change(
+            caller, action, f"pools/{name}", lambda s: s.with_override("pools", name, pool)
+        )
+        return _json(self._pool_view(name))
+
+    async def update_pool(self, request: Request, caller: Caller) -> Response:
+        name = request.path_params["name"]
+        body = await self._body(request)
+        unknown = set(body) - {"budget_tokens"}
+        if unknown:
+            raise ApiError(
+                400,
+                f"Unknown field(s) {', '.join(sorted(unknown))}; a pool takes budget_tokens",
+                code="unknown_field",
+            )
+        pool = self._pool_raw(name)
+        if body.get("budget_tokens") is None:
+            pool.pop("budget_tokens", None)
+        else:
+            pool["budget_tokens"] = body["budget_tokens"]
+        return await self._change_pool(caller, "pool.update", name, pool)
+
+    def _backend_index(self, pool: dict[str, Any], url: object) -> int:
+        if not isinstance(url, str) or not url:
+            raise ApiError(400, "Name the backend by its 'url'", param="url", code="invalid_type")
+        for i, b in enumerate(pool["backends"]):
+            if str(b.get("url", "")).rstrip("/").removesuffix("/v1") == url.rstrip("/").removesuffix("/v1"):
+                return i
+        raise ApiError(404, f"No backend {show_value(url)} in this pool", code="backend_not_found")
+
+    async def add_backend(self, request: Request, caller: Caller) -> Response:
+        name = request.path_params["name"]
+        body = await self._body(request)
+        pool = self._pool_raw(name)
+        pool["backends"].append(body)
+        return await self._change_pool(caller, "backend.add", name, pool)
+
+    async def update_backend(self, request: Request, caller: Caller) -> Response:
+        name = request.path_params["name"]
+        body = await self._body(request)
+        pool = self._pool_raw(name)
+        i = self._backend_index(pool, body.get("url"))
+        pool["backends"][i] = {**pool["backends"][i], **{k: v for k, v in body.items() if k != "url"}}
+        return await self._change_pool(caller, "backend.update", name, pool)
+
+    async def remove_backend(self, request: Request, caller: Caller) -> Response:
+        name = request.path_params["name"]
+        pool = self._pool_raw(name)
+        i = self._backend_index(pool, request.query_params.get("url"))
+        del pool["backends"][i]
+        if not pool["backends"]:
+            raise ApiError(
+                409,
+                "A pool keeps at least one backend; remove the pool from the config file instead",
+                code="last_backend",
+            )
+        return await self._change_pool(caller, "backend.remove", name, pool)
+
+    # ---- tiers ----
+
+    async def list_tiers(self, request: Request, caller: Caller) -> Response:
+        return _json(
+            {"tiers": [{**asdict(t), "source": self._source("tiers", t.name)} for t in self.gw.config.tiers]}
+        )
+
+    def _with_default_tiers(self, s: AdminState) -> AdminState:
+        """A file without a tiers section relies on the defaults: write them out before changing one,
+        or the change would replace all of them."""
+        if "tiers" in (self.gw.control.file_raw or {}) or s.overrides["tiers"]:
+            return s
+        for t in DEFAULT_TIERS:
+            s = s.with_override(
+                "tiers",
+                t.name,
+                {"rank": t.rank, "ceiling": t.ceiling, "max_queue_wait_s": t.max_queue_wait_s},
+            )
+        return s
+
+    async def put_tier(self, request: Request, caller: Caller) -> Response:
+        name = request.path_params["name"]
+        body = await self._body(request)
+        await self.gw.control.change(
+            caller,
+            "tier.put",
+            f"tiers/{name}",
+            lambda s: self._with_default_tiers(s).with_override("tiers", name, body),
+        )
+        return await self.list_tiers(request, caller)
+
+    async def delete_tier(self, request: Request, caller: Caller) -> Response:
+        name = request.path_params["name"]
+        if all(t.name != name for t in self.gw.config.tiers):
+            raise ApiError(404, f"No tier {show_value(name)}", code="tier_not_found")
+        await self.gw.control.change(
+            caller,
+            "tier.delete",
+            f"tiers/{name}",
+            lambda s: self._with_default_tiers(s).with_override("tiers", name, None),
+        )
+        return await self.list_tiers(request, caller)
+
+    # ---- live state, overrides, reload ----
+
+    async def live_state(self, request: Request, caller: Caller) -> Response:
+        snap = await self.gw.store.snapshot()
+        pools = {
+            name: {"capacity": p.capacity, "in_flight": p.in_flight, "shared": p.shared}
+            for name, p in snap.pools.items()
+        }
+        tenants = {
+            t.name: {
+                "in_flight": pools.get(f"tenant:{t.name}", {}).get("in_flight", 0),
+                "queued": snap.tenant_queue_depth.get(t.name, 0),
+                "fair_share_counter": snap.virtual_service.get(t.name),
+                "served_tokens_here": self.recent.served.get(t.name, 0),
+            }
+            for t in self.gw.tenants
+        }
+        return _json(
+            {
+                "version": self.gw.control.state.version,
+                "pools": pools,
+                "queued_by_tier": dict(snap.queue_depth),
+                "tenants": tenants,
+                "leases": snap.leases,
+                "requests_in_gateway": len(self.gw.exchanges),
+                "recent_errors": list(self.recent.items),
+            }
+        )
+
+    async def list_overrides(self, request: Request, caller: Caller) -> Response:
+        state = self.gw.control.state
+        return _json(
+            {"version": state.version, "overrides": {k: dict(v) for k, v in state.overrides.items()}}
+        )
+
+    async def reset_override(self, request: Request, caller: Caller) -> Response:
+        kind, name = request.path_params["kind"], request.path_params["name"]
+        if kind not in KINDS:
+            raise ApiError(
+                404, f"Overrides are kept for {', '.join(KINDS)}; not {show_value(kind)}", code="not_found"
+            )
+        if name not in self.gw.control.state.overrides.get(kind, {}):
+            raise ApiError(
+                404,
+                f"No override of {kind}/{show_value(name)}: it already follows the file",
+                code="not_found",
+            )
+        await self.gw.control.change(
+            caller, "override.reset", f"{kind}/{name}", lambda s: s.without_override(kind, name)
+        )
+        return _json({"reset": f"{kind}/{name}"})
+
+    async def reload(self, request: Request, caller: Caller) -> Response:
+        try:
+            kept = await self.gw.control.reload(caller)
+        except ConfigError as exc:
+            raise ApiError(
+                400, f"Reload refused, the running configuration is unchanged: {exc}", code="invalid_config"
+            ) from None
+        return _json({"reloaded": self.gw.config_path, "needs_restart": kept})
+
+    async def openapi(self, request: Request, caller: Caller) -> Response:
+        return _json(document())
+
+
+def _tenant_section(body: Mapping[str, Any]) -> dict[str, Any]:
+    unknown = set(body) - set(_TENANT_FIELDS)
+    if unknown:
+        hint = "keys are managed with /admin/v1/tenants/{name}/keys; " if "keys" in unknown else ""
+        raise ApiError(
+            400,
+            f"Unknown tenant field(s) {', '.join(sorted(unknown))}; {hint}fields: {', '.join(_TENANT_FIELDS)}",
+            code="unknown_field",
+        )
+    return dict(body)
+
+
+def _listed_keys(section: object) -> list[str]:
+    if not isinstance(section, Mapping):
+        return []
+    keys = section.get("keys")
+    return [k for k in ([keys] if isinstance(keys, str) else list(keys or [])) if isinstance(k, str)]
+
+
+def _new_key(tenant: str, label: str | None) -> tuple[str, KeyRecord]:
+    key = "tg-" + secrets.token_urlsafe(32)
+    record = KeyRecord(
+        id="key-" + secrets.token_hex(6),
+        tenant=tenant,
+        digest=digest(key),
+        prefix=key[:10],
+        created_at=time.time(),
+        name=label,
+    )
+    return key, record
