@@ -33,7 +33,7 @@ from classifiers import Classifier, Pricer, PricingSettings, TokenizerRegistry, 
 from gateway.accesslog import Record
 from gateway.admin.api import AdminApi
 from gateway.admin.control import Control, state_store_for
-from gateway.admin.tokens import load_tokens
+from gateway.admin.tokens import Role, load_tokens
 from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError, error_body
@@ -64,6 +64,27 @@ _ROUTES = {
 _RAW_ROUTES = {path.encode(): kind for path, kind in _ROUTES.items()}
 
 
+# Served on the API port for load balancers; everything else operational is on the ops listener.
+_OPEN_OPS = frozenset({"/healthz", "/readyz"})
+
+
+class OpsApp:
+    """The ops listener's ASGI app (an object: servers tell ASGI 3 apps by their ``__call__``)."""
+
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.gw.serve_ops(scope, receive, send)
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for k, v in scope["headers"]:
+        if k == name:
+            return str(v.decode("latin-1"))
+    return None
+
+
 # Sections that shape the process itself: a reload keeps their running values until a restart.
 RESTART_ONLY = (
     "listen",
@@ -77,6 +98,7 @@ RESTART_ONLY = (
     "observability",
     "embedded_backend",
     "admin",
+    "ops",
 )
 
 
@@ -162,6 +184,7 @@ class Gateway:
         self.tokens = load_tokens(config.admin.tokens_file)
         self.control = Control(self, state_store_for(config), raw)
         self.admin_api = AdminApi(self)
+        self.ops_app = OpsApp(self)  # the ASGI app of the ops listener
         self.ops = Starlette(
             routes=[
                 Route("/metrics", self._metrics, methods=["GET"]),
@@ -336,12 +359,71 @@ class Gateway:
                     return
                 assert self._proxy is not None, "the app's lifespan has not run"
                 await self._proxy.handle(scope, receive, send, RouteKind.PASSTHROUGH, route)
-            else:
+            elif path in _OPEN_OPS:
                 await self.ops(scope, receive, send)
+            elif self.config.ops.port is None:
+                await self._guarded_ops(scope, receive, send, on_api_port=True)
+            else:
+                await _send_error(send, self._not_here(scope["method"], path))
         elif scope["type"] == "lifespan":
             await self._lifespan(receive, send)
-        else:
-            await self.ops(scope, receive, send)
+
+    async def serve_ops(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The ops listener's app (``ops.host:ops.port``): metrics, stats, insights, dashboard, admin,
+        health. Its lifespan is the gateway's own (run by the API listener)."""
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["type"] != "http":
+            return
+        problem = path_problem(scope.get("raw_path") or scope["path"].encode())
+        if problem is not None:
+            await _send_error(send, ApiError(400, f"Invalid request path: {problem}", code="invalid_path"))
+            return
+        await self._guarded_ops(scope, receive, send, on_api_port=False)
+
+    async def _guarded_ops(self, scope: Scope, receive: Receive, send: Send, *, on_api_port: bool) -> None:
+        """Operator data is never readable with a tenant key. On the ops listener (loopback by default)
+        /metrics is open unless ``ops.metrics_auth``; /stats, /insights and /dashboard need a read or
+        admin token once tokens exist. On the API port everything needs a token (none configured: 404).
+        The admin API checks its own tokens."""
+        path = scope["path"]
+        if not path.startswith("/admin/") and path not in _OPEN_OPS:
+            needed = Role.METRICS if path == "/metrics" else Role.READ
+            open_here = not on_api_port and (needed is Role.METRICS and not self.config.ops.metrics_auth)
+            if not open_here and (on_api_port or self.tokens.enabled or needed is Role.METRICS):
+                if on_api_port and not self.tokens.enabled and not self.tokens.metrics_token_set:
+                    await _send_error(send, self._not_here(scope["method"], path))
+                    return
+                caller = self.tokens.caller(_header(scope, b"authorization"))
+                if caller is None or not caller.role.allows(needed):
+                    await _send_error(
+                        send,
+                        ApiError(
+                            401,
+                            f"{path} is operator data: send a {'metrics, ' if needed is Role.METRICS else ''}"
+                            "read or admin token as 'Authorization: Bearer <token>'",
+                            code="invalid_admin_token",
+                        ),
+                    )
+                    return
+        await self.ops(scope, receive, send)
+
+    def _not_here(self, method: str, path: str) -> ApiError:
+        ops = self.config.ops
+        where = (
+            f"the ops listener ({ops.host}:{ops.port})"
+            if ops.port is not None
+            else "an admin or read-only token"
+        )
+        return ApiError(
+            404,
+            f"Route {show_value(method)} {show_value(path)} is not served on the API port; operator routes "
+            f"(/metrics, /stats, /insights, /dashboard, /admin) need {where}",
+            code="unknown_route",
+        )
 
     def _unrouted(self, method: str, path: str) -> ApiError:
         return ApiError(

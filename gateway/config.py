@@ -118,6 +118,15 @@ class AdminConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class OpsConfig:
+    """The ops listener: /metrics, /stats, /insights, /dashboard, /admin (and /healthz, /readyz)."""
+
+    host: str = "127.0.0.1"
+    port: int | None = 9091  # None: no listener of its own; ops routes on the API port, token required
+    metrics_auth: bool = False  # /metrics needs a metrics/read/admin token on the ops listener too
+
+
+@dataclass(frozen=True, slots=True)
 class MetricsConfig:
     top_tenants: int = 20
 
@@ -165,6 +174,7 @@ class GatewayConfig:
     # /v1 routes forwarded besides the priced ones (gateway.passthrough); anything else is a 404.
     passthrough: tuple[PassthroughRoute, ...] = DEFAULT_ROUTES
     admin: AdminConfig = AdminConfig()
+    ops: OpsConfig = OpsConfig()
     metrics: MetricsConfig = MetricsConfig()
     health: HealthConfig = HealthConfig()
     upstream: UpstreamConfig = UpstreamConfig()

@@ -33,6 +33,7 @@ from gateway.config import (
     ListenConfig,
     MetricsConfig,
     ModelConfig,
+    OpsConfig,
     PoolConfig,
     PricingConfig,
     TenantConfig,
@@ -115,6 +116,7 @@ def parse_config(data: Any) -> GatewayConfig:
         limits=_limits(root.get("limits")),
         passthrough=_passthrough(root.get("passthrough")),
         admin=_admin(root.get("admin")),
+        ops=_ops(root.get("ops")),
         metrics=_metrics_section(root.get("metrics")),
         health=_health(root.get("health")),
         upstream=_upstream(root.get("upstream")),
@@ -134,11 +136,17 @@ def _observability(v: Any) -> ObserveSettings:
 
 
 def check_workers(config: GatewayConfig, workers: int) -> None:
-    """Several processes with a process-local store would multiply every budget."""
+    """Several processes with a process-local store would multiply every budget; and they cannot
+    share one ops listener (each would answer /metrics for itself only)."""
     if workers > 1 and not stores.is_shared(config.store.kind):
         raise ConfigError(
             f"--workers {workers} with store.kind={config.store.kind} would give every tenant "
             f"{workers}x its budget; use store.kind=redis"
+        )
+    if workers > 1 and config.ops.port is not None:
+        raise ConfigError(
+            f"--workers {workers} cannot share the ops listener on port {config.ops.port}: set ops.port: null "
+            "(operator routes on the API port, a read or admin token required) or run one process per replica"
         )
 
 
@@ -164,6 +172,7 @@ _TOP_KEYS = (
     "limits",
     "passthrough",
     "admin",
+    "ops",
     "metrics",
     "health",
     "upstream",
@@ -465,6 +474,20 @@ def _admin(v: Any) -> AdminConfig:
     m = section(v, "admin", ("tokens_file", "state_file"))
     return AdminConfig(
         tokens_file=opt_string(m, "tokens_file", "admin"), state_file=opt_string(m, "state_file", "admin")
+    )
+
+
+def _ops(v: Any) -> OpsConfig:
+    m = section(v, "ops", ("host", "port", "metrics_auth"))
+    port: int | None = OpsConfig().port
+    if "port" in m:
+        port = opt_integer(m, "port", "ops", minimum=0)
+        if port is not None and port > 65535:
+            raise ConfigError(f"ops.port: expected at most 65535, got {port}")
+    return OpsConfig(
+        host=string(m, "host", "ops", "127.0.0.1"),
+        port=port,
+        metrics_auth=boolean(m, "metrics_auth", "ops", False),
     )
 
 

@@ -8,6 +8,7 @@ Exit status: 0 all fine, 1 warnings, 2 something critical, 3 the gateway could n
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
 from collections.abc import Mapping
@@ -15,21 +16,35 @@ from typing import Any, TextIO
 
 import httpx
 
+from gateway.admin.tokens import ADMIN_ENV, READONLY_ENV
 from gateway.observe.diagnose import Finding, diagnose, fmt_s
 
 _TAG = {"ok": "  ok ", "info": " info", "warn": " WARN", "crit": " CRIT"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("url", help="the gateway's base URL, e.g. http://127.0.0.1:8080")
+    parser.add_argument(
+        "url",
+        nargs="?",
+        default="http://127.0.0.1:9091",
+        help="the gateway's ops listener (default: %(default)s; a trailing /v1 is ignored)",
+    )
+    parser.add_argument(
+        "--token",
+        default=None,
+        help="a read or admin token (default: $TOKENGATE_READONLY_TOKEN, else $TOKENGATE_ADMIN_TOKEN)",
+    )
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for /stats (default 5)")
     parser.add_argument("--json", action="store_true", help="print the raw /stats JSON instead")
 
 
 def run(args: argparse.Namespace) -> int:
-    url = args.url.rstrip("/") + "/stats"
+    base = args.url.rstrip("/").removesuffix("/v1")
+    url = base + "/stats"
+    token = getattr(args, "token", None) or os.environ.get(READONLY_ENV) or os.environ.get(ADMIN_ENV)
+    headers = {"authorization": f"Bearer {token}"} if token else {}
     try:
-        resp = httpx.get(url, timeout=args.timeout)
+        resp = httpx.get(url, timeout=args.timeout, headers=headers)
         resp.raise_for_status()
         stats = resp.json()
     except (httpx.HTTPError, ValueError) as e:
@@ -39,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         print(resp.text)
         return 0
     findings = diagnose(stats)
-    report(stats, findings, args.url, sys.stdout)
+    report(stats, findings, base, sys.stdout)
     levels = {f.level for f in findings}
     return 2 if "crit" in levels else 1 if "warn" in levels else 0
 

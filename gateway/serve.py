@@ -15,6 +15,7 @@ import signal
 import socket
 import sys
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
@@ -97,11 +98,61 @@ async def serve_async(
         app.config_path = config_path
         app.prepare = prepare
         _reload_on_sighup(app)
+        ops = await _start_ops_listener(app, log_level)
         server = DrainingServer(_uvicorn_config(app, host, port, log_level), app)
-        await server.serve()
+        try:
+            await server.serve()
+        finally:
+            if ops is not None:
+                await ops.stop()
     finally:
         if embedded is not None:
             await embedded.stop()
+
+
+@dataclass
+class _OpsListener:
+    server: uvicorn.Server
+    task: asyncio.Task[None]
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+
+
+async def _start_ops_listener(app: Gateway, log_level: str) -> _OpsListener | None:
+    """The ops listener on ``ops.host:ops.port`` (same process, same loop); None when ops.port is null."""
+    ops = app.config.ops
+    if ops.port is None:
+        log.warning(
+            "ops.port is null: /metrics, /stats, /insights, /dashboard and /admin are on the API port (token required)"
+        )
+        return None
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((ops.host, ops.port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(
+            f"ops listener: cannot listen on {ops.host}:{ops.port} ({exc.strerror}); set ops.port to a free port "
+            "(0 = any), or null to serve operator routes on the API port"
+        ) from None
+    config = uvicorn.Config(
+        app.ops_app,
+        log_level=log_level,
+        access_log=False,
+        lifespan="off",
+        http=guarded_protocol(connection_limits(app.config)),
+        server_header=False,
+    )
+    server = uvicorn.Server(config)
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]  # the API server drains
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]), name="tokengate-ops-listener")
+    bound = sock.getsockname()
+    log.info("ops listener on http://%s:%d (/metrics /stats /insights /dashboard /admin)", bound[0], bound[1])
+    return _OpsListener(server, task)
 
 
 def _unchanged(config: GatewayConfig) -> GatewayConfig:

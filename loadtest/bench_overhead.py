@@ -444,6 +444,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         procs.append(_spawn([__file__, "--role", "stub", "--port", str(stub_port)]))
         procs.append(_spawn([__file__, "--role", "bare", "--port", str(bare_port), "--upstream", stub_url]))
         pools = (
+            "ops: {port: 0}\n"  # two gateways side by side: each its own ops port
             f"pools:\n  default:\n    backends:\n"
             f"      - {{url: {stub_url}, capacity_tokens: 100000000, models: [{MODEL}]}}\n"
         )

@@ -474,15 +474,19 @@ def render(report: Report) -> str:
     return "\n".join(lines)
 
 
-async def check_after(url: str, api_key: str | None, settle_s: float = 10.0) -> tuple[bool, bool]:
-    """(every pool at 0 in flight, the gateway answers /healthz and a plain chat request)."""
+async def check_after(
+    url: str, api_key: str | None, ops_url: str | None = None, settle_s: float = 10.0
+) -> tuple[bool, bool]:
+    """(every pool at 0 in flight, the gateway answers /healthz and a plain chat request).
+
+    ``ops_url``: where /metrics is (the ops listener); default: ``url``."""
     import httpx
 
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     async with httpx.AsyncClient(base_url=url, timeout=10.0, headers=headers) as c:
         deadline = time.monotonic() + settle_s
         while True:
-            text = (await c.get("/metrics")).text
+            text = (await c.get((ops_url or url) + "/metrics")).text
             held = [
                 float(line.rsplit(" ", 1)[1])
                 for line in text.splitlines()
@@ -502,6 +506,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m loadtest.fuzz", description=__doc__.split("\n")[0])
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="a running gateway (its pools must serve the model 'stub-model')")
+    p.add_argument(
+        "--ops-url", default=None, help="its ops listener, for /metrics (default: http://127.0.0.1:9091)"
+    )
     target.add_argument("--spawn", action="store_true", help="start a stub backend and a gateway in-process")
     p.add_argument("--api-key", default=None)
     p.add_argument("--cases", type=int, default=2000)
@@ -519,13 +526,14 @@ async def amain(args: argparse.Namespace) -> Report:
         cases = (c for c in cases if c.index == args.only)
     if args.url:
         report = await run_cases(args.url, cases, concurrency=args.concurrency, hang_s=args.hang_s)
-        report.pools_at_zero, report.healthy_after = await check_after(args.url, args.api_key)
+        ops_url = args.ops_url or "http://127.0.0.1:9091"
+        report.pools_at_zero, report.healthy_after = await check_after(args.url, args.api_key, ops_url)
         return report
     from loadtest.fuzz_stack import fuzz_stack
 
-    async with fuzz_stack() as url:
+    async with fuzz_stack() as (url, ops_url):
         report = await run_cases(url, cases, concurrency=args.concurrency, hang_s=args.hang_s)
-        report.pools_at_zero, report.healthy_after = await check_after(url, None)
+        report.pools_at_zero, report.healthy_after = await check_after(url, None, ops_url)
     return report
 
 

@@ -18,17 +18,18 @@ from loadtest.stub_backend import StubBackend, StubConfig
 
 
 @asynccontextmanager
-async def fuzz_stack(work_dir: Path | None = None) -> AsyncIterator[str]:
-    """Yields the gateway's base URL; everything is stopped on exit."""
+async def fuzz_stack(work_dir: Path | None = None) -> AsyncIterator[tuple[str, str]]:
+    """Yields the gateway's API and ops base URLs; everything is stopped on exit."""
     stub = await StubBackend(
         StubConfig(first_token_delay_s=0.0, inter_token_delay_s=0.0, model="stub-model", max_output=256)
     ).start()
     tmp = tempfile.TemporaryDirectory(prefix="tokengate-fuzz-") if work_dir is None else None
     root = Path(tmp.name) if tmp is not None else work_dir
     assert root is not None
-    port = free_port()
+    port, ops_port = free_port(), free_port()
     config = {
         "listen": {"host": "127.0.0.1", "port": port},
+        "ops": {"port": ops_port},
         "pools": {
             "default": {"backends": [{"url": stub.url, "capacity_tokens": 200_000, "models": ["stub-model"]}]}
         },
@@ -42,7 +43,7 @@ async def fuzz_stack(work_dir: Path | None = None) -> AsyncIterator[str]:
         child = group.start("gateway", gateway_command(path), root / "gateway.log")
         url = f"http://127.0.0.1:{port}"
         await asyncio.to_thread(wait_ready, [(child, [f"{url}/readyz"])], 60.0)
-        yield url
+        yield url, f"http://127.0.0.1:{ops_port}"
         if child.exited() is not None:
             raise RuntimeError(f"the gateway died during the fuzz run:\n{child.log_tail()}")
     finally:

@@ -62,6 +62,7 @@ def gateway_config(
     config: dict[str, Any] = {"listen": {"host": "127.0.0.1", "port": port}, "store": {"kind": "memory"}}
     config = deep_merge(config, merged)
     config["listen"] = {"host": "127.0.0.1", "port": port}
+    config.setdefault("ops", {"port": 0})  # spawned gateways side by side: each its own ops port
     config["tenants"] = deep_merge(tenant_entries(workload), tenant_overrides)
     if "pools" in config:
         config["pools"] = _resolve_backends(config["pools"], backend_urls)

@@ -55,7 +55,7 @@ for step in $STEPS; do
       gw=$!
       wait_up localhost:8180/readyz && timeout 120 python3 -m loadtest.hol_probe --url http://127.0.0.1:8180 \
         --label gateway --out "$OUT/hol_gateway.json"
-      curl -s localhost:8180/metrics | grep -E '^tokengate_(pool_in_flight_tokens|requests_total)' | head -8
+      curl -s localhost:9181/metrics | grep -E '^tokengate_(pool_in_flight_tokens|requests_total)' | head -8
       kill $gw; wait $gw 2>/dev/null; kill $BACKEND; wait $BACKEND 2>/dev/null ;;
   esac
 done

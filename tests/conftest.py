@@ -375,6 +375,12 @@ class RunningGateway:
     url: str
     app: Any  # gateway.app.Gateway
     served: Served
+    ops: Served | None = None  # the ops listener (/metrics, /stats, /dashboard, /admin)
+
+    @property
+    def ops_url(self) -> str:
+        """Where operator routes are: the ops listener, or the API port when ``ops.port`` is null."""
+        return self.ops.url if self.ops is not None else self.url
 
     @property
     def store(self) -> Any:
@@ -413,9 +419,14 @@ async def gateway_factory() -> AsyncIterator[GatewayFactory]:
     async def start(config: Mapping[str, Any]) -> RunningGateway:
         app = build_app(parse_config(dict(config)), raw=dict(config))
         # The gateway's own protocol and limits, as `tokengate serve` runs it.
-        served = await serve_asgi(app, http=guarded_protocol(connection_limits(app.config)))
+        protocol = guarded_protocol(connection_limits(app.config))
+        served = await serve_asgi(app, http=protocol)
         started.append(served)
-        return RunningGateway(url=served.url, app=app, served=served)
+        ops = None
+        if app.config.ops.port is not None:  # served on a free port, not the configured one
+            ops = await serve_asgi(app.ops_app, http=protocol)
+            started.append(ops)
+        return RunningGateway(url=served.url, app=app, served=served, ops=ops)
 
     try:
         yield start

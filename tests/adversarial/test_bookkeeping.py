@@ -47,7 +47,7 @@ async def test_a_backend_lying_about_usage_cannot_break_bookkeeping(
         async with httpx.AsyncClient(base_url=gw.url, headers={"authorization": "Bearer k"}) as c:
             r = await c.post("/v1/chat/completions", json=body, headers={"x-usage": usage.decode()})
             assert r.status_code == 200
-            metrics = await c.get("/metrics")
+            metrics = await c.get(gw.ops_url + "/metrics")
             assert metrics.status_code == 200
         assert "tokengate_requests_total" in metrics.text
         assert await gw.wait_idle() == {name: 0 for name in await gw.in_flight()}

@@ -39,5 +39,5 @@ async def test_a_seeded_fuzz_slice_finds_no_server_error_and_no_hang(
     assert report.server_errors == [], fuzz.render(report)
     assert report.hangs == [], fuzz.render(report)
     assert await gw.wait_idle(10) == {name: 0 for name in await gw.in_flight()}
-    zero, healthy = await fuzz.check_after(gw.url, "k")
+    zero, healthy = await fuzz.check_after(gw.url, "k", gw.ops_url)
     assert zero and healthy

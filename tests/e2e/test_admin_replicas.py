@@ -55,7 +55,7 @@ async def test_a_change_on_one_replica_applies_on_every_replica_within_a_second_
     config = replica_config(url, fresh_redis, str(tokens))
     replicas = [await gateway_factory(config) for _ in range(3)]
     a, b, c = replicas
-    async with httpx.AsyncClient(base_url=a.url, headers=ADMIN) as admin:
+    async with httpx.AsyncClient(base_url=a.ops_url, headers=ADMIN) as admin:
         r = await admin.post("/admin/v1/tenants", json={"name": "newco", "budget_tokens": 7000})
         assert r.status_code == 201
         key = (await admin.post("/admin/v1/tenants/newco/keys", json={})).json()["key"]
@@ -66,7 +66,9 @@ async def test_a_change_on_one_replica_applies_on_every_replica_within_a_second_
     took = await until(everywhere, within_s=3.0)
     print(f"new tenant + key usable on every other replica after {took * 1000:.0f} ms")
     assert took < 1.0, f"the other replicas applied the change after {took:.2f} s"
-    async with httpx.AsyncClient(base_url=c.url, headers=ADMIN) as admin:  # any replica can change it back
+    async with httpx.AsyncClient(
+        base_url=c.ops_url, headers=ADMIN
+    ) as admin:  # any replica can change it back
         await admin.patch("/admin/v1/tenants/acme", json={"budget_tokens": 1500})
 
     async def budget_seen() -> bool:

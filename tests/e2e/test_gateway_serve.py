@@ -16,10 +16,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 async def test_serve_with_embedded_backend_and_sigterm(tmp_path: Path) -> None:
-    port = free_port()
+    port, ops_port = free_port(), free_port()
     cfg = tmp_path / "gw.yaml"
     cfg.write_text(
-        f"listen: {{port: {port}}}\nembedded_backend: {{port: 0, time_scale: 0.0}}\ndrain_timeout_s: 5\n"
+        f"listen: {{port: {port}}}\nops: {{port: {ops_port}}}\n"
+        "embedded_backend: {port: 0, time_scale: 0.0}\ndrain_timeout_s: 5\n"
     )
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg),
@@ -48,6 +49,9 @@ async def test_serve_with_embedded_backend_and_sigterm(tmp_path: Path) -> None:
                 },
             )
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+            assert (await c.get("/metrics")).status_code == 404  # operator data is not on the API port
+            ops = await c.get(f"http://127.0.0.1:{ops_port}/metrics")
+            assert ops.status_code == 200 and "tokengate_requests_total" in ops.text
         proc.send_signal(signal.SIGTERM)
         out, err = await asyncio.wait_for(proc.communicate(), 20)
         # uvicorn re-raises the signal it handled once the graceful shutdown is done.

@@ -73,6 +73,7 @@ def config_yaml(
     )
     return f"""
 listen: {{host: 127.0.0.1, port: {port}}}
+ops: {{port: 0}}
 store:
   kind: redis
   url: {redis_url}

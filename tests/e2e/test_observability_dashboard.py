@@ -132,7 +132,7 @@ async def test_dashboard_renders_and_updates_under_load() -> None:
     assert CHROMIUM is not None
     async with reference_backends(2) as backends, aiohttp.ClientSession() as session:
         config = gateway_config([b.url for b in backends], split=False)
-        async with running_gateway(config) as (_gw, served):
+        async with running_gateway(config) as (_gw, served, ops):
             load = asyncio.create_task(Traffic(served.url, session).run(duration_s=14.0, short_rps=10.0))
             try:
                 async with Browser(CHROMIUM) as b:
@@ -144,7 +144,7 @@ async def test_dashboard_renders_and_updates_under_load() -> None:
                         mobile=False,
                     )
                     await b.send("Page.enable")
-                    await b.send("Page.navigate", url=served.url + "/dashboard")
+                    await b.send("Page.navigate", url=ops.url + "/dashboard")
                     first_updates = None
                     points: list[int] = []
                     deadline = time.monotonic() + 30

@@ -91,12 +91,15 @@ async def reference_backends(n: int) -> AsyncIterator[list[Served]]:
 
 
 @contextlib.asynccontextmanager
-async def running_gateway(config: dict[str, Any]) -> AsyncIterator[tuple[Gateway, Served]]:
+async def running_gateway(config: dict[str, Any]) -> AsyncIterator[tuple[Gateway, Served, Served]]:
+    """The gateway's API listener and its ops listener (/stats, /metrics, /dashboard)."""
     gw = build_app(parse_config(config))
     served = await serve_asgi(gw)
+    ops = await serve_asgi(gw.ops_app)
     try:
-        yield gw, served
+        yield gw, served, ops
     finally:
+        await ops.stop()
         await served.stop()
 
 
@@ -161,18 +164,18 @@ async def test_hol_fingerprint_rises_on_a_shared_pool_and_falls_when_split() -> 
         urls = [b.url for b in backends]
 
         # ---- shared pool: the long class stalls the short one ----
-        async with running_gateway(gateway_config(urls, split=False)) as (_gw, served):
+        async with running_gateway(gateway_config(urls, split=False)) as (_gw, served, ops):
             await Traffic(served.url, session).run(duration_s=18.0)
-            async with session.get(served.url + "/stats") as r:
+            async with session.get(ops.url + "/stats") as r:
                 shared = await r.json()
-            async with session.get(served.url + "/metrics") as r:
+            async with session.get(ops.url + "/metrics") as r:
                 metrics_text = await r.text()
             out = io.StringIO()
             with redirect_stdout(out):
                 rc = await asyncio.to_thread(
-                    doctor.run, argparse.Namespace(url=served.url, timeout=10.0, json=False)
+                    doctor.run, argparse.Namespace(url=ops.url, timeout=10.0, json=False)
                 )
-            async with session.get(served.url + "/insights", params={"format": "yaml"}) as r:
+            async with session.get(ops.url + "/insights", params={"format": "yaml"}) as r:
                 insights = await r.text()
 
         pair = _hol(shared)
@@ -200,10 +203,10 @@ async def test_hol_fingerprint_rises_on_a_shared_pool_and_falls_when_split() -> 
         assert "route class long to its own pool" in text
 
         # ---- split pools: same traffic, long class on its own backend ----
-        async with running_gateway(gateway_config(urls, split=True)) as (_gw, served):
+        async with running_gateway(gateway_config(urls, split=True)) as (_gw, served, ops):
             traffic = Traffic(served.url, session)
             await traffic.run(duration_s=18.0)
-            async with session.get(served.url + "/stats") as r:
+            async with session.get(ops.url + "/stats") as r:
                 split = await r.json()
 
         assert set(traffic.statuses) == {200}, traffic.statuses

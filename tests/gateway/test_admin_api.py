@@ -51,7 +51,7 @@ async def test_without_a_token_the_admin_api_is_off_not_open(
 ) -> None:
     _, url = stub_backend
     gw = await gateway_factory(base(url, None))
-    async with httpx.AsyncClient(base_url=gw.url) as c:
+    async with httpx.AsyncClient(base_url=gw.ops_url) as c:
         for method, path in [
             ("GET", "/admin/v1/tenants"),
             ("POST", "/admin/v1/tenants"),
@@ -66,7 +66,7 @@ async def test_roles_read_token_reads_admin_token_writes_tenant_keys_get_nothing
 ) -> None:
     _, url = stub_backend
     gw = await gateway_factory(base(url, tokens_file))
-    async with httpx.AsyncClient(base_url=gw.url) as c:
+    async with httpx.AsyncClient(base_url=gw.ops_url) as c:
         assert (await c.get("/admin/v1/tenants", headers=READ)).status_code == 200
         r = await c.post("/admin/v1/tenants", json={"name": "x"}, headers=READ)
         assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden"
@@ -81,7 +81,7 @@ async def test_the_openapi_document_is_valid_and_names_every_route(
 ) -> None:
     _, url = stub_backend
     gw = await gateway_factory(base(url, tokens_file))
-    async with httpx.AsyncClient(base_url=gw.url) as c:
+    async with httpx.AsyncClient(base_url=gw.ops_url) as c:
         doc = (await c.get("/admin/v1/openapi.json", headers=READ)).json()
     validate(doc)
     assert doc["openapi"] == "3.1.0"
@@ -104,7 +104,7 @@ async def test_tenant_lifecycle_with_keys_applies_at_once(
     _, url = stub_backend
     gw = await gateway_factory(base(url, tokens_file))
     caplog.set_level(logging.INFO, logger="tokengate.audit")
-    async with httpx.AsyncClient(base_url=gw.url, headers=ADMIN) as c:
+    async with httpx.AsyncClient(base_url=gw.ops_url, headers=ADMIN) as c:
         r = await c.post(
             "/admin/v1/tenants", json={"name": "newco", "budget_tokens": 5000, "tier": "batch", "weight": 2}
         )
@@ -139,7 +139,7 @@ async def test_a_rotated_key_keeps_working_for_its_overlap_then_expires(
 ) -> None:
     _, url = stub_backend
     gw = await gateway_factory(base(url, tokens_file))
-    async with httpx.AsyncClient(base_url=gw.url, headers=ADMIN) as c:
+    async with httpx.AsyncClient(base_url=gw.ops_url, headers=ADMIN) as c:
         [file_key] = (await c.get("/admin/v1/tenants/acme/keys")).json()["keys"]
         assert file_key["source"] == "config" and file_key["prefix"] == "sk-acme"
         r = await c.post(f"/admin/v1/keys/{file_key['id']}/rotate", json={"overlap_s": 0.5})
@@ -161,7 +161,7 @@ async def test_pools_backends_and_tiers_change_live(
     served = await serve_asgi(second)
     try:
         gw = await gateway_factory(base(url, tokens_file))
-        async with httpx.AsyncClient(base_url=gw.url, headers=ADMIN) as c:
+        async with httpx.AsyncClient(base_url=gw.ops_url, headers=ADMIN) as c:
             r = await c.patch("/admin/v1/pools/default", json={"budget_tokens": 50_000})
             assert r.json()["capacity_tokens"] == 50_000
             r = await c.post(
@@ -191,7 +191,7 @@ async def test_invalid_changes_are_refused_with_the_loaders_message(
 ) -> None:
     _, url = stub_backend
     gw = await gateway_factory(base(url, tokens_file))
-    async with httpx.AsyncClient(base_url=gw.url, headers=ADMIN) as c:
+    async with httpx.AsyncClient(base_url=gw.ops_url, headers=ADMIN) as c:
         cases = [
             ("POST", "/admin/v1/tenants", {"name": "x", "budget_tokens": -5}, "tenants.x.budget_tokens"),
             ("POST", "/admin/v1/tenants", {"name": "x", "tier": "platinum"}, "tenants.x.tier: unknown tier"),
@@ -228,7 +228,7 @@ async def test_admin_changes_win_over_the_file_until_reset(
     async def budget() -> int:
         return (await gw.store.snapshot()).pools["tenant:acme"].capacity
 
-    async with httpx.AsyncClient(base_url=gw.url, headers=ADMIN) as c:
+    async with httpx.AsyncClient(base_url=gw.ops_url, headers=ADMIN) as c:
         await c.patch("/admin/v1/tenants/acme", json={"budget_tokens": 2000})
         config["tenants"]["acme"]["budget_tokens"] = 3000
         config["tenants"]["other"] = {"keys": ["sk-other"]}
@@ -253,7 +253,7 @@ async def test_the_memory_stores_admin_state_survives_a_restart_in_its_state_fil
     _, url = stub_backend
     config = base(url, tokens_file, admin={"state_file": str(tmp_path / "state.json")})
     gw = await gateway_factory(config)
-    async with httpx.AsyncClient(base_url=gw.url, headers=ADMIN) as c:
+    async with httpx.AsyncClient(base_url=gw.ops_url, headers=ADMIN) as c:
         key = (await c.post("/admin/v1/tenants/acme/keys", json={})).json()["key"]
         await c.patch("/admin/v1/tenants/acme", json={"budget_tokens": 4321})
     await gw.served.stop()

@@ -49,7 +49,7 @@ async def test_metrics_labels_and_state(
             headers={"authorization": "Bearer k-a"},
         )
         await c.post("/v1/chat/completions", json=chat(), headers={"authorization": "Bearer nope"})
-        r = await c.get("/metrics")
+        r = await c.get(gw.ops_url + "/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     m = samples(r.text)
     requests = {(s["tenant"], s["outcome"]): v for s, v in m["tokengate_requests_total"] if v}
@@ -155,7 +155,7 @@ async def test_ops_route_errors_keep_the_openai_shape(gateway: RunningGateway) -
         raise RuntimeError("store exploded")
 
     gateway.app.store.snapshot = broken  # /metrics reads a snapshot first
-    async with httpx.AsyncClient(base_url=gateway.url) as c:
+    async with httpx.AsyncClient(base_url=gateway.ops_url) as c:
         r = await c.get("/metrics")
     assert r.status_code == 500
     assert r.json()["error"]["code"] == "internal_error"

@@ -66,7 +66,7 @@ async def test_stream_usage_chunk_dropped_when_not_asked(
     assert got == sent.sent.replace(usage_event + b"\n\n", b"")
     assert got.endswith(b"data: [DONE]\n\n")
     # The gateway learned the real usage even though the client never saw it.
-    metrics = (await httpx.AsyncClient(base_url=gateway.url).get("/metrics")).text
+    metrics = (await httpx.AsyncClient(base_url=gateway.ops_url).get("/metrics")).text
     assert 'tokengate_tokens_actual_total{class="default",kind="output"} 3.0' in metrics
 
 

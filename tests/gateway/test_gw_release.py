@@ -23,7 +23,7 @@ async def _wait_for(pred, within_s: float = 3.0) -> None:  # type: ignore[no-unt
 
 
 async def _outcomes(gw: RunningGateway) -> str:
-    async with httpx.AsyncClient(base_url=gw.url) as c:
+    async with httpx.AsyncClient(base_url=gw.ops_url) as c:
         return (await c.get("/metrics")).text
 
 

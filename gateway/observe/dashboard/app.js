@@ -242,10 +242,15 @@ function render(st) {
     "window " + st.window_s + " s · up " + Math.round(st.uptime_s) + " s · updated " + new Date().toLocaleTimeString();
 }
 
+// With admin tokens configured, /stats needs one: open the page as /dashboard#token=<read token>
+// (a fragment never leaves the browser, so the token is not in any server log).
+const TOKEN = new URLSearchParams(location.hash.slice(1)).get("token");
+const AUTH = TOKEN ? { authorization: "Bearer " + TOKEN } : {};
+
 async function poll() {
   const dot = document.getElementById("status");
   try {
-    const r = await fetch("/stats", { cache: "no-store" });
+    const r = await fetch("/stats", { cache: "no-store", headers: AUTH });
     if (!r.ok) throw new Error("HTTP " + r.status);
     render(await r.json());
     dot.className = "dot live";
