@@ -41,7 +41,7 @@ if str(ROOT) not in sys.path:  # run as a script: make the project importable
     sys.path.insert(0, str(ROOT))
 
 from budgets.memory import MemoryStore  # noqa: E402
-from budgets.redis_store import RedisOptions, RedisStore  # noqa: E402
+from budgets.redis import RedisOptions, RedisStore  # noqa: E402
 from budgets.types import BudgetLayout, BudgetStore, Demand, PolicySpec, PoolSpec, TenantSpec, TierSpec  # noqa: E402
 
 BIG = 10**12

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 
 from budgets.memory import MemoryStore
-from budgets.redis_store import RedisStore
+from budgets.redis import RedisStore
 from budgets.types import BudgetLayout, Demand, Lease, QueueTimeout
 from tests.budgets.redis_fixtures import (
     RedisServer,

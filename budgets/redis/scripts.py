@@ -8,7 +8,7 @@ NOSCRIPT, the runner loads the source and retries once (NOSCRIPT means nothing r
 cannot apply an operation twice).
 
 Two transports: redis-py (``call``) and the store's lean pipelined connection (``call_resp``,
-budgets/resp.py), whose ``EVALSHA <sha> 1 <key>`` prefix is encoded once per script and key.
+budgets/redis/resp.py), whose ``EVALSHA <sha> 1 <key>`` prefix is encoded once per script and key.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
-from budgets import resp
+from budgets.redis import resp
 
 # Entry script -> the files it is made of (after lib.lua); each file defines <file>_main(A).
 ENTRY_SCRIPTS: dict[str, tuple[str, ...]] = {
@@ -47,7 +47,7 @@ class Script:
 
 
 def _read(name: str) -> str:
-    return resources.files(__package__).joinpath(f"{name}.lua").read_text(encoding="utf-8")
+    return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text(encoding="utf-8")
 
 
 _CALL = """

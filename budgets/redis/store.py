@@ -1,7 +1,7 @@
 """The cluster-wide BudgetStore: pools, the one wait queue and leases live in Redis.
 
 Every decision (validation, fast-path grant, enqueue, the grant pass, release, reap) runs inside
-one Lua script call (budgets/lua, a port of budgets/policy.py), so replicas never race each other
+one Lua script call (budgets/redis/lua, a port of budgets/policy.py), so replicas never race each other
 and the Redis store decides exactly what the memory store would. Time is Redis server TIME.
 
 Around the scripts this module adds what a shared, remote store needs:
@@ -54,11 +54,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from budgets import policy
-from budgets.keys import KeyLayout, layout_args, layout_from_json, pack_demand
-from budgets.lua import ScriptRunner
 from budgets.memory import MemoryStore
-from budgets.redis_batch import FastSend, ScriptBatcher, SendAgain
-from budgets.resp import NoScriptError, RespConnection, address_from_url
+from budgets.redis.batch import FastSend, ScriptBatcher, SendAgain
+from budgets.redis.keys import KeyLayout, layout_args, layout_from_json, pack_demand
+from budgets.redis.resp import NoScriptError, RespConnection, address_from_url
+from budgets.redis.scripts import ScriptRunner
 from budgets.types import (
     BudgetLayout,
     Demand,
@@ -166,7 +166,7 @@ class RedisStore:
         self._replica = replica_id or secrets.token_hex(6)
         self._ids = itertools.count(1)
         self._client = client or Redis(connection_pool=self._pool())
-        # Script calls (the request path) go over one lean pipelined connection (budgets/resp.py);
+        # Script calls (the request path) go over one lean pipelined connection (budgets/redis/resp.py);
         # redis-py keeps pub/sub, the snapshot and layout reads. TLS URLs and an injected client
         # send scripts through redis-py too.
         address = address_from_url(self._opts.url) if client is None else None
