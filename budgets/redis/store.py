@@ -55,8 +55,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from budgets import policy
 from budgets.memory import MemoryStore
+from budgets.redis import replies
 from budgets.redis.batch import FastSend, ScriptBatcher, SendAgain
 from budgets.redis.keys import KeyLayout, layout_args, layout_from_json, pack_demand
+from budgets.redis.replies import Granted, Invalid, Outcome, Queued, QueueIsFull, Release, Withdrawn
 from budgets.redis.resp import NoScriptError, RespConnection, address_from_url
 from budgets.redis.scripts import ScriptRunner
 from budgets.types import (
@@ -135,7 +137,7 @@ class _Waiter:
     seq: int
     lease_id: str
     demand: Demand
-    future: asyncio.Future[list[str]] = field(
+    future: asyncio.Future[replies.WakeUp] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
 
@@ -342,7 +344,7 @@ class RedisStore:
 
     async def _apply(self, layout: BudgetLayout, *, internal: bool = False) -> None:
         reply = await self._eval("apply_layout", layout_args(layout), internal=internal)
-        self._layout_ver = int(reply[1])
+        self._layout_ver = replies.layout_version(reply)
 
     def add_layout_listener(self, listener: Callable[[BudgetLayout], None]) -> None:
         """Call ``listener(layout)`` whenever a layout written by another replica is adopted."""
@@ -408,13 +410,13 @@ class RedisStore:
                         return local
                     lease_id = local.lease_id
                     reply = await self._await_acquire(local.call, lease_id)
-                    if reply[0] not in ("G", "Q"):
+                    if not isinstance(reply, (Granted, Queued)):
                         reply = await self._refused(lease_id, demand, reply)
                 else:
                     reply = await self._enqueue(lease_id, demand)
-                if reply[0] == "G":
+                if isinstance(reply, Granted):
                     return self._hold(lease_id, demand, reply, started)
-                return await self._wait(int(reply[1]), lease_id, demand, float(reply[3]), max_wait_s, started)
+                return await self._wait(reply, lease_id, demand, max_wait_s, started)
             except _Down:
                 # Marked down where it was raised: the next turn goes to the fallback (or to
                 # Redis again, if a recovery has already run meanwhile).
@@ -423,38 +425,42 @@ class RedisStore:
     def _new_lease_id(self) -> str:
         return f"{self._replica}-{next(self._ids):x}"
 
-    async def _enqueue(self, lease_id: str, demand: Demand) -> list[str]:
-        """One acquire script call; returns a 'G' or 'Q' reply, raises every refusal."""
+    async def _enqueue(self, lease_id: str, demand: Demand) -> Granted | Queued:
+        """One acquire script call; returns a grant or a ticket, raises every refusal."""
         reply = await self._acquire_call(lease_id, [lease_id, *pack_demand(demand)])
-        if reply[0] in ("G", "Q"):
+        if isinstance(reply, (Granted, Queued)):
             return reply
         return await self._refused(lease_id, demand, reply)
 
-    async def _refused(self, lease_id: str, demand: Demand, reply: list[str]) -> list[str]:
-        """An acquire reply other than 'G' or 'Q': NOLAYOUT recovered from and retried, refusals raised."""
-        if reply[:1] == ["NOLAYOUT"]:
+    async def _refused(self, lease_id: str, demand: Demand, reply: replies.AcquireReply) -> Granted | Queued:
+        """An acquire reply other than a grant or a ticket: a lost layout recovered from and retried,
+        refusals raised."""
+        if reply is Outcome.NO_LAYOUT:
             self._mark_down(RuntimeError("redis lost the budget layout (restarted?)"))
             if not await self._recover():
                 raise _Down("redis lost its data and recovery failed")
             reply = await self._acquire_call(lease_id, [lease_id, *pack_demand(demand)])
-            if reply[:1] == ["NOLAYOUT"]:
+            if reply is Outcome.NO_LAYOUT:
                 self._mark_down(RuntimeError("redis lost the budget layout again"))
                 raise _Down("redis lost the budget layout again")
-        kind = reply[0]
-        if kind in ("G", "Q"):
-            return list(reply)
-        if kind == "FULL":
+        if isinstance(reply, (Granted, Queued)):
+            return reply
+        if isinstance(reply, QueueIsFull):
             raise QueueFull(
-                f"tenant {demand.tenant} already has {reply[1]} requests waiting (max_queue_len {reply[2]})",
-                retry_after_s=float(reply[3]),
+                f"tenant {demand.tenant} already has {reply.queued} requests waiting "
+                f"(max_queue_len {reply.max_queue_len})",
+                retry_after_s=reply.retry_after_s,
             )
-        await self._raise_invalid(demand, reply)
+        if isinstance(reply, Invalid):
+            await self._raise_invalid(demand, reply)
+        raise AssertionError(f"unexpected acquire reply {reply!r}")
 
     async def _wait(
-        self, seq: int, lease_id: str, demand: Demand, tier_wait_s: float, max_wait_s: float, started: float
+        self, ticket: Queued, lease_id: str, demand: Demand, max_wait_s: float, started: float
     ) -> Lease:
         loop = asyncio.get_running_loop()
-        wait_s = min(max_wait_s, tier_wait_s)
+        seq = ticket.seq
+        wait_s = min(max_wait_s, ticket.max_wait_s)
         deadline = started + wait_s
         waiter = _Waiter(seq, lease_id, demand)
         self._waiters[seq] = waiter
@@ -464,18 +470,16 @@ class RedisStore:
                 if remaining <= 0:
                     break
                 await asyncio.wait((waiter.future,), timeout=min(self._opts.poll_interval_s, remaining))
-                reply = (
+                outcome = (
                     waiter.future.result()
                     if waiter.future.done()
-                    else await self._eval("status", [str(seq), lease_id])
+                    else replies.status(await self._eval("status", [str(seq), lease_id]))
                 )
-                if reply[0] == "G":
-                    return self._hold(
-                        lease_id, demand, [reply[0], reply[-2], reply[-1]], self._granted_after(started)
-                    )
-                if reply[0] == "F":
-                    await self._raise_invalid(demand, ["E", *reply[2:]])
-                if reply[0] == "U":
+                if isinstance(outcome, Granted):
+                    return self._hold(lease_id, demand, outcome, self._granted_after(started))
+                if isinstance(outcome, Invalid):
+                    await self._raise_invalid(demand, outcome)
+                if outcome is Outcome.UNKNOWN:
                     # Redis forgot the ticket (restart, or this replica was presumed dead):
                     # queue again under the same lease id, keeping the original deadline.
                     if self._closed:
@@ -486,15 +490,15 @@ class RedisStore:
                         if not await self._recover():
                             raise _Down("redis lost its data and recovery failed")
                     again = await self._enqueue(lease_id, demand)
-                    if again[0] == "G":
+                    if isinstance(again, Granted):
                         return self._hold(lease_id, demand, again, started)
                     self._waiters.pop(seq, None)
-                    seq = waiter.seq = int(again[1])
+                    seq = waiter.seq = again.seq
                     self._waiters[seq] = waiter
-            reply = await self._eval("withdraw", [str(seq), lease_id, "0"])
-            if reply[0] == "G":
-                return self._hold(lease_id, demand, reply, self._granted_after(started))
-            retry = float(reply[1]) if reply[0] == "W" else None
+            left = replies.withdraw(await self._eval("withdraw", [str(seq), lease_id, "0"]))
+            if isinstance(left, Granted):
+                return self._hold(lease_id, demand, left, self._granted_after(started))
+            retry = left.retry_after_s if isinstance(left, Withdrawn) else None
             raise QueueTimeout(
                 f"waited {wait_s:.3g}s for {demand.cost} tokens in tier {demand.tier} without a grant",
                 retry_after_s=retry,
@@ -509,7 +513,7 @@ class RedisStore:
         finally:
             self._waiters.pop(seq, None)
 
-    async def _acquire_call(self, lease_id: str, args: list[str]) -> list[str]:
+    async def _acquire_call(self, lease_id: str, args: list[str]) -> replies.AcquireReply:
         """The acquire script, batched with concurrent calls, safe against cancellation.
 
         The future is shielded: if the caller is cancelled mid-call, the script still runs (it
@@ -520,13 +524,13 @@ class RedisStore:
             raise _Down("redis is down")
         return await self._await_acquire(self._submit_acquire(args), lease_id)
 
-    async def _await_acquire(self, fut: asyncio.Future[Any], lease_id: str) -> list[str]:
+    async def _await_acquire(self, fut: asyncio.Future[Any], lease_id: str) -> replies.AcquireReply:
         try:
-            reply: list[str] = await asyncio.shield(fut)
+            reply = await asyncio.shield(fut)
         except asyncio.CancelledError:
             await self._finish_cleanup(self._abandon_enqueued(fut, lease_id))
             raise
-        return reply
+        return replies.acquire(reply)
 
     def _submit_acquire(self, args: list[str]) -> asyncio.Future[Any]:
         """Send an acquire script call with the next batch, or hold it back while settling."""
@@ -536,17 +540,17 @@ class RedisStore:
         self._gate.append((args, fut))
         return fut
 
-    async def _abandon_enqueued(self, call: asyncio.Future[list[str]], lease_id: str) -> None:
+    async def _abandon_enqueued(self, call: asyncio.Future[Any], lease_id: str) -> None:
         if self._ungate(call):
             return  # never sent
         try:
-            reply = await call
+            reply = replies.acquire(await call)
         except (Exception, asyncio.CancelledError):
             return  # Redis down or shutting down: nothing was granted or queued that we know of
-        if reply[0] == "G":
+        if isinstance(reply, Granted):
             await self.release(lease_id, 0)  # never reached its caller: nothing was served
-        elif reply[0] == "Q":
-            await self._withdraw_quietly(int(reply[1]), lease_id)
+        elif isinstance(reply, Queued):
+            await self._withdraw_quietly(reply.seq, lease_id)
 
     async def _finish_cleanup(self, coro: Any) -> None:
         """Run cleanup for a cancelled caller to completion before its cancellation propagates.
@@ -594,8 +598,8 @@ class RedisStore:
             elif held is not None:
                 del self._held[outcome.id]
 
-    def _hold(self, lease_id: str, demand: Demand, reply: Sequence[str], confirmed_at: float) -> Lease:
-        lease = Lease(id=lease_id, demand=demand, granted_at=float(reply[1]), queued_s=float(reply[2]))
+    def _hold(self, lease_id: str, demand: Demand, grant: Granted, confirmed_at: float) -> Lease:
+        lease = Lease(id=lease_id, demand=demand, granted_at=grant.granted_at, queued_s=grant.queued_s)
         self._held[lease_id] = _Held(lease, safe_until=self._safe_until(confirmed_at))
         return lease
 
@@ -609,14 +613,14 @@ class RedisStore:
             return 0.0  # a test-driven store clock says nothing about real time: never assume
         return confirmed_at + 0.9 * self._layout.policy.lease_ttl_s - 0.05
 
-    async def _raise_invalid(self, demand: Demand, reply: Sequence[Any]) -> NoReturn:
+    async def _raise_invalid(self, demand: Demand, reply: Invalid) -> NoReturn:
         """Turn a script's validation reply into the exact error the memory store would raise."""
         with contextlib.suppress(_Down):
             await self._reload_layout()
         policy.check_demand(self._layout, demand)  # raises with the full message when it agrees
-        kind, name = str(reply[1]), str(reply[2])
+        kind, name = reply.kind, reply.name
         if kind == "never":
-            limit = int(reply[3])
+            limit = reply.limit or 0
             raise NeverFits(
                 f"request costs {demand.cost} tokens but pool {name} grants at most {limit}; "
                 "it can never be admitted",
@@ -650,15 +654,15 @@ class RedisStore:
             fut.add_done_callback(functools.partial(self._released, lease_id, actual_decode))
             return True
         try:
-            done = await self._batcher.submit("release", [lease_id, _opt(actual_decode)])
+            done = replies.release(await self._batcher.submit("release", [lease_id, _opt(actual_decode)]))
         except _Down:
             if held is None:
                 return False
             self._pending_release[lease_id] = actual_decode
             return True
         # Held here but unknown to Redis (lost in a restart before re-registration): released.
-        # A reaped lease (-1) is gone for good, as in the memory store.
-        return int(done) == 1 or (int(done) == 0 and held is not None)
+        # A reaped lease is gone for good, as in the memory store.
+        return done is Release.LIVE or (done is Release.UNKNOWN and held is not None)
 
     def _released(self, lease_id: str, actual_decode: int | None, fut: asyncio.Future[Any]) -> None:
         self._releasing.pop(lease_id, None)
@@ -681,7 +685,7 @@ class RedisStore:
 
     async def _heartbeat(self, ids: Sequence[str], *, internal: bool = False) -> None:
         sent = asyncio.get_running_loop().time()
-        unknown = await self._eval_layout("heartbeat", ids, internal=internal)
+        unknown = await self._heartbeat_call(ids, internal=internal)
         lost = [i for i in unknown if (h := self._held.get(i)) is not None and not h.local]
         if lost:
             await self._restore([self._held[i].lease for i in lost], internal=internal)
@@ -695,7 +699,7 @@ class RedisStore:
         args: list[str] = []
         for lease in leases:
             args += [lease.id, *pack_demand(lease.demand), repr(lease.queued_s)]
-        n = int(await self._eval("restore", args, internal=internal))
+        n = replies.restore(await self._eval("restore", args, internal=internal))
         if n > 0:
             self.restored_leases += n
             _log.warning("re-registered %d in-flight leases unknown to redis", n)
@@ -709,9 +713,9 @@ class RedisStore:
             return n
         try:
             while True:
-                reaped, _withdrawn, more = await self._eval("reap", [str(_REAP_BATCH)])
-                n += int(reaped)
-                if not int(more):
+                reaped = replies.reap(await self._eval("reap", [str(_REAP_BATCH)]))
+                n += reaped.leases
+                if not reaped.more:
                     return n
         except _Down:
             return n
@@ -841,17 +845,18 @@ class RedisStore:
             raise _Down(str(err)) from err
         raise err
 
-    async def _eval_layout(self, name: str, args: Sequence[str], *, internal: bool = False) -> Any:
-        """A script that needs the layout: if Redis lost it (restart), recover first and retry once."""
-        reply = await self._eval(name, args, internal=internal)
-        if isinstance(reply, list) and reply[:1] == ["NOLAYOUT"]:
+    async def _heartbeat_call(self, ids: Sequence[str], *, internal: bool = False) -> list[str]:
+        """The heartbeat script (it needs the layout: if Redis lost it, recover first and retry once);
+        returns the ids Redis does not know."""
+        unknown = replies.heartbeat(await self._eval("heartbeat", ids, internal=internal))
+        if unknown is Outcome.NO_LAYOUT:
             self._mark_down(RuntimeError("redis lost the budget layout (restarted?)"))
             if internal or not await self._recover():
                 raise _Down("redis lost its data and recovery failed")
-            reply = await self._eval(name, args)
-            if isinstance(reply, list) and reply[:1] == ["NOLAYOUT"]:
+            unknown = replies.heartbeat(await self._eval("heartbeat", ids))
+            if unknown is Outcome.NO_LAYOUT:
                 raise _Down("redis lost the budget layout again")
-        return reply
+        return unknown
 
     def _mark_down(self, err: BaseException) -> None:
         if not self._down:
@@ -1103,10 +1108,10 @@ class RedisStore:
                     await pubsub.aclose()
 
     def _on_wake(self, data: str) -> None:
-        fields = data.split("\x1f")
-        waiter = self._waiters.get(int(fields[1]))
+        seq, outcome = replies.wake_up(data)
+        waiter = self._waiters.get(seq)
         if waiter is not None and not waiter.future.done():
-            waiter.future.set_result(fields)
+            waiter.future.set_result(outcome)
 
 
 def _opt(actual_decode: int | None) -> str:
