@@ -189,8 +189,7 @@ async def run_workers(url: str, prefix: str, concurrency: int, duration: float) 
         stop_at = started + duration
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
         elapsed = time.perf_counter() - started
-        batcher = store._batcher
-        return {"cycles": cycles, "seconds": elapsed, "ops_per_call": batcher.ops / max(1, batcher.batches)}
+        return {"cycles": cycles, "seconds": elapsed, "ops_per_call": store.ops_per_batch}
     finally:
         await store.close()
 

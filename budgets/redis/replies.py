@@ -122,6 +122,11 @@ def _unexpected(script: str, reply: Any) -> ValueError:
     return ValueError(f"unexpected reply from {script}.lua: {reply!r}")
 
 
+def _granted(reply: Sequence[Any]) -> Granted:
+    # acquire, status and withdraw all answer a grant as [G, granted_at, queued_s].
+    return Granted(float(reply[1]), float(reply[2]))
+
+
 def _invalid(kind: Any, name: Any, limit: Any = None) -> Invalid:
     return Invalid(str(kind), str(name), int(limit) if limit not in (None, "") else None)
 
@@ -129,7 +134,7 @@ def _invalid(kind: Any, name: Any, limit: Any = None) -> Invalid:
 def acquire(reply: Sequence[Any]) -> AcquireReply:
     code = reply[0]
     if code == GRANTED:
-        return Granted(float(reply[1]), float(reply[2]))
+        return _granted(reply)
     if code == QUEUED:
         return Queued(int(reply[1]), float(reply[3]))
     if code == QUEUE_FULL:
@@ -144,7 +149,7 @@ def acquire(reply: Sequence[Any]) -> AcquireReply:
 def status(reply: Sequence[Any]) -> StatusReply:
     code = reply[0]
     if code == GRANTED:
-        return Granted(float(reply[1]), float(reply[2]))
+        return _granted(reply)
     if code == WAITING:
         return Outcome.WAITING
     if code == UNKNOWN:
@@ -157,7 +162,7 @@ def withdraw(reply: Sequence[Any]) -> WithdrawReply:
     if code == WITHDRAWN:
         return Withdrawn(float(reply[1]))
     if code == GRANTED:
-        return Granted(float(reply[1]), float(reply[2]))
+        return _granted(reply)
     if code == RELEASED:
         return Outcome.RELEASED
     if code == UNKNOWN:

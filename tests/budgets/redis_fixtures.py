@@ -235,6 +235,4 @@ async def crash(store: RedisStore) -> None:
     for task in store._tasks:
         task.cancel()
     await asyncio.wait(store._tasks, timeout=2)
-    if store._resp is not None:
-        await store._resp.close()
-    await store._client.aclose()
+    await store._transport.close()
