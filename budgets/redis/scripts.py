@@ -1,11 +1,12 @@
 """The Redis store's Lua scripts: loaded once from package data, run with EVALSHA, reloaded on NOSCRIPT.
 
-Redis scripts cannot include each other, so ``lib.lua`` (the port of budgets/policy.py) is
-prepended to every entry script here and a call of its ``<name>_main(A)`` appended, returning
-``{ reply, LOCAL }`` (the reply plus the wake-ups for the calling replica); each result is one
-self-contained source with its own SHA1. A restarted Redis has an empty script cache: the first EVALSHA then answers
-NOSCRIPT, the runner loads the source and retries once (NOSCRIPT means nothing ran, so the retry
-cannot apply an operation twice).
+The sources are ``budgets/redis/lua/*.lua``. Redis scripts cannot include each other, so
+``lib.lua`` (the port of budgets/policy.py) is prepended to every entry script here and a call of
+its ``<name>_main(A)`` appended, returning ``{ reply, LOCAL }`` (the reply plus the wake-ups for
+the calling replica; budgets/redis/replies.py parses the replies); each result is one
+self-contained source with its own SHA1. A restarted Redis has an empty script cache: the first
+EVALSHA then answers NOSCRIPT, the runner loads the source and retries once (NOSCRIPT means
+nothing ran, so the retry cannot apply an operation twice).
 
 Two transports: redis-py (``call``) and the store's lean pipelined connection (``call_resp``,
 budgets/redis/resp.py), whose ``EVALSHA <sha> 1 <key>`` prefix is encoded once per script and key.
