@@ -1,4 +1,5 @@
-"""Token pools: the store contract, the grant policy and the in-memory store."""
+"""Token pools: the store contract, the grant policy and the in-memory store (the Redis store is
+budgets.redis)."""
 
 from budgets.memory import MemoryStore
 from budgets.types import (

@@ -7,7 +7,7 @@ and the reaper's period are real event-loop time (they are about how long a call
 
 The Redis store embeds one as its fail-open fallback and, when Redis is back, takes everything out
 of it without letting it grant anything more: ``pause``/``resume``, ``leases``, ``forget`` and
-``hand_over_waiting`` exist for that hand-over (budgets/redis_store.py).
+``hand_over_waiting`` exist for that hand-over (budgets/redis/).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from budgets.redis_store import RedisOptions
+from budgets.redis import RedisOptions
 from classifiers import ClassRule
 from gateway.observe.settings import ObserveSettings
 from gateway.passthrough import DEFAULT_ROUTES, PassthroughRoute

@@ -1,7 +1,7 @@
 """The one budget-store factory, and the ``store:`` config section it is built from.
 
 ``memory`` is the embedded default (one process); ``redis`` shares pools and one queue across every
-replica (``budgets.redis_store``). The section is read with the config toolkit into the store's own
+replica (``budgets.redis``). The section is read with the config toolkit into the store's own
 typed options (``RedisOptions``), so every error names the field::
 
     store:
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from budgets.memory import MemoryStore
-from budgets.redis_store import RedisOptions, RedisStore
+from budgets.redis import RedisOptions, RedisStore
 from budgets.types import BudgetLayout, BudgetStore
 from gateway.config import StoreConfig
 from gateway.fields import ConfigError, choice, integer, mapping, positive_number, section, show, string

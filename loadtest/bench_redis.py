@@ -41,7 +41,7 @@ if str(ROOT) not in sys.path:  # run as a script: make the project importable
     sys.path.insert(0, str(ROOT))
 
 from budgets.memory import MemoryStore  # noqa: E402
-from budgets.redis_store import RedisOptions, RedisStore  # noqa: E402
+from budgets.redis import RedisOptions, RedisStore  # noqa: E402
 from budgets.types import BudgetLayout, BudgetStore, Demand, PolicySpec, PoolSpec, TenantSpec, TierSpec  # noqa: E402
 
 BIG = 10**12
@@ -189,8 +189,7 @@ async def run_workers(url: str, prefix: str, concurrency: int, duration: float) 
         stop_at = started + duration
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
         elapsed = time.perf_counter() - started
-        batcher = store._batcher
-        return {"cycles": cycles, "seconds": elapsed, "ops_per_call": batcher.ops / max(1, batcher.batches)}
+        return {"cycles": cycles, "seconds": elapsed, "ops_per_call": store.ops_per_batch}
     finally:
         await store.close()
 

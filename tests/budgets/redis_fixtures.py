@@ -33,7 +33,7 @@ import pytest
 from budgets.types import BudgetLayout, BudgetStore
 
 if TYPE_CHECKING:
-    from budgets.redis_store import RedisStore
+    from budgets.redis import RedisStore
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
@@ -174,7 +174,7 @@ def session_redis() -> RedisServer:
 
 async def redis_store_factory(layout: BudgetLayout, clock: Callable[[], float]) -> BudgetStore:
     """The contract suite's factory: a RedisStore on a fresh key prefix, driven by the test clock."""
-    from budgets.redis_store import RedisOptions, RedisStore
+    from budgets.redis import RedisOptions, RedisStore
 
     # Own grants reach a waiter in the script reply, so the suite needs no polling; a poll in
     # flight could also hand a waiter its grant while the test is about to cancel it, which the
@@ -212,7 +212,7 @@ StoreMaker = Callable[..., "RedisStore"]
 async def make_store() -> AsyncIterator[StoreMaker]:
     """``make(server, layout, prefix=None, **options)``: an unstarted RedisStore (FAST options unless
     overridden); stores sharing a prefix are replicas of one domain. All are closed at teardown."""
-    from budgets.redis_store import RedisOptions, RedisStore
+    from budgets.redis import RedisOptions, RedisStore
 
     made: list[RedisStore] = []
 
@@ -235,6 +235,4 @@ async def crash(store: RedisStore) -> None:
     for task in store._tasks:
         task.cancel()
     await asyncio.wait(store._tasks, timeout=2)
-    if store._resp is not None:
-        await store._resp.close()
-    await store._client.aclose()
+    await store._transport.close()

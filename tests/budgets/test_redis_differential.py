@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from budgets.memory import MemoryStore
-from budgets.redis_store import RedisOptions, RedisStore
+from budgets.redis import RedisOptions, RedisStore
 from budgets.types import BudgetLayout, Demand, Lease, PolicySpec, PoolSpec, StoreSnapshot, TenantSpec
 from tests.budgets.redis_fixtures import RedisServer, session_redis, unique_prefix
 from tests.budgets.support import TIERS, FakeClock

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 
 from budgets.memory import MemoryStore
-from budgets.redis_store import RedisStore
+from budgets.redis import RedisStore
 from budgets.types import BudgetLayout, Demand, Lease, QueueTimeout
 from tests.budgets.redis_fixtures import (
     RedisServer,
@@ -184,7 +184,7 @@ async def test_after_a_restart_no_replica_grants_before_the_others_re_registered
     extra = asyncio.create_task(ledger.acquire(a, demand("a", 30, P), 10))
     done, _ = await asyncio.wait({extra}, timeout=0.3)
     assert not done, f"granted before b's leases were registered: {ledger}"
-    assert await b._recover()
+    assert await b._failover.recover()
     await wait_queued(a, 1)  # now it waits in the shared queue: the pool is full
     assert await in_flight(a, P) == ledger.current == CAPACITY
     await ledger.release(b, on_b)
@@ -226,7 +226,7 @@ async def test_a_request_cancelled_while_grants_wait_for_other_replicas_leaves_n
     with pytest.raises(asyncio.CancelledError):
         await task
     assert a.held_back == 0
-    assert await b._recover()
+    assert await b._failover.recover()
     lease = await a.acquire(demand("a", 100, P), 5)  # the settle is over and nothing is left
     assert await a.release(lease.id)
     await assert_all_idle(a, b)

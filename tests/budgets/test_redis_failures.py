@@ -48,7 +48,7 @@ async def test_noscript_after_script_flush_reloads(redis_server: RedisServer, ma
     await store.start()
     await Redis.from_url(redis_server.url).script_flush()
     lease = await store.acquire(demand("a", 10, P), 1)
-    assert store._scripts.reloads >= 1
+    assert store.script_reloads >= 1
     assert await store.release(lease.id)
     await assert_idle(store)
 
@@ -140,7 +140,7 @@ async def test_release_during_an_outage_is_applied_on_recovery(
     store = make_store(redis_server, small_layout())
     await store.start()
     lease = await store.acquire(demand("a", 40, P), 1)
-    store._mark_down(RuntimeError("simulated partition"))  # Redis keeps its data this time
+    store._failover.mark_down(RuntimeError("simulated partition"))  # Redis keeps its data this time
     assert await store.release(lease.id) is True
 
     async def recovered() -> bool:

@@ -1,4 +1,4 @@
-"""The lean RESP2 connection (budgets/resp.py) against a real redis-server: pipelining order,
+"""The lean RESP2 connection (budgets/redis/resp.py) against a real redis-server: pipelining order,
 error replies, timeouts that tear the connection down, cancellation mid-flight, a server killed
 and restarted, NOSCRIPT after SCRIPT FLUSH, and the same under uvloop (what the gateway runs on).
 """
@@ -14,8 +14,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 import uvloop
 
-from budgets.lua import Script, ScriptRunner
-from budgets.resp import (
+from budgets.redis.resp import (
     Address,
     CommandPrefix,
     NoScriptError,
@@ -25,6 +24,7 @@ from budgets.resp import (
     address_from_url,
     encode_command,
 )
+from budgets.redis.scripts import Script, ScriptRunner
 from tests.budgets.redis_fixtures import RedisServer, free_port, fresh_redis, redis_server, unique_prefix
 
 __all__ = ["fresh_redis", "redis_server"]  # fixtures used below

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from budgets.memory import MemoryStore
-from budgets.redis_store import RedisStore
+from budgets.redis import RedisStore
 from gateway.fields import ConfigError
 from gateway.stores import build_store, parse_store
 from tests.budgets.support import layout, shared

@@ -53,6 +53,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from budgets import policy
 from budgets.types import BudgetLayout, Demand, PolicySpec, PoolSpec, TenantSpec, TierSpec
 
 # Field and list separators of packed records: ASCII unit / record separators never occur in
@@ -108,6 +109,16 @@ def check_name(kind: str, name: str) -> None:
 def pack_demand(demand: Demand) -> list[str]:
     """Script arguments for a demand: tenant, tier, prefill, decode, pools (LIST_SEP-joined)."""
     return [demand.tenant, demand.tier, str(demand.prefill), str(demand.decode), LIST_SEP.join(demand.pools)]
+
+
+def usage_arg(actual_decode: int | None) -> str:
+    """release.lua's usage argument ('' = unknown).
+
+    A usage report crosses a trust boundary: only a whole number reaches the script; release.lua
+    clamps it to the reservation exactly as policy.release does.
+    """
+    reported = policy.usage_report(actual_decode)
+    return "" if reported is None else str(reported)
 
 
 def unpack_demand(fields: Sequence[str]) -> Demand:

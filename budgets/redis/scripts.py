@@ -1,14 +1,15 @@
 """The Redis store's Lua scripts: loaded once from package data, run with EVALSHA, reloaded on NOSCRIPT.
 
-Redis scripts cannot include each other, so ``lib.lua`` (the port of budgets/policy.py) is
-prepended to every entry script here and a call of its ``<name>_main(A)`` appended, returning
-``{ reply, LOCAL }`` (the reply plus the wake-ups for the calling replica); each result is one
-self-contained source with its own SHA1. A restarted Redis has an empty script cache: the first EVALSHA then answers
-NOSCRIPT, the runner loads the source and retries once (NOSCRIPT means nothing ran, so the retry
-cannot apply an operation twice).
+The sources are ``budgets/redis/lua/*.lua``. Redis scripts cannot include each other, so
+``lib.lua`` (the port of budgets/policy.py) is prepended to every entry script here and a call of
+its ``<name>_main(A)`` appended, returning ``{ reply, LOCAL }`` (the reply plus the wake-ups for
+the calling replica; budgets/redis/replies.py parses the replies); each result is one
+self-contained source with its own SHA1. A restarted Redis has an empty script cache: the first
+EVALSHA then answers NOSCRIPT, the runner loads the source and retries once (NOSCRIPT means
+nothing ran, so the retry cannot apply an operation twice).
 
 Two transports: redis-py (``call``) and the store's lean pipelined connection (``call_resp``,
-budgets/resp.py), whose ``EVALSHA <sha> 1 <key>`` prefix is encoded once per script and key.
+budgets/redis/resp.py), whose ``EVALSHA <sha> 1 <key>`` prefix is encoded once per script and key.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
-from budgets import resp
+from budgets.redis import resp
 
 # Entry script -> the files it is made of (after lib.lua); each file defines <file>_main(A).
 ENTRY_SCRIPTS: dict[str, tuple[str, ...]] = {
@@ -47,7 +48,7 @@ class Script:
 
 
 def _read(name: str) -> str:
-    return resources.files(__package__).joinpath(f"{name}.lua").read_text(encoding="utf-8")
+    return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text(encoding="utf-8")
 
 
 _CALL = """

@@ -1,0 +1,43 @@
+"""The scripts' reply parser (budgets/redis/replies.py): it names every code the Lua scripts write,
+and a reply it does not know is an error naming the script, never a silent misread."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from importlib import resources
+from typing import Any
+
+import pytest
+
+from budgets.redis import replies
+
+# A reply table's leading code (``{ 'G', ...``) or a wake-up's (``'G' .. SEP``).
+_CODE = re.compile(r"\{ '([A-Z]+)'|'([A-Z]+)' \.\. SEP")
+
+
+def lua_reply_codes() -> set[str]:
+    codes: set[str] = set()
+    for source in resources.files("budgets.redis").joinpath("lua").iterdir():
+        if source.name.endswith(".lua"):
+            for table, wake in _CODE.findall(source.read_text(encoding="utf-8")):
+                codes.add(table or wake)
+    return codes
+
+
+def test_every_reply_code_the_scripts_write_is_named_in_the_parser() -> None:
+    named = {v for k, v in vars(replies).items() if k.isupper() and isinstance(v, str)}
+    written = lua_reply_codes()
+    assert written, "no reply codes found in the Lua sources"
+    assert written <= named, f"codes the parser does not name: {sorted(written - named)}"
+
+
+@pytest.mark.parametrize(
+    ("parse", "script"),
+    [(replies.acquire, "acquire"), (replies.status, "status"), (replies.withdraw, "withdraw")],
+)
+def test_a_reply_code_the_parser_does_not_know_is_an_error_naming_its_script(
+    parse: Callable[[list[str]], Any], script: str
+) -> None:
+    with pytest.raises(ValueError, match=rf"{script}\.lua"):
+        parse(["ZZ"])
