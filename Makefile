@@ -31,7 +31,7 @@ demo: setup
 	$(BIN)/tokengate demo
 
 bench: setup
-	$(BIN)/python loadtest/bench_overhead.py
+	$(BIN)/python -m loadtest.bench.overhead
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
