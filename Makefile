@@ -1,4 +1,5 @@
 # Two commands matter: `make run` (tokengate on embedded defaults) and `make test` (everything).
+# `make unit` is the developer's shortcut: lint, types and the tests not marked slow.
 VENV := .venv
 BIN := $(VENV)/bin
 CONFIG ?=
@@ -18,13 +19,10 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
-unit: setup
-	$(BIN)/pytest -q
+unit: lint typecheck
+	$(BIN)/pytest -q -m "not slow"
 
-test: setup
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
-	$(BIN)/mypy
+test: lint typecheck
 	$(BIN)/pytest -q
 
 demo: setup

@@ -241,6 +241,7 @@ async def run_scenario(server: RedisServer, ops: Sequence[tuple[Any, ...]]) -> N
         await red.close()
 
 
+@pytest.mark.slow  # hypothesis against a real Redis: ~10 s
 @settings(
     max_examples=150,
     deadline=None,

@@ -8,9 +8,12 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.conftest import free_port
 from tests.support import eventually
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 

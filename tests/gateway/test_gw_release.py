@@ -7,6 +7,7 @@ import random
 import time
 
 import httpx
+import pytest
 
 from tests.conftest import GatewayFactory, RunningGateway, StubBackend, free_port, stub_pools
 from tests.gateway.gw_support import RawRequest, chat
@@ -195,6 +196,7 @@ async def test_upstream_timeout_is_504_released_and_cancelled(
     assert await gw.wait_idle() == ZERO
 
 
+@pytest.mark.slow  # 200 concurrent requests
 async def test_pools_back_to_zero_after_concurrent_load(
     stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
 ) -> None:
