@@ -1,4 +1,5 @@
 # Two commands matter: `make run` (tokengate on embedded defaults) and `make test` (everything).
+# `make unit` is the developer's shortcut: lint, types and the tests not marked slow.
 VENV := .venv
 BIN := $(VENV)/bin
 CONFIG ?=
@@ -18,20 +19,17 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
-unit: setup
-	$(BIN)/pytest -q
+unit: lint typecheck
+	$(BIN)/pytest -q -m "not slow"
 
-test: setup
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
-	$(BIN)/mypy
+test: lint typecheck
 	$(BIN)/pytest -q
 
 demo: setup
 	$(BIN)/tokengate demo
 
 bench: setup
-	$(BIN)/python loadtest/bench_overhead.py
+	$(BIN)/python -m loadtest.bench.overhead
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass
 
 import httpx
 
+from gateway.percentile import percentile
 from loadtest.prompts import PromptFactory
-from loadtest.stats import percentile
 
 
 @dataclass(frozen=True, slots=True)

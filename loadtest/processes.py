@@ -31,13 +31,15 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _die_with_parent() -> None:
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """``preexec_fn`` for a child: Linux sends it ``sig`` when its parent dies, however it dies
+    (``kill -9`` included), so no child outlives the process that started it. Elsewhere a no-op."""
     if sys.platform.startswith("linux"):
         try:
             import ctypes
 
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+            libc.prctl(1, sig)  # PR_SET_PDEATHSIG
         except OSError:
             pass
 
@@ -74,7 +76,7 @@ class ChildProcess:
                 env=child_env(),
                 cwd=str(repo_root()),
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         finally:
             log.close()  # the child holds its own copy of the descriptor

@@ -2,25 +2,14 @@
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from gateway.percentile import percentile
 from loadtest.records import RequestRecord, RunResult
 from loadtest.spec import Phase, WorkloadSpec
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0–100) with linear interpolation between order statistics; None if empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 @dataclass(frozen=True)

@@ -28,16 +28,13 @@ import orjson
 import pytest
 import uvicorn
 
+from loadtest.processes import free_port
+from tests.support import eventually
+
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -50,6 +47,17 @@ class Served:
         self.server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait_for(self.task, timeout=10)
+
+
+class _TestServer(uvicorn.Server):
+    """uvicorn checks ``should_exit`` every 0.1 s; a test stops dozens of servers, so check every
+    10 ms (``on_tick`` still refreshes the Date header and the other housekeeping)."""
+
+    async def main_loop(self) -> None:
+        counter = 0
+        while not await self.on_tick(counter):
+            counter = (counter + 1) % 864000
+            await asyncio.sleep(0.01)
 
 
 async def serve_asgi(
@@ -70,18 +78,14 @@ async def serve_asgi(
         http=http,
         timeout_graceful_shutdown=graceful_s,
     )
-    server = uvicorn.Server(config)
+    server = _TestServer(config)
     # Tests run inside pytest's loop: let pytest keep its own signal handlers.
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
     task = asyncio.create_task(server.serve(sockets=[sock]))
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if task.done():
-            task.result()
-            raise RuntimeError("server exited during start-up")
-        if time.monotonic() > deadline:
-            raise RuntimeError("server did not start")
-        await asyncio.sleep(0.005)
+    await eventually(lambda: server.started or task.done(), timeout_s=10, message="server did not start")
+    if task.done():
+        task.result()
+        raise RuntimeError("server exited during start-up")
     return Served(url=f"http://127.0.0.1:{actual}", server=server, task=task)
 
 
@@ -391,13 +395,15 @@ class RunningGateway:
         return {name: p.in_flight for name, p in snap.pools.items()}
 
     async def wait_idle(self, within_s: float = 5.0) -> dict[str, int]:
-        """Wait until every pool is back to zero (or time out); returns the last in-flight map."""
-        deadline = time.monotonic() + within_s
-        while True:
-            state = await self.in_flight()
-            if not any(state.values()) or time.monotonic() > deadline:
-                return state
-            await asyncio.sleep(0.01)
+        """Wait until every pool is back to zero (or time out); returns the last in-flight map, so
+        ``assert await gw.wait_idle() == {...: 0}`` shows what is still held when it fails."""
+
+        async def idle() -> bool:
+            return not any((await self.in_flight()).values())
+
+        with contextlib.suppress(AssertionError):
+            await eventually(idle, timeout_s=within_s, interval_s=0.01)
+        return await self.in_flight()
 
 
 GatewayFactory = Callable[[Mapping[str, Any]], Awaitable[RunningGateway]]

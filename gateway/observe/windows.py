@@ -18,22 +18,15 @@ memory stays bounded at any request rate.
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from gateway.percentile import percentile
+
 SIGNALS = ("ttft", "queue_wait", "backend", "e2e")
-
-
-def percentile(sorted_values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile of an already sorted sequence (q in 0..1)."""
-    n = len(sorted_values)
-    if n == 0:
-        return None
-    return sorted_values[max(0, min(n - 1, math.ceil(q * n) - 1))]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +73,7 @@ class _Reservoir:
     def quantiles(self) -> Quantiles:
         if not self.values:
             return Quantiles(None, None)
-        s = sorted(self.values)
-        return Quantiles(percentile(s, 0.50), percentile(s, 0.99))
+        return Quantiles(percentile(self.values, 50), percentile(self.values, 99))
 
 
 class _Slot:
@@ -215,8 +207,8 @@ class ClassWindows:
         st = self._classes.get(klass)
         out: dict[str, Quantiles] = {}
         for sig in SIGNALS:
-            vals = sorted(st.recent[sig]) if st is not None else []
-            out[sig] = Quantiles(percentile(vals, 0.50), percentile(vals, 0.99))
+            vals = st.recent[sig] if st is not None else ()
+            out[sig] = Quantiles(percentile(vals, 50), percentile(vals, 99))
         return out
 
     # ---- internals ----

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
@@ -15,17 +16,28 @@ async def _lifespan(receive: Receive, send: Send) -> None:
     await send({"type": "lifespan.shutdown.complete"})
 
 
-async def _json(send: Send, status: int, obj: Any) -> None:
-    body = orjson.dumps(obj)
+async def _start(send: Send, content_type: bytes, status: int = 200) -> None:
     await send(
-        {"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]}
+        {"type": "http.response.start", "status": status, "headers": [(b"content-type", content_type)]}
     )
-    await send({"type": "http.response.body", "body": body})
 
 
-class LyingUsage:
-    """Answers chat completions with whatever usage the request's ``x-usage`` header holds (raw JSON
-    text, inserted verbatim), streamed or not."""
+async def _json(send: Send, status: int, obj: Any) -> None:
+    await _start(send, b"application/json", status)
+    await send({"type": "http.response.body", "body": orjson.dumps(obj)})
+
+
+async def _read_body(receive: Receive) -> bytes:
+    raw = b""
+    while True:
+        m = await receive()
+        raw += m.get("body", b"")
+        if not m.get("more_body"):
+            return raw
+
+
+class _Backend:
+    """Lifespan and ``/v1/models`` answered; every other request goes to ``answer`` with its body."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -34,12 +46,17 @@ class LyingUsage:
         if scope["path"] == "/v1/models":
             await _json(send, 200, {"data": [{"id": "stub-model"}]})
             return
-        raw = b""
-        while True:
-            m = await receive()
-            raw += m.get("body", b"")
-            if not m.get("more_body"):
-                break
+        await self.answer(scope, await _read_body(receive), send)
+
+    async def answer(self, scope: Scope, raw: bytes, send: Send) -> None:
+        raise NotImplementedError
+
+
+class LyingUsage(_Backend):
+    """Answers chat completions with whatever usage the request's ``x-usage`` header holds (raw JSON
+    text, inserted verbatim), streamed or not."""
+
+    async def answer(self, scope: Scope, raw: bytes, send: Send) -> None:
         body = orjson.loads(raw) if raw else {}
         usage = dict(scope["headers"]).get(b"x-usage", b"null")
         if not body.get("stream"):
@@ -48,22 +65,10 @@ class LyingUsage:
                 + usage
                 + b"}"
             )
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [(b"content-type", b"application/json")],
-                }
-            )
+            await _start(send, b"application/json")
             await send({"type": "http.response.body", "body": data})
             return
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"text/event-stream")],
-            }
-        )
+        await _start(send, b"text/event-stream")
         frames = [
             b'data: {"choices":[{"index":0,"delta":{"content":"ok"}}]}\n\n',
             b'data: {"choices":[],"usage":' + usage + b"}\n\n",
@@ -72,3 +77,16 @@ class LyingUsage:
         for frame in frames:
             await send({"type": "http.response.body", "body": frame, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class HalfStream(_Backend):
+    """Starts an SSE answer, sends two events, then drops the connection."""
+
+    async def answer(self, scope: Scope, raw: bytes, send: Send) -> None:
+        await _start(send, b"text/event-stream")
+        for i in range(2):
+            frame = {"choices": [{"index": 0, "delta": {"content": f"t{i}"}}]}
+            body = b"data: " + orjson.dumps(frame) + b"\n\n"
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+            await asyncio.sleep(0.01)  # the scenario: a stream under way when the backend dies
+        raise RuntimeError("backend crashed mid-stream at /opt/secret/engine.py")

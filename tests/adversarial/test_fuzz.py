@@ -11,6 +11,8 @@ import pytest
 from loadtest import fuzz
 from tests.conftest import GatewayFactory, StubBackend, stub_pools
 
+pytestmark = pytest.mark.slow
+
 
 def test_generation_is_deterministic_and_covers_every_family() -> None:
     first = list(fuzz.generate(7, 600))

@@ -3,7 +3,6 @@ are or what exception the gateway's HTTP client raised; the operator's log keeps
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
@@ -11,16 +10,8 @@ import httpx
 import orjson
 import pytest
 
-from tests.conftest import (
-    GatewayFactory,
-    Receive,
-    Scope,
-    Send,
-    StubBackend,
-    free_port,
-    serve_asgi,
-    stub_pools,
-)
+from tests.adversarial.backends import HalfStream
+from tests.conftest import GatewayFactory, StubBackend, free_port, serve_asgi, stub_pools
 
 FORBIDDEN = ("127.0.0.1", "localhost", "Errno", "Error:", "aiohttp", "Connector", "Traceback", "http://")
 
@@ -88,48 +79,6 @@ async def test_a_read_timeout_does_not_name_the_backend(
     assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
     assert_no_internals(r.text, url.rsplit(":", 1)[1])
     assert await gw.wait_idle() == {name: 0 for name in await gw.in_flight()}
-
-
-class HalfStream:
-    """Starts an SSE answer, sends two events, then drops the connection."""
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-        if scope["path"] == "/v1/models":
-            body = orjson.dumps({"data": [{"id": "stub-model"}]})
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [(b"content-type", b"application/json")],
-                }
-            )
-            await send({"type": "http.response.body", "body": body})
-            return
-        while (await receive()).get("more_body"):
-            pass
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"text/event-stream")],
-            }
-        )
-        for i in range(2):
-            frame = {"choices": [{"index": 0, "delta": {"content": f"t{i}"}}]}
-            await send(
-                {
-                    "type": "http.response.body",
-                    "body": b"data: " + orjson.dumps(frame) + b"\n\n",
-                    "more_body": True,
-                }
-            )
-            await asyncio.sleep(0.01)
-        raise RuntimeError("backend crashed mid-stream at /opt/secret/engine.py")
 
 
 async def test_a_stream_cut_mid_way_ends_with_a_clean_error_event(gateway_factory: GatewayFactory) -> None:

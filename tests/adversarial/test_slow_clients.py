@@ -11,6 +11,7 @@ import httpx
 
 from loadtest.raw_http import host_port, read_response, request, send_raw
 from tests.conftest import GatewayFactory, RunningGateway, StubBackend, stub_pools
+from tests.support import eventually
 
 CHAT = b'{"model":"stub-model","messages":[{"role":"user","content":"hi"}],"max_tokens":5}'
 
@@ -108,12 +109,12 @@ async def test_connections_beyond_the_limit_are_refused_at_once(
     assert r.headers.get("retry-after") == "1"
     for _, w in held:
         w.close()
-    for _ in range(100):  # the server notices the closes on its next loop turns
+
+    async def served() -> bool:  # the server notices the closes on its next loop turns
         r = await send_raw(gw.url, request("POST", "/v1/chat/completions", body=CHAT))
-        if r is not None and r.status == 200:
-            break
-        await asyncio.sleep(0.02)
-    assert r is not None and r.status == 200
+        return r is not None and r.status == 200
+
+    await eventually(served, interval_s=0.02)
     await still_serves(gw)
 
 

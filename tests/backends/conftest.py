@@ -3,14 +3,11 @@ reference server on a real socket (uvicorn in the test's event loop)."""
 
 from __future__ import annotations
 
-import asyncio
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-import uvicorn
 
 from backends.engine.clock import VirtualClock
 from backends.engine.engine import Engine, RequestOutput
@@ -20,6 +17,7 @@ from backends.engine.scheduler import Scheduler, SchedulerConfig
 from backends.engine.sim_executor import CostModel, SimExecutor
 from backends.reference.server import BackendSettings, ReferenceBackend, build_app
 from backends.reference.tokenizer import default_tokenizer
+from tests.conftest import Served, serve_asgi
 
 
 @dataclass
@@ -116,35 +114,18 @@ class RunningBackend:
     backend: ReferenceBackend
 
 
-def _free_socket() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    return sock
-
-
 @pytest.fixture
 async def reference_server() -> AsyncIterator[Callable[..., Awaitable[RunningBackend]]]:
     """``await reference_server(**BackendSettings overrides)`` -> a live backend on a free port."""
-    running: list[tuple[uvicorn.Server, asyncio.Task[None]]] = []
+    running: list[Served] = []
 
     async def start(**overrides: Any) -> RunningBackend:
         settings = BackendSettings(**{"time_scale": 0.02, "max_model_len": 4096, **overrides})
         app = build_app(settings)
-        sock = _free_socket()
-        port = sock.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        task = asyncio.create_task(server.serve(sockets=[sock]))
-        running.append((server, task))
-        for _ in range(500):
-            if server.started:
-                break
-            await asyncio.sleep(0.01)
-        assert server.started, "reference server did not start"
-        return RunningBackend(f"http://127.0.0.1:{port}", port, app.state.backend)
+        served = await serve_asgi(app)
+        running.append(served)
+        return RunningBackend(served.url, int(served.url.rsplit(":", 1)[1]), app.state.backend)
 
     yield start
-    for server, _ in running:
-        server.should_exit = True
-    for _, task in running:
-        await asyncio.wait_for(task, 10)
+    for served in reversed(running):
+        await served.stop()

@@ -63,6 +63,7 @@ def test_plans_fit_the_cache_and_context() -> None:
         assert len(owned) <= 256
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 def test_cli_calibrates_the_torch_executor_into_a_loadable_file(tmp_path: Path) -> None:
     pytest.importorskip("torch")

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from classifiers.pricing import Pricer
 from classifiers.tokenizers import TokenizerRegistry
 from tests.backends.conftest import RunningBackend
+from tests.support import eventually
 
 Start = Callable[..., Awaitable[RunningBackend]]
 MODEL = "tokengate-sim"
@@ -37,14 +38,6 @@ def sse_events(raw: bytes) -> list[bytes]:
 
 async def post(client: httpx.AsyncClient, path: str, body: Any) -> httpx.Response:
     return await client.post(path, content=orjson.dumps(body), headers={"content-type": "application/json"})
-
-
-async def wait_for(predicate: Callable[[], bool], within: float = 5.0) -> None:
-    for _ in range(int(within / 0.01)):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached in time")
 
 
 async def test_models_and_health(reference_server: Start) -> None:
@@ -275,7 +268,7 @@ async def test_client_disconnect_mid_stream_frees_blocks_at_once(reference_serve
         seen += await reader.read(4096)
     assert blocks.num_used_blocks > 0
     await _close(writer)
-    await wait_for(lambda: blocks.num_used_blocks == 0, within=2)
+    await eventually(lambda: blocks.num_used_blocks == 0, timeout_s=2)
     assert not srv.backend.engine.has_unfinished()
     async with httpx.AsyncClient(base_url=srv.url) as client:
         g = gauges((await client.get("/metrics")).text)
@@ -287,17 +280,17 @@ async def test_client_disconnect_while_queued_and_non_streaming(reference_server
     srv = await reference_server(time_scale=1.0, max_num_seqs=1)
     sched = srv.backend.scheduler
     running = await _raw_post(srv.port, "/v1/chat/completions", {**CHAT, "max_tokens": 3000})
-    await wait_for(lambda: sched.num_running == 1)
+    await eventually(lambda: sched.num_running == 1, timeout_s=5)
     queued = await _raw_post(srv.port, "/v1/chat/completions", {**CHAT, "max_tokens": 3000, "stream": True})
-    await wait_for(lambda: sched.num_waiting == 1)
+    await eventually(lambda: sched.num_waiting == 1, timeout_s=5)
     async with httpx.AsyncClient(base_url=srv.url) as client:
         g = gauges((await client.get("/metrics")).text)
         assert (g["vllm:num_requests_running"], g["vllm:num_requests_waiting"]) == (1, 1)
         assert g["vllm:kv_cache_usage_perc"] > 0
         await _close(queued[1])  # never written to: only the disconnect watcher can notice
-        await wait_for(lambda: sched.num_waiting == 0, within=2)
+        await eventually(lambda: sched.num_waiting == 0, timeout_s=2)
         await _close(running[1])  # non-streaming
-        await wait_for(lambda: sched.num_running == 0, within=2)
+        await eventually(lambda: sched.num_running == 0, timeout_s=2)
         g = gauges((await client.get("/metrics")).text)
     assert sched.blocks.num_used_blocks == 0
     assert (

@@ -26,6 +26,8 @@ from backends.engine.llama import (
 from backends.engine.torch_executor import TorchExecutor, build_torch_executor
 from backends.engine.types import SamplingParams, SeqStep, StepPlan
 
+pytestmark = pytest.mark.slow
+
 BLOCK = 8
 GREEDY = SamplingParams()
 

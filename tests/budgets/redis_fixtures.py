@@ -1,7 +1,5 @@
-"""A real ``redis-server`` for tests: started on a free port in a temp dir, with kill/restart helpers.
-
-Never relies on a Redis already running on the machine. Persistence is off, so a restart is a
-cold start with an empty dataset (the failure the Redis store must survive).
+"""A real ``redis-server`` for tests (``loadtest.redis_server``, shared with the benchmarks): started
+on a free port in a temp dir, with kill/restart helpers.
 
 Import the fixtures into a test module or conftest: ``from tests.budgets.redis_fixtures import
 redis_server, fresh_redis``. ``redis_server`` is one server per test session (tests isolate
@@ -14,135 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import contextlib
-import ctypes
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import tempfile
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
 from budgets.types import BudgetLayout, BudgetStore
+from loadtest.redis_server import RedisServer
 
 if TYPE_CHECKING:
     from budgets.redis import RedisStore
-
-REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
-
-
-def _die_with_parent() -> None:
-    # Linux: SIGKILL the server when the test process dies, however it dies (timeouts, kill -9),
-    # so no server outlives its test run. Elsewhere the atexit hook is the only cleanup.
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _ping(port: int, timeout_s: float = 0.2) -> bool:
-    # A raw RESP PING keeps this helper free of any client library state.
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
-            s.sendall(b"*1\r\n$4\r\nPING\r\n")
-            return s.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
-class RedisServer:
-    """One redis-server process; ``kill`` (SIGKILL) and ``restart`` (same port, empty data)."""
-
-    def __init__(self, port: int | None = None, workdir: Path | None = None) -> None:
-        self.port = port or free_port()
-        self._own_dir = workdir is None
-        self.workdir = workdir or Path(tempfile.mkdtemp(prefix="tg-redis-"))
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def start(self, timeout_s: float = 10.0) -> None:
-        if self.running:
-            return
-        args = [
-            REDIS_SERVER,
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--dir",
-            str(self.workdir),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--daemonize",
-            "no",
-            "--protected-mode",
-            "no",
-            "--loglevel",
-            "warning",
-            "--logfile",
-            str(self.workdir / "redis.log"),
-        ]
-        self.proc = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent
-        )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                log = (self.workdir / "redis.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {log}")
-            if _ping(self.port):
-                return
-            time.sleep(0.02)
-        self.kill()
-        raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout_s}s")
-
-    def kill(self) -> None:
-        """SIGKILL, no shutdown save: the dataset is gone."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        self.proc = None
-
-    def restart(self) -> None:
-        self.kill()
-        # The port may linger briefly; redis-server sets SO_REUSEADDR so retry a few times.
-        for attempt in range(20):
-            try:
-                self.start()
-                return
-            except RuntimeError:
-                if attempt == 19:
-                    raise
-                time.sleep(0.1)
-
-    def stop(self) -> None:
-        self.kill()
-        if self._own_dir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def unique_prefix() -> str:

@@ -1,9 +1,9 @@
-"""Shared helpers for the budgets tests: a drivable clock, layout builders, polling."""
+"""Shared helpers for the budgets tests: a drivable clock, layout builders, polling (``eventually``
+from tests.support)."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
 
 from budgets.types import (
     BudgetLayout,
@@ -14,6 +14,7 @@ from budgets.types import (
     TenantSpec,
     TierSpec,
 )
+from tests.support import eventually
 
 
 class FakeClock:
@@ -63,21 +64,6 @@ def layout(
 
 def demand(tenant: str, cost: int, *pools: str, tier: str = "critical", decode: int = 0) -> Demand:
     return Demand(tenant=tenant, tier=tier, pools=pools, prefill=cost - decode, decode=decode)
-
-
-async def eventually(predicate: Callable[[], bool | Awaitable[bool]], timeout_s: float = 2.0) -> None:
-    """Poll until ``predicate`` holds: stores may hand grants over asynchronously (pub/sub)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        result = predicate()
-        if not isinstance(result, bool):
-            result = await result
-        if result:
-            return
-        if loop.time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.001)
 
 
 async def in_flight(store: BudgetStore, pool: str) -> int:

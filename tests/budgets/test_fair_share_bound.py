@@ -196,6 +196,7 @@ weights_st = st.fixed_dictionaries(
 plans_st = st.fixed_dictionaries({t: st.lists(request, min_size=1, max_size=6) for t in BACKLOGGED})
 
 
+@pytest.mark.slow  # hypothesis, both stores
 @pytest.mark.parametrize("kind", STORE_KINDS)
 @settings(
     max_examples=60,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from collections import Counter
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -154,6 +155,7 @@ class Model:
         assert self.state.queues == {} and self.state.tenant_waiting == {}
 
 
+@pytest.mark.slow  # hypothesis, 250 operation sequences
 @settings(max_examples=250, deadline=None)
 @given(ops=ops_strategy, max_scan=st.sampled_from([1, 2, 5, 256]))
 def test_invariants_hold_for_any_operation_sequence(ops: list[tuple], max_scan: int) -> None:  # type: ignore[type-arg]

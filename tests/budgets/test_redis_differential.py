@@ -27,7 +27,7 @@ from budgets.memory import MemoryStore
 from budgets.redis import RedisOptions, RedisStore
 from budgets.types import BudgetLayout, Demand, Lease, PolicySpec, PoolSpec, StoreSnapshot, TenantSpec
 from tests.budgets.redis_fixtures import RedisServer, session_redis, unique_prefix
-from tests.budgets.support import TIERS, FakeClock
+from tests.budgets.support import TIERS, FakeClock, eventually
 
 P, Q = "backend:p", "backend:q"
 TENANTS = ("a", "b", "c")
@@ -133,21 +133,19 @@ def comparable(snap: StoreSnapshot) -> Any:
 
 async def settle(redis_store: RedisStore, tasks: Sequence[asyncio.Task[Lease]]) -> None:
     """Until every Redis-side acquire is done or parked on an unresolved ticket."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 5.0
-    while loop.time() < deadline:
+
+    async def settled() -> bool:
         for _ in range(5):
             await asyncio.sleep(0)
         pending = [t for t in tasks if not t.done()]
         waiters = redis_store._waiters.values()
-        if (
+        return (
             len(pending) == len(waiters)
             and not any(w.future.done() for w in waiters)
             and not redis_store._background
-        ):
-            return
-        await asyncio.sleep(0.001)
-    raise AssertionError("redis store did not settle")
+        )
+
+    await eventually(settled, timeout_s=5.0, message="redis store did not settle")
 
 
 async def run_scenario(server: RedisServer, ops: Sequence[tuple[Any, ...]]) -> None:
@@ -243,6 +241,7 @@ async def run_scenario(server: RedisServer, ops: Sequence[tuple[Any, ...]]) -> N
         await red.close()
 
 
+@pytest.mark.slow  # hypothesis against a real Redis: ~10 s
 @settings(
     max_examples=150,
     deadline=None,

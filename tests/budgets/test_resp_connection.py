@@ -25,7 +25,8 @@ from budgets.redis.resp import (
     encode_command,
 )
 from budgets.redis.scripts import Script, ScriptRunner
-from tests.budgets.redis_fixtures import RedisServer, free_port, fresh_redis, redis_server, unique_prefix
+from loadtest.processes import free_port
+from tests.budgets.redis_fixtures import RedisServer, fresh_redis, redis_server, unique_prefix
 
 __all__ = ["fresh_redis", "redis_server"]  # fixtures used below
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
-import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.conftest import free_port
+from tests.support import eventually
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,15 +32,14 @@ async def test_serve_with_embedded_backend_and_sigterm(tmp_path: Path) -> None:
     try:
         url = f"http://127.0.0.1:{port}"
         async with httpx.AsyncClient(base_url=url, timeout=10) as c:
-            deadline = time.monotonic() + 30
-            while True:
+
+            async def ready() -> bool:
                 try:
-                    if (await c.get("/readyz")).status_code == 200:
-                        break
+                    return (await c.get("/readyz")).status_code == 200
                 except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, "gateway did not become ready"
-                await asyncio.sleep(0.1)
+                    return False
+
+            await eventually(ready, timeout_s=30, interval_s=0.1, message="gateway did not become ready")
             models = (await c.get("/v1/models")).json()
             assert [m["id"] for m in models["data"]] == ["tokengate-sim"]
             r = await c.post(

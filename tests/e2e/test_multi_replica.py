@@ -25,6 +25,7 @@ from redis.asyncio import Redis
 
 from tests.budgets.redis_fixtures import RedisServer, unique_prefix
 from tests.conftest import StubBackend, free_port, serve_asgi
+from tests.support import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 TENANTS = {"t1": 1, "t2": 1, "t3": 2}  # name -> fair-share weight
@@ -126,17 +127,18 @@ async def start_gateways(
 
 async def _wait_ready(gateways: list[Gateway]) -> None:
     async with aiohttp.ClientSession() as session:
-        deadline = time.monotonic() + 60
         for gw in gateways:
-            while True:
+
+            async def ready(gw: Gateway = gw) -> bool:
                 with contextlib.suppress(aiohttp.ClientError):
                     async with session.get(gw.url + "/readyz") as r:
                         if r.status == 200:
-                            break
+                            return True
                 if gw.proc.returncode is not None:
                     raise AssertionError(f"gateway exited: {gw.log.read_text()[-2000:]}")
-                assert time.monotonic() < deadline, "gateway did not become ready"
-                await asyncio.sleep(0.1)
+                return False
+
+            await eventually(ready, timeout_s=60, interval_s=0.1, message="gateway did not become ready")
 
 
 async def stop_gateways(gateways: list[Gateway]) -> None:

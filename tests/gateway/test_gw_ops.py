@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Callable
 
 import httpx
 import orjson
@@ -14,13 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import GatewayFactory, RunningGateway, StubBackend, serve_asgi, stub_pools
 from tests.gateway.gw_support import RawRequest, chat
-
-
-async def _until(pred: Callable[[], bool], within_s: float = 3.0) -> None:
-    deadline = time.monotonic() + within_s
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.02)
+from tests.support import eventually
 
 
 def samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -131,10 +123,10 @@ async def test_active_probe_closes_the_breaker(gateway_factory: GatewayFactory) 
     async with httpx.AsyncClient(base_url=gw.url) as c:
         assert (await c.post("/v1/chat/completions", json=chat())).status_code in (502, 503)
         backend = next(iter(gw.app.router.backends))
-        await _until(lambda: not backend.healthy)
+        await eventually(lambda: not backend.healthy)
         second = await serve_asgi(stub, port=port)
         try:
-            await _until(lambda: backend.healthy)
+            await eventually(lambda: backend.healthy)
             assert (await c.post("/v1/chat/completions", json=chat(max_tokens=1))).status_code == 200
         finally:
             await second.stop()

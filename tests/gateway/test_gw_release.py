@@ -7,19 +7,25 @@ import random
 import time
 
 import httpx
+import pytest
 
 from tests.conftest import GatewayFactory, RunningGateway, StubBackend, free_port, stub_pools
 from tests.gateway.gw_support import RawRequest, chat
+from tests.support import eventually
 
 ZERO = {"tenant:default": 0, "backend:default": 0}
 
 
-async def _wait_for(pred, within_s: float = 3.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + within_s
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.002)
+async def tenant_waiting(gw: RunningGateway, tenant: str, n: int) -> bool:
+    return (await gw.store.snapshot()).tenant_queue_depth.get(tenant, 0) == n
+
+
+async def tier_waiting(gw: RunningGateway, tier: str, n: int) -> bool:
+    return (await gw.store.snapshot()).queue_depth.get(tier, 0) == n
+
+
+async def holds_tokens(gw: RunningGateway, pool: str) -> bool:
+    return (await gw.in_flight()).get(pool, 0) > 0
 
 
 async def _outcomes(gw: RunningGateway) -> str:
@@ -44,7 +50,7 @@ async def test_disconnect_mid_stream_cancels_upstream_fast(
     closed_at = time.monotonic()
     await req.close()
     upstream = stub.by_header("x-t", "mid")
-    await _wait_for(lambda: upstream.cancelled_at is not None)
+    await eventually(lambda: upstream.cancelled_at is not None)
     assert upstream.cancelled_at is not None and upstream.cancelled_at - closed_at < 0.1
     assert not upstream.completed
     assert await gateway.wait_idle() == ZERO
@@ -58,11 +64,11 @@ async def test_disconnect_while_waiting_for_non_streaming_answer(
     req = await RawRequest.post(
         gateway.url, "/v1/chat/completions", chat(), {"x-stub-delay": "5", "x-t": "wait"}
     )
-    await _wait_for(lambda: any(r.headers.get("x-t") == "wait" for r in stub.requests))
+    await eventually(lambda: any(r.headers.get("x-t") == "wait" for r in stub.requests))
     closed_at = time.monotonic()
     await req.close()
     upstream = stub.by_header("x-t", "wait")
-    await _wait_for(lambda: upstream.cancelled_at is not None)
+    await eventually(lambda: upstream.cancelled_at is not None)
     assert upstream.cancelled_at is not None and upstream.cancelled_at - closed_at < 0.1
     assert await gateway.wait_idle() == ZERO
 
@@ -86,13 +92,11 @@ async def test_disconnect_while_queued_withdraws_the_ticket(
     )
     assert (await holder.read_head())[0] == 200
     queued = await RawRequest.post(gw.url, "/v1/chat/completions", chat(), {**auth, "x-t": "queued"})
-    await _wait_for(lambda: gw.app.store._state.tenant_waiting.get("t", 0) == 1)
+    await eventually(lambda: tenant_waiting(gw, "t", 1))
     snap = await gw.store.snapshot()
     assert snap.queue_depth["standard"] == 1
     await queued.close()
-    await asyncio.sleep(0.05)
-    snap = await gw.store.snapshot()
-    assert snap.queue_depth["standard"] == 0
+    await eventually(lambda: tier_waiting(gw, "standard", 0))
     assert not any(r.headers.get("x-t") == "queued" for r in stub.requests)  # never reached the backend
     await holder.close()
     assert await gw.wait_idle() == {"tenant:t": 0, "backend:default": 0}
@@ -188,10 +192,11 @@ async def test_upstream_timeout_is_504_released_and_cancelled(
         )
         assert r.status_code == 200 and '"type":"timeout_error"' in r.text
     upstream = stub.by_header("x-t", "slow")
-    await _wait_for(lambda: upstream.cancelled_at is not None)
+    await eventually(lambda: upstream.cancelled_at is not None)
     assert await gw.wait_idle() == ZERO
 
 
+@pytest.mark.slow  # 200 concurrent requests
 async def test_pools_back_to_zero_after_concurrent_load(
     stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
 ) -> None:
@@ -312,10 +317,9 @@ async def test_drain_finishes_in_flight_rejects_new_and_queued(
         finishing = asyncio.create_task(
             c.post("/v1/chat/completions", json=chat(), headers={"x-stub-delay": "0.3"})
         )
-        await _wait_for(lambda: len(gw.app.exchanges) == 1)
-        await asyncio.sleep(0.05)
+        await eventually(lambda: holds_tokens(gw, "tenant:t"))  # admitted: the next one must queue
         queued = asyncio.create_task(c.post("/v1/chat/completions", json=chat()))
-        await _wait_for(lambda: gw.app.store._state.tenant_waiting.get("t", 0) == 1)
+        await eventually(lambda: tenant_waiting(gw, "t", 1))
         drain = asyncio.create_task(gw.app.drain(5.0))
         r_queued = await queued
         assert r_queued.status_code == 503 and r_queued.json()["error"]["code"] == "draining"
@@ -340,8 +344,7 @@ async def test_drain_deadline_cancels_and_releases(
     )
     assert (await req.read_head())[0] == 200
     waiting = await RawRequest.post(gateway.url, "/v1/chat/completions", chat(), {"x-stub-delay": "10"})
-    await _wait_for(lambda: len(gateway.app.exchanges) == 2)
-    await asyncio.sleep(0.05)
+    await eventually(lambda: len(stub.requests) == 2)  # both admitted and at the backend
     started = time.monotonic()
     await gateway.app.drain(0.2)
     assert time.monotonic() - started < 2
@@ -351,7 +354,7 @@ async def test_drain_deadline_cancels_and_releases(
     status, _ = await waiting.read_head()
     assert status == 503
     upstream = stub.by_header("x-t", "long")
-    await _wait_for(lambda: upstream.cancelled_at is not None)
+    await eventually(lambda: upstream.cancelled_at is not None)
     await req.close()
     await waiting.close()
 

@@ -8,7 +8,8 @@ import random
 import pytest
 
 from gateway.observe.hol import hol_pairs, pearson
-from gateway.observe.windows import ClassWindows, percentile
+from gateway.observe.windows import ClassWindows
+from gateway.percentile import percentile
 
 
 class Clock:
@@ -28,12 +29,14 @@ def test_pearson_basics() -> None:
     assert r is not None and 0 < r < 1
 
 
-def test_percentile_nearest_rank() -> None:
-    xs = sorted(float(i) for i in range(1, 101))
-    assert percentile(xs, 0.99) == 99.0
-    assert percentile(xs, 0.5) == 50.0
-    assert percentile([], 0.5) is None
-    assert percentile([7.0], 0.99) == 7.0
+def test_percentile_interpolates_between_ranks_of_values_in_any_order() -> None:
+    # One function for the gateway's windows and the load tester's reports.
+    assert percentile([], 50) is None
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    xs = [float(i) for i in range(100, -1, -1)]  # 0..100, reversed
+    assert percentile(xs, 99) == pytest.approx(99.0)
+    assert percentile(xs, 0) == 0.0 and percentile(xs, 100) == 100.0
 
 
 def test_windows_close_on_time_and_weight_inflight_by_time() -> None:
@@ -55,7 +58,8 @@ def test_windows_close_on_time_and_weight_inflight_by_time() -> None:
     assert lw.admitted == 1 and lw.admitted_cost_sum == 1000
     (sw,) = w.history("short")
     assert sw.count == 100
-    assert sw.ttft.p99 == pytest.approx(0.99) and sw.ttft.p50 == pytest.approx(0.5)
+    # 0.01 .. 1.00, interpolated between ranks
+    assert sw.ttft.p99 == pytest.approx(0.9901) and sw.ttft.p50 == pytest.approx(0.505)
     assert sw.backend.p99 == 0.5
     # idle time still produces windows, and a request still in flight keeps accruing
     w.admitted("long", 200)  # t=20
@@ -80,7 +84,8 @@ def test_latency_counts_in_the_window_the_request_arrived_in() -> None:
     w.roll()
     first, second = w.history("short")
     assert first.ttft.p99 == 3.0 and first.count == 1
-    assert second.ttft.p99 == 9.0 and second.count == 2  # the oldest window still open took it
+    # The oldest window still open took it: its p99 is that of {0.1, 9.0}.
+    assert second.ttft.p99 == pytest.approx(0.1 + 0.99 * 8.9) and second.count == 2
 
 
 def test_window_samples_are_bounded() -> None:

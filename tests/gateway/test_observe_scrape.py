@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import socket
-
 import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
@@ -19,6 +16,8 @@ from gateway.observe.scrape import (
     parse_engine_metrics,
 )
 from gateway.observe.settings import ScrapeSettings
+from loadtest.processes import free_port
+from tests.support import eventually
 
 VLLM = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -172,12 +171,6 @@ def test_no_metrics_endpoint_is_not_penalised() -> None:
     assert not load.stale and not load.saturated and load.penalty() == 0.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def test_scraper_over_real_http_and_collector_export() -> None:
     body = {"text": _sample(kv=0.5, waiting=2, preempt=3)}
 
@@ -188,9 +181,9 @@ async def test_scraper_over_real_http_and_collector_export() -> None:
     app.router.add_get("/metrics", metrics)
     runner = web.AppRunner(app)
     await runner.setup()
-    port = _free_port()
+    port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
-    dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens here
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens here
     try:
         live = f"http://127.0.0.1:{port}"
         no_metrics = f"http://127.0.0.1:{port}/nothing"  # 404 on /nothing/metrics
@@ -231,15 +224,11 @@ async def test_scraper_over_real_http_and_collector_export() -> None:
 
 async def test_scraper_background_loop_starts_and_stops() -> None:
     loads = BackendLoads(
-        [ScrapeTarget("p", f"http://127.0.0.1:{_free_port()}")], ScrapeSettings(interval_s=0.05)
+        [ScrapeTarget("p", f"http://127.0.0.1:{free_port()}")], ScrapeSettings(interval_s=0.05)
     )
     scraper = BackendScraper(loads)
     await scraper.start()
     try:
-        for _ in range(100):
-            if next(iter(loads)).errors_total >= 2:
-                break
-            await asyncio.sleep(0.02)
-        assert next(iter(loads)).errors_total >= 2
+        await eventually(lambda: next(iter(loads)).errors_total >= 2)
     finally:
         await scraper.close()

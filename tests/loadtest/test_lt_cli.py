@@ -47,6 +47,7 @@ def test_parse_target() -> None:
         parse_target("direct=ftp://a", 0)
 
 
+@pytest.mark.slow  # spawned backends
 def test_cli_compares_targets_and_writes_outputs(
     stub_urls: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -3,6 +3,8 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from loadtest.checks import parse_checks
 from loadtest.compare import compare, run_options, write_outputs
 from loadtest.runner import Target
@@ -35,6 +37,7 @@ WORKLOAD = {
 }
 
 
+@pytest.mark.slow  # a whole compare run with plots
 async def test_compare_writes_consistent_json_markdown_and_plots(
     stub_factory: StubFactory, tmp_path: Path
 ) -> None:

@@ -1,9 +1,9 @@
 import asyncio
-import socket
 import statistics
 
 import pytest
 
+from loadtest.processes import free_port
 from loadtest.prompts import PromptFactory
 from loadtest.records import RequestRecord
 from loadtest.runner import RunOptions, Target, run_plan
@@ -70,9 +70,7 @@ async def test_errors_are_counted_by_status(stub_factory: StubFactory, prompts: 
 
 
 async def test_connection_refused_is_an_error_not_a_crash(prompts: PromptFactory) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]  # closed again below: nothing listens there
+    port = free_port()  # nothing listens there
     result = await run_plan(
         _plan(2, 0.01), Target("dead", (f"http://127.0.0.1:{port}",)), prompts, RunOptions()
     )

@@ -16,6 +16,8 @@ from loadtest.compare import compare, run_options
 from loadtest.scenario import parse_scenario
 from loadtest.stack import spawned_stack
 
+pytestmark = pytest.mark.slow
+
 
 def _tiny(name: str, **extra: Any) -> dict[str, Any]:
     raw: dict[str, Any] = {

@@ -2,7 +2,7 @@ import pytest
 
 from loadtest.records import RequestRecord, RunResult
 from loadtest.spec import parse_workload
-from loadtest.stats import fair_shares, group_stats, p99_over_time, percentile, totals
+from loadtest.stats import fair_shares, group_stats, p99_over_time, totals
 
 
 def _rec(
@@ -30,13 +30,6 @@ def _rec(
     else:
         rec.e2e_s = 0.001
     return rec
-
-
-def test_percentile_interpolates() -> None:
-    assert percentile([], 50) is None
-    assert percentile([3.0], 99) == 3.0
-    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
-    assert percentile(list(map(float, range(101))), 99) == pytest.approx(99.0)
 
 
 def test_group_stats_and_totals() -> None:

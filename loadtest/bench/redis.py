@@ -1,6 +1,6 @@
 """Redis budget store benchmark: grant+release cycles per second, and added latency vs memory.
 
-Run: ``python loadtest/bench_redis.py`` (starts a private redis-server on a free port; ``--url``
+Run: ``python -m loadtest.bench.redis`` (starts a private redis-server on a free port; ``--url``
 uses an existing one, on a fresh key prefix). ``--help`` for knobs.
 
 Measured:
@@ -24,25 +24,17 @@ import asyncio
 import json
 import multiprocessing
 import os
-import shutil
-import signal
-import socket
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script: make the project importable
-    sys.path.insert(0, str(ROOT))
-
-from budgets.memory import MemoryStore  # noqa: E402
-from budgets.redis import RedisOptions, RedisStore  # noqa: E402
-from budgets.types import BudgetLayout, BudgetStore, Demand, PolicySpec, PoolSpec, TenantSpec, TierSpec  # noqa: E402
+from budgets.memory import MemoryStore
+from budgets.redis import RedisOptions, RedisStore
+from budgets.types import BudgetLayout, BudgetStore, Demand, PolicySpec, PoolSpec, TenantSpec, TierSpec
+from loadtest.bench import percentile_ms
+from loadtest.redis_server import RedisServer, used_cpu_seconds
 
 BIG = 10**12
 TENANTS = 8
@@ -64,46 +56,6 @@ def demand(i: int) -> Demand:
     return Demand(t, "standard", ("backend:main", f"tenant:{t}"), prefill=200, decode=100)
 
 
-# ---- a private redis-server ----
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class PrivateRedis:
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.dir = tempfile.mkdtemp(prefix="tg-bench-redis-")
-        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        self.proc = subprocess.Popen(
-            [*args, "--dir", self.dir, "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("redis-server did not start") from None
-                time.sleep(0.02)
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
 def redis_store(url: str, prefix: str) -> RedisStore:
     return RedisStore(bench_layout(), RedisOptions(url=url, key_prefix=prefix))
 
@@ -122,11 +74,6 @@ async def cycle_latencies(store: BudgetStore, n: int) -> tuple[list[float], list
         acq.append(t1 - t0)
         rel.append(t2 - t1)
     return acq, rel
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3
 
 
 async def latency(url: str, n: int, rounds: int) -> dict[str, Any]:
@@ -152,11 +99,11 @@ async def latency(url: str, n: int, rounds: int) -> dict[str, Any]:
     for name, s in samples.items():
         cycle = [a + r for a, r in zip(s["acquire"], s["release"], strict=True)]
         out[name] = {
-            "acquire_p50_ms": pct(s["acquire"], 0.5),
-            "acquire_p99_ms": pct(s["acquire"], 0.99),
-            "release_p50_ms": pct(s["release"], 0.5),
-            "cycle_p50_ms": pct(cycle, 0.5),
-            "cycle_p99_ms": pct(cycle, 0.99),
+            "acquire_p50_ms": percentile_ms(s["acquire"], 50),
+            "acquire_p99_ms": percentile_ms(s["acquire"], 99),
+            "release_p50_ms": percentile_ms(s["release"], 50),
+            "cycle_p50_ms": percentile_ms(cycle, 50),
+            "cycle_p99_ms": percentile_ms(cycle, 99),
         }
     out["added_cycle_p50_ms"] = out["redis"]["cycle_p50_ms"] - out["memory"]["cycle_p50_ms"]
     out["added_acquire_p50_ms"] = out["redis"]["acquire_p50_ms"] - out["memory"]["acquire_p50_ms"]
@@ -202,8 +149,7 @@ def _worker_main(url: str, prefix: str, concurrency: int, duration: float, start
 def redis_cpu(url: str) -> float:
     import redis
 
-    info = redis.Redis.from_url(url).info("cpu")
-    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+    return used_cpu_seconds(redis.Redis.from_url(url))
 
 
 def throughput(url: str, processes: int, concurrency: int, duration: float) -> dict[str, float]:
@@ -236,7 +182,9 @@ def throughput(url: str, processes: int, concurrency: int, duration: float) -> d
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m loadtest.bench.redis",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--url", help="an existing Redis (default: start a private redis-server)")
     parser.add_argument("--cycles", type=int, default=2000, help="latency: cycles per store per round")
@@ -245,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=5.0, help="throughput: seconds per run")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
-    private = None if args.url else PrivateRedis()
+    private = None if args.url else RedisServer().start()
     url = args.url or private.url  # type: ignore[union-attr]
     try:
         results: dict[str, Any] = {"latency": asyncio.run(latency(url, args.cycles, args.rounds))}

@@ -1,26 +1,24 @@
 """Gateway overhead benchmark: direct vs a bare pass-through proxy vs tokengate.
 
-Run: ``python loadtest/bench_overhead.py`` (or ``make bench``); ``--help`` for knobs.
+Run: ``python -m loadtest.bench.overhead`` (or ``make bench``); ``--help`` for knobs.
 
 Every server runs in its own process, the load generator too:
 
-* **stub**: a zero-delay OpenAI-compatible backend (raw ASGI on uvicorn + uvloop + httptools,
-  pre-encoded answers) so the backend costs as little as possible;
-* **bare**: the same stack as the gateway without admission: Starlette + one shared aiohttp
-  session, body forwarded, answer relayed (streamed chunk by chunk for SSE);
+* **stub** and **bare**: ``loadtest.bench.servers`` (a zero-delay OpenAI-compatible backend, and
+  the gateway's stack without admission: Starlette + one shared aiohttp session);
 * **gateway**: ``tokengate serve`` on a config pointing at the stub (memory store, open tenant,
   access log on, written to /dev/null);
 * **load**: an aiohttp client with N concurrent workers in a closed loop for a fixed time.
 
-With ``--redis`` a private ``redis-server`` (free port, temp dir, no persistence) is started too,
-and a fourth target, **gateway-redis**, runs the same gateway config with
-``store: {kind: redis, url: ...}`` pointing at it.
+With ``--redis`` a private ``redis-server`` (``loadtest.redis_server``: free port, temp dir, no
+persistence) is started too, and a fourth target, **gateway-redis**, runs the same gateway config
+with ``store: {kind: redis, url: ...}`` pointing at it.
 
 Targets are measured interleaved (direct, bare, gateway[, gateway-redis], direct, ...) in one run so
 drift on a shared machine hits all of them alike. Reported per target, concurrency and streaming
 mode: p50/p99 latency, requests/s, and CPU seconds per request of the proxy/gateway process
 (utime+stime from /proc/<pid>/stat around each load run); plus gateway CPU/req ÷ bare CPU/req and
-the time to price a 28k-token prompt (``classifiers.bench_pricing``). With ``--redis`` also Redis's
+the time to price a 28k-token prompt (``loadtest.bench.pricing``). With ``--redis`` also Redis's
 own CPU per request (``INFO cpu`` used_cpu_sys + used_cpu_user around each gateway-redis run) and
 the p50 the Redis store adds over the memory store per scenario.
 
@@ -38,15 +36,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import ctypes
 import itertools
 import json
 import os
 import random
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -55,152 +49,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script: make the project importable
-    sys.path.insert(0, str(ROOT))
-MODEL = "bench"
+from loadtest.bench import percentile_ms
+from loadtest.bench.pricing import measure
+from loadtest.bench.servers import CHUNKS, MODEL
+from loadtest.processes import child_env, free_port
+from loadtest.redis_server import RedisServer
+from loadtest.traces import repo_root
+
 PROMPT = "Hello! Could you tell me, in two short sentences, why the sky looks blue during the day?"
-CHUNKS = 16  # content chunks per streamed answer
-
-# ---- the stub backend (raw ASGI) ----
-
-
-def _stub_app() -> Any:
-    import orjson
-
-    usage = {"prompt_tokens": 25, "completion_tokens": CHUNKS, "total_tokens": 25 + CHUNKS}
-    whole = orjson.dumps(
-        {
-            "id": "cmpl-bench",
-            "object": "chat.completion",
-            "created": 0,
-            "model": MODEL,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": " word" * CHUNKS},
-                    "finish_reason": "length",
-                }
-            ],
-            "usage": usage,
-        }
-    )
-    frames = [
-        b"data: "
-        + orjson.dumps(
-            {
-                "id": "cmpl-bench",
-                "object": "chat.completion.chunk",
-                "created": 0,
-                "model": MODEL,
-                "choices": [{"index": 0, "delta": {"content": " word"}, "finish_reason": None}],
-            }
-        )
-        + b"\n\n"
-        for _ in range(CHUNKS)
-    ]
-    usage_frame = (
-        b"data: "
-        + orjson.dumps({"id": "cmpl-bench", "object": "chat.completion.chunk", "choices": [], "usage": usage})
-        + b"\n\n"
-    )
-    json_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(whole)).encode())]
-    sse_headers = [(b"content-type", b"text/event-stream")]
-
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                m = await receive()
-                await send({"type": m["type"] + ".complete"})
-                if m["type"] == "lifespan.shutdown":
-                    return
-        body = b""
-        while True:
-            m = await receive()
-            body += m.get("body", b"")
-            if not m.get("more_body"):
-                break
-        if scope["path"] == "/v1/models":
-            data = orjson.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [(b"content-type", b"application/json")],
-                }
-            )
-            await send({"type": "http.response.body", "body": data})
-            return
-        if b'"stream":true' not in body.replace(b" ", b""):
-            await send({"type": "http.response.start", "status": 200, "headers": json_headers})
-            await send({"type": "http.response.body", "body": whole})
-            return
-        await send({"type": "http.response.start", "status": 200, "headers": sse_headers})
-        for f in frames:
-            await send({"type": "http.response.body", "body": f, "more_body": True})
-        if b'"include_usage":true' in body.replace(b" ", b""):
-            await send({"type": "http.response.body", "body": usage_frame, "more_body": True})
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
-
-    return app
-
-
-# ---- the bare proxy (Starlette + aiohttp, no admission) ----
-
-
-def _bare_app(upstream: str) -> Any:
-    import aiohttp
-    from starlette.applications import Starlette
-    from starlette.background import BackgroundTask
-    from starlette.requests import Request
-    from starlette.responses import Response, StreamingResponse
-    from starlette.routing import Route
-
-    from gateway.upstream.client import make_session
-
-    state: dict[str, aiohttp.ClientSession] = {}
-    drop = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "accept-encoding"}
-
-    async def proxy(request: Request) -> Response:
-        body = await request.body()
-        headers = {k: v for k, v in request.headers.items() if k not in drop}
-        resp = await state["s"].post(upstream + request.url.path, data=body, headers=headers)
-        out_headers = {"content-type": resp.headers.get("content-type", "application/json")}
-        if resp.content_type == "text/event-stream":
-            return StreamingResponse(
-                resp.content.iter_any(),
-                status_code=resp.status,
-                headers=out_headers,
-                background=BackgroundTask(resp.release),
-            )
-        data = await resp.read()
-        return Response(data, status_code=resp.status, headers=out_headers)
-
-    async def lifespan(app: Starlette) -> Any:
-        state["s"] = make_session()
-        yield
-        await state["s"].close()
-
-    import contextlib
-
-    return Starlette(
-        routes=[Route("/v1/chat/completions", proxy, methods=["POST"])],
-        lifespan=contextlib.asynccontextmanager(lifespan),
-    )
-
-
-def _serve(app: Any, port: int) -> None:
-    import uvicorn
-
-    uvicorn.run(
-        app,
-        host="127.0.0.1",
-        port=port,
-        log_level="warning",
-        access_log=False,
-        loop="uvloop",
-        http="httptools",
-    )
 
 
 # ---- the load generator ----
@@ -263,7 +119,6 @@ async def _load(url: str, concurrency: int, duration: float, warmup: float, stre
 def _long_bodies(count: int, tokens: int) -> list[bytes]:
     """`count` chat bodies of about `tokens` prompt tokens, never seen before (a fresh random seed)."""
     import orjson
-
     from classifiers.bench_pricing import prompt_text
 
     rng = random.Random(int.from_bytes(os.urandom(8), "big"))
@@ -316,9 +171,10 @@ def _start_long_sender(url: str, args: argparse.Namespace, out: str) -> subproce
     """A sender process; returns once its prompts are generated and it is about to send."""
     seconds = args.warmup + args.duration + 1.0  # covers the whole load run, warm-up included
     proc = subprocess.Popen(
-        [sys.executable, __file__, "--role", "long", "--url", url, "--rate", str(args.with_long_prompts),
-         "--seconds", str(seconds), "--long-tokens", str(args.long_tokens), "--out", out],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+        [sys.executable, "-m", "loadtest.bench.overhead", "--role", "long", "--url", url,
+         "--rate", str(args.with_long_prompts), "--seconds", str(seconds), "--long-tokens", str(args.long_tokens),
+         "--out", out],
+        cwd=repo_root(), env=child_env(), stdout=subprocess.PIPE,
     )  # fmt: skip
     assert proc.stdout is not None
     if proc.stdout.readline().strip() != b"ready":
@@ -328,12 +184,6 @@ def _start_long_sender(url: str, args: argparse.Namespace, out: str) -> subproce
 
 
 # ---- orchestration ----
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -357,73 +207,12 @@ def _wait_ready(url: str, timeout: float = 30.0) -> None:
 
 
 def _spawn(args: Sequence[str], *, quiet_stdout: bool = True) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(
-        [sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL if quiet_stdout else None
+        [sys.executable, *args],
+        cwd=repo_root(),
+        env=child_env(),
+        stdout=subprocess.DEVNULL if quiet_stdout else None,
     )
-
-
-def _die_with_parent() -> None:
-    # Linux: SIGKILL the child when the benchmark dies however it dies (kill -9 included), so a
-    # private redis-server never outlives its run; the ``finally`` in run() covers every other path.
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-class PrivateRedis:
-    """A throw-away ``redis-server`` on a free port in a temp dir, no persistence."""
-
-    def __init__(self) -> None:
-        self.port = _free_port()
-        self.dir = tempfile.mkdtemp(prefix="tg-bench-overhead-redis-")
-        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
-             "--save", "", "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent,
-            start_new_session=True,  # a terminal's Ctrl-C reaches us, not Redis: gateways release first
-        )  # fmt: skip
-        self._client: Any = None
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                break
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError("redis-server did not start") from None
-                time.sleep(0.02)
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def cpu_seconds(self) -> float:
-        """Redis's own CPU time so far (``INFO cpu``: used_cpu_sys + used_cpu_user)."""
-        if self._client is None:
-            import redis
-
-            self._client = redis.Redis.from_url(self.url)
-        info = self._client.info("cpu")
-        return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
-
-    def stop(self) -> None:
-        if self._client is not None:
-            with contextlib.suppress(Exception):
-                self._client.close()
-            self._client = None
-        if self.proc.poll() is None:
-            self.proc.kill()  # nothing to save: no persistence
-        self.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _pct(xs: list[float], p: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(p * len(xs)))]
 
 
 def _spawn_gateway(cfg: Path, port: int, access_log: bool) -> subprocess.Popen[bytes]:
@@ -437,12 +226,14 @@ def _spawn_gateway(cfg: Path, port: int, access_log: bool) -> subprocess.Popen[b
 def run(args: argparse.Namespace) -> dict[str, Any]:
     procs: list[subprocess.Popen[bytes]] = []
     tmp = tempfile.TemporaryDirectory()
-    redis: PrivateRedis | None = None
+    redis: RedisServer | None = None
     try:
-        stub_port, bare_port, gw_port = _free_port(), _free_port(), _free_port()
+        stub_port, bare_port, gw_port = free_port(), free_port(), free_port()
         stub_url = f"http://127.0.0.1:{stub_port}"
-        procs.append(_spawn([__file__, "--role", "stub", "--port", str(stub_port)]))
-        procs.append(_spawn([__file__, "--role", "bare", "--port", str(bare_port), "--upstream", stub_url]))
+        procs.append(_spawn(["-m", "loadtest.bench.servers", "stub", "--port", str(stub_port)]))
+        procs.append(
+            _spawn(["-m", "loadtest.bench.servers", "bare", "--port", str(bare_port), "--upstream", stub_url])
+        )
         pools = (
             "ops: {port: 0}\n"  # two gateways side by side: each its own ops port
             f"pools:\n  default:\n    backends:\n"
@@ -462,8 +253,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # The bare proxy stays as the control: it relays the same long bodies but prices nothing.
             backgrounds = ["", "|long"]
         if args.redis:
-            redis = PrivateRedis()
-            gwr_port = _free_port()
+            redis = RedisServer().start()
+            gwr_port = free_port()
             cfg_redis = Path(tmp.name) / "gw-redis.yaml"
             cfg_redis.write_text(pools + f'store: {{kind: redis, url: "{redis.url}", key_prefix: bench}}\n')
             gwr = _spawn_gateway(cfg_redis, gwr_port, args.access_log)
@@ -488,10 +279,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rcpu0 = meter.cpu_seconds() if meter else 0.0
             result_path = os.path.join(tmp.name, "load.json")
             subprocess.run(
-                [sys.executable, __file__, "--role", "load", "--url", url, "--c", str(conc),
+                [sys.executable, "-m", "loadtest.bench.overhead", "--role", "load", "--url", url, "--c", str(conc),
                  "--duration", str(args.duration), "--warmup", str(args.warmup), "--stream", str(int(stream)),
                  "--out", result_path],
-                cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True,
+                cwd=repo_root(), env=child_env(), check=True,
             )  # fmt: skip
             cpu1 = _cpu_seconds(pid) if pid else 0.0
             rcpu1 = meter.cpu_seconds() if meter else 0.0
@@ -527,7 +318,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     bg["statuses"][status] = bg["statuses"].get(status, 0) + n
             print(
                 f"round {rnd + 1} {key:<30} n={len(data['latencies']):>6} "
-                f"p50={_pct(data['latencies'], 0.5) * 1e3:7.3f} ms",
+                f"p50={percentile_ms(data['latencies'], 50):7.3f} ms",
                 file=sys.stderr,
             )
         summary: dict[str, Any] = {}
@@ -536,8 +327,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             summary[key] = {
                 "requests": len(lat),
                 "errors": agg["errors"],
-                "p50_ms": _pct(lat, 0.5) * 1e3,
-                "p99_ms": _pct(lat, 0.99) * 1e3,
+                "p50_ms": percentile_ms(lat, 50),
+                "p99_ms": percentile_ms(lat, 99),
                 "rps": len(lat) / agg["seconds"],
                 # CPU is read around the whole load run (warm-up included): divide by all requests.
                 "cpu_ms_per_req": (agg["cpu"] / agg["n_all"] * 1e3) if agg["n_all"] and agg["cpu"] else None,
@@ -547,8 +338,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 summary[key]["long_prompts"] = {
                     "sent": bg["sent"],
                     "statuses": bg["statuses"],
-                    "p50_ms": _pct(bg["latencies"], 0.5) * 1e3,
-                    "p99_ms": _pct(bg["latencies"], 0.99) * 1e3,
+                    "p50_ms": percentile_ms(bg["latencies"], 50),
+                    "p99_ms": percentile_ms(bg["latencies"], 99),
                 }
             if key.startswith("gateway-redis|"):
                 summary[key]["redis_cpu_ms_per_req"] = (
@@ -714,14 +505,14 @@ def report_long(summary: dict[str, Any], args: argparse.Namespace, pricing: dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "--role", choices=["bench", "stub", "bare", "load", "long"], default="bench", help=argparse.SUPPRESS
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest.bench.overhead",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("--role", choices=["bench", "load", "long"], default="bench", help=argparse.SUPPRESS)
     p.add_argument("--rate", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--seconds", type=float, default=0.0, help=argparse.SUPPRESS)
-    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--upstream", help=argparse.SUPPRESS)
     p.add_argument("--url", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--c", type=int, default=1, help=argparse.SUPPRESS)
@@ -752,12 +543,6 @@ def main(argv: list[str] | None = None) -> int:
         help="run the gateway with its access log (to /dev/null); default on",
     )
     args = p.parse_args(argv)
-    if args.role == "stub":
-        _serve(_stub_app(), args.port)
-        return 0
-    if args.role == "bare":
-        _serve(_bare_app(args.upstream), args.port)
-        return 0
     if args.role == "load":
         import uvloop
 
@@ -782,8 +567,6 @@ def main(argv: list[str] | None = None) -> int:
     # the servers (and the private Redis).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     summary = run(args)
-    from classifiers.bench_pricing import measure
-
     pricing = measure()
     redis = redis_checks(summary, args) if args.redis else None
     if args.with_long_prompts:
@@ -798,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
             f" --modes {','.join('stream' if m else 'plain' for m in args.modes)}"
         )
     print(
-        f"\ncommand: python loadtest/bench_overhead.py{flags} --duration {args.duration} --rounds {args.rounds}\n"
+        f"\ncommand: python -m loadtest.bench.overhead{flags} --duration {args.duration} --rounds {args.rounds}\n"
     )
     print(text)
     if args.json:

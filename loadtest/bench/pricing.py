@@ -1,4 +1,4 @@
-"""Time pricing of a ~28,000-token chat prompt (run: ``python -m classifiers.bench_pricing``).
+"""Time pricing of a ~28,000-token chat prompt (run: ``python -m loadtest.bench.pricing``).
 
 Two numbers: *cold* prices a prompt the tokenizer has never seen (every chunk really encoded),
 *warm* re-prices the same body (chunk counts come from the memo, as for a repeated system
@@ -114,7 +114,7 @@ def measure(tokens: int = 28_000, rounds: int = 20) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m loadtest.bench.pricing", description=__doc__)
     parser.add_argument("--tokens", type=int, default=28_000)
     parser.add_argument("--rounds", type=int, default=20)
     args = parser.parse_args(argv)

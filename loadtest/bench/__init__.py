@@ -1,0 +1,25 @@
+"""Benchmarks, each runnable on its own (``--help`` for knobs; results and the commands that
+produced them: docs/benchmarks.md):
+
+* ``python -m loadtest.bench.overhead`` (``make bench``): direct vs a bare proxy vs tokengate,
+  latency, throughput and CPU per request; ``--redis`` adds the gateway on the Redis store;
+* ``python -m loadtest.bench.redis``: the Redis budget store's grant+release latency and throughput
+  against the memory store;
+* ``python -m loadtest.bench.pricing``: the time to price a ~28k-token chat prompt.
+
+``servers`` holds the stub backend and the bare proxy the overhead benchmark measures against.
+Unlike the rest of ``loadtest``, which talks to tokengate only over HTTP, the store and pricing
+benchmarks call the library directly: they measure it in-process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from gateway.percentile import percentile
+
+
+def percentile_ms(seconds: Iterable[float], p: float) -> float:
+    """The p-th percentile of durations in seconds, in milliseconds; NaN when there are none."""
+    value = percentile(seconds, p)
+    return float("nan") if value is None else value * 1e3

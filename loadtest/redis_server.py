@@ -1,0 +1,146 @@
+"""A throw-away ``redis-server`` on a free port in a temp dir, for the benchmarks and the tests.
+
+Never relies on a Redis already running on the machine. Persistence is off, so ``restart`` is a
+cold start with an empty dataset (the failure the Redis store must survive). The server gets
+SIGKILL when the process that started it dies, however it dies, and runs in its own session so a
+terminal's Ctrl-C reaches only its parent (which may still need Redis while it shuts down).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from loadtest.processes import die_with_parent, free_port
+
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+
+
+def ping(port: int, timeout_s: float = 0.2) -> bool:
+    """True when a Redis answers PING on 127.0.0.1:``port`` (raw RESP: no client library state)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
+            s.sendall(b"*1\r\n$4\r\nPING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def used_cpu_seconds(client: Any) -> float:
+    """A Redis's own CPU time so far, through a redis-py client: ``INFO cpu`` used_cpu_sys +
+    used_cpu_user (what a benchmark charges to Redis per request)."""
+    info = client.info("cpu")
+    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+
+
+class RedisServer:
+    """One redis-server process: ``start``, ``kill`` (SIGKILL), ``restart`` (same port, empty data),
+    ``stop`` (kill and remove its directory)."""
+
+    def __init__(self, port: int | None = None, workdir: Path | None = None) -> None:
+        self.port = port or free_port()
+        self._own_dir = workdir is None
+        self.workdir = workdir or Path(tempfile.mkdtemp(prefix="tg-redis-"))
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._client: Any = None  # redis-py, only for cpu_seconds
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
+        if self.running:
+            return self
+        args = [
+            REDIS_SERVER,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.workdir),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--daemonize",
+            "no",
+            "--protected-mode",
+            "no",
+            "--loglevel",
+            "warning",
+            "--logfile",
+            str(self.workdir / "redis.log"),
+        ]
+        self.proc = subprocess.Popen(
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=functools.partial(die_with_parent, signal.SIGKILL),
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                log = (self.workdir / "redis.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {log}")
+            if ping(self.port):
+                return self
+            time.sleep(0.02)
+        self.kill()
+        raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout_s}s")
+
+    def kill(self) -> None:
+        """SIGKILL, no shutdown save: the dataset is gone."""
+        self._close_client()
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def restart(self) -> None:
+        self.kill()
+        # The port may linger briefly; redis-server sets SO_REUSEADDR so retry a few times.
+        for attempt in range(20):
+            try:
+                self.start()
+                return
+            except RuntimeError:
+                if attempt == 19:
+                    raise
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.kill()
+        if self._own_dir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def cpu_seconds(self) -> float:
+        """Redis's own CPU time so far (see ``used_cpu_seconds``)."""
+        if self._client is None:
+            import redis
+
+            self._client = redis.Redis.from_url(self.url)
+        return used_cpu_seconds(self._client)
+
+    def _close_client(self) -> None:
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                self._client.close()
+            self._client = None
