@@ -249,6 +249,8 @@ def _api_error(r: httpx.Response, url: str) -> str:
             "\nhint: the token goes into the gateway's environment (or admin.tokens_file) "
             "and takes effect when the gateway starts; docs/admin.md"
         )
+    elif code == "tenant_exists":
+        message += "\nhint: change it with: tokengate admin tenants update NAME --budget-tokens N ..."
     elif r.status_code == 404 and code in (None, "unknown_route"):
         # Not an answer of the admin API: another server, or a gateway without it.
         message += f"\nhint: is {url} a tokengate gateway with the admin API? Set --url or {URL_ENV}."

@@ -82,16 +82,8 @@ def tenants(items: Sequence[Mapping[str, Any]]) -> str:
 
 
 def tenant(t: Mapping[str, Any]) -> str:
-    labels = {
-        "name": "tenant",
-        "budget_tokens": "budget_tokens",
-        "weight": "weight",
-        "tier": "tier",
-        "default_max_tokens": "default_max_tokens",
-        "max_max_tokens": "max_max_tokens",
-        "max_queue_len": "max_queue_len",
-    }
-    lines = [f"{label + ':':20} {cell(t.get(k))}" for k, label in labels.items()]
+    lines = [f"{'tenant:':20} {cell(t.get('name'))}"]
+    lines += [f"{k + ':':20} {cell(t.get(k))}" for k in _TENANT_COLUMNS[1:]]
     lines.append(f"{'models:':20} {_models(t.get('models'))}")
     lines.append(f"{'source:':20} {cell(t.get('source'))}")
     return "\n".join(lines)
@@ -305,5 +297,8 @@ def overrides(data: Mapping[str, Any]) -> str:
     if len(out) == 1:
         out.append("(no overrides: everything follows the config file)")
     else:
-        out += ["", "An override wins over the config file until it is reset: tokengate admin overrides reset KIND NAME"]
+        out += [
+            "",
+            "An override wins over the config file until it is reset: tokengate admin overrides reset KIND NAME",
+        ]
     return "\n".join(out)

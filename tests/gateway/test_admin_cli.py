@@ -84,8 +84,13 @@ def admin(capsys: pytest.CaptureFixture[str]) -> Any:
     return run
 
 
+def admin_url(gw: RunningGateway) -> str:
+    """Where the admin routes are: the ops listener once the gateway has one, else its own port."""
+    return str(getattr(gw, "ops_url", gw.url))
+
+
 def gateway_args(gw: RunningGateway, token: str = ADMIN_TOKEN) -> list[str]:
-    return ["--url", gw.url, "--token", token]
+    return ["--url", admin_url(gw), "--token", token]
 
 
 async def use(gw: RunningGateway, key: str, max_tokens: int = 5) -> int:
@@ -292,7 +297,7 @@ async def test_a_backends_api_key_never_shows_in_the_overrides_table(
 
 
 async def test_errors_print_the_apis_message_and_exit_1_2_or_3(gw: RunningGateway, admin: Any) -> None:
-    r = await admin("--url", gw.url, "--token", "wrong", "tenants", "list")
+    r = await admin("--url", admin_url(gw), "--token", "wrong", "tenants", "list")
     assert r.code == 1 and "Send an admin or read-only token" in r.err and r.out == ""
     r = await admin(*gateway_args(gw, READ_TOKEN), "tenants", "delete", "acme")
     assert r.code == 1 and "This token may only read; DELETE needs an admin token" in r.err
@@ -303,7 +308,7 @@ async def test_errors_print_the_apis_message_and_exit_1_2_or_3(gw: RunningGatewa
     r = await admin("--url", f"http://127.0.0.1:{free_port()}", "--token", "t", "state")
     assert r.code == 3 and "connection refused" in r.err and "--url or TOKENGATE_ADMIN_URL" in r.err
 
-    r = await admin("--url", gw.url, "state")
+    r = await admin("--url", admin_url(gw), "state")
     assert r.code == 2 and "no admin token" in r.err
     r = await admin(*gateway_args(gw), "tenants", "update", "acme")
     assert r.code == 2 and "give at least one setting" in r.err
@@ -329,7 +334,7 @@ async def test_with_the_admin_api_off_the_cli_says_how_to_enable_it(
 async def test_the_url_and_token_come_from_the_environment_and_flags_win(
     gw: RunningGateway, admin: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(URL_ENV, gw.url + "/")
+    monkeypatch.setenv(URL_ENV, admin_url(gw) + "/")
     monkeypatch.setenv(ADMIN_ENV, ADMIN_TOKEN)
     r = await admin("tenants", "list")
     assert r.code == 0 and "acme" in r.out
@@ -340,7 +345,7 @@ async def test_the_url_and_token_come_from_the_environment_and_flags_win(
     r = await admin("tenants", "list", "--token", "wrong")
     assert r.code == 1 and "Send an admin or read-only token" in r.err
     monkeypatch.setenv(URL_ENV, f"http://127.0.0.1:{free_port()}")
-    assert (await admin("tenants", "list", "--url", gw.url)).code == 0
+    assert (await admin("tenants", "list", "--url", admin_url(gw))).code == 0
 
 
 def test_admin_is_listed_among_the_tokengate_commands(capsys: pytest.CaptureFixture[str]) -> None:
