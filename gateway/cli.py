@@ -1,5 +1,5 @@
 """The ``tokengate`` command: ``serve`` (the gateway), and lazily-imported ``backend``, ``demo``,
-``loadtest`` and ``doctor`` subcommands from their own packages.
+``loadtest``, ``doctor`` and ``admin`` subcommands from their own packages.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ _DELEGATES = {
     "demo": ("loadtest.demo", "the noisy-neighbour story end to end"),
     "loadtest": ("loadtest.cli", "run a load-test scenario against targets"),
     "doctor": ("gateway.doctor", "diagnose a running gateway from its /stats"),
+    "admin": ("gateway.admin.cli", "operate a running gateway: tenants, keys, pools, tiers, state"),
 }
 
 

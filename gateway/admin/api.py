@@ -32,6 +32,8 @@ from gateway.admin.state import (
     config_key_id,
     digest,
     effective_raw,
+    key_prefix,
+    redacted,
 )
 from gateway.admin.tokens import Caller, Role
 from gateway.config import DEFAULT_TIERS
@@ -268,7 +270,7 @@ class AdminApi:
             kid = config_key_id(tenant, d)
             record = control.state.keys.get(kid)
             view = (record or KeyRecord(kid, tenant, d, "", 0.0, source="config")).public()
-            view["prefix"] = None if key.startswith("sha256:") else key[:10]
+            view["prefix"] = None if key.startswith("sha256:") else key_prefix(key)
             out.append(view)
         out += [r.public() for r in control.state.keys.values() if r.tenant == tenant and r.source == "admin"]
         return out
@@ -317,6 +319,8 @@ class AdminApi:
         old = self._find_key(request.path_params["key_id"])
         if old.revoked_at is not None:
             raise ApiError(409, "A revoked key cannot be rotated; create a new one", code="key_revoked")
+        if old.expires_at is not None and old.expires_at <= time.time():
+            raise ApiError(409, "An expired key cannot be rotated; create a new one", code="key_expired")
         body = await self._body(request)
         overlap = body.get("overlap_s", 3600)
         if (
@@ -514,7 +518,10 @@ class AdminApi:
     async def list_overrides(self, request: Request, caller: Caller) -> Response:
         state = self.gw.control.state
         return _json(
-            {"version": state.version, "overrides": {k: dict(v) for k, v in state.overrides.items()}}
+            {
+                "version": state.version,
+                "overrides": redacted({k: dict(v) for k, v in state.overrides.items()}),
+            }
         )
 
     async def reset_override(self, request: Request, caller: Caller) -> Response:
@@ -572,7 +579,7 @@ def _new_key(tenant: str, label: str | None) -> tuple[str, KeyRecord]:
         id="key-" + secrets.token_hex(6),
         tenant=tenant,
         digest=digest(key),
-        prefix=key[:10],
+        prefix=key_prefix(key),
         created_at=time.time(),
         name=label,
     )

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from gateway.admin.persist import Conflict, MemoryStateStore, RedisStateStore, StateStore
-from gateway.admin.state import AdminState, effective_raw, key_expiries
+from gateway.admin.state import AdminState, effective_raw, key_expiries, redacted
 from gateway.admin.tokens import Caller
 from gateway.config import GatewayConfig
 from gateway.config_loader import load_raw, parse_config
@@ -133,7 +133,9 @@ def _view(state: AdminState, target: str) -> Any:
     if kind == "keys":
         record = state.keys.get(name)
         return None if record is None else record.public()
-    return state.overrides.get(kind, {}).get(name, "(file)")
+    if name not in state.overrides.get(kind, {}):
+        return "(file)"
+    return redacted(state.overrides[kind][name])
 
 
 def _line(caller: Caller | None, action: str, target: str, before: Any, after: Any) -> str:

@@ -91,6 +91,20 @@ class AdminState:
         return replace(self, version=self.version + 1)
 
 
+def redacted(value: Any) -> Any:
+    """``value`` with every ``api_key`` (a backend's credential) replaced: for views and the audit log."""
+    if isinstance(value, Mapping):
+        return {k: ("***" if k == "api_key" and v else redacted(v)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redacted(v) for v in value]
+    return value
+
+
+def key_prefix(key: str) -> str:
+    """What a list may show of a key: at most 10 characters and never more than half of it."""
+    return key[: min(10, len(key) // 2)]
+
+
 def digest(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
