@@ -93,7 +93,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -131,6 +131,9 @@ _ECHO_CHARS = 64
 class Cost:
     prefill: int
     decode: int
+    # The output limit of one sequence that the reservation covers for every sequence of the request
+    # (within each prompt's context): what a gateway may send as max_tokens when the client set none.
+    per_choice: int = field(default=0, compare=False)  # a property of the request, not of its cost
 
     @property
     def total(self) -> int:
@@ -670,7 +673,8 @@ class Pricer:
         requested, key = self._requested_max(body, ("max_completion_tokens", "max_tokens"))
         per_choice = self._per_choice(requested, key, default_max_tokens, max_tokens_limit)
         self._check_context(prefill, context_length, "messages")
-        return Cost(prefill=prefill, decode=min(per_choice, context_length - prefill) * choices)
+        each = min(per_choice, context_length - prefill)
+        return Cost(prefill=prefill, decode=each * choices, per_choice=each)
 
     def _walk_completion(
         self,
@@ -692,7 +696,7 @@ class Pricer:
         per_choice = self._per_choice(requested, key, default_max_tokens, max_tokens_limit)
         self._check_context(max(lengths), context_length, "prompt")
         decode = sum(min(per_choice, context_length - n) for n in lengths) * choices
-        return Cost(prefill=sum(lengths), decode=decode)
+        return Cost(prefill=sum(lengths), decode=decode, per_choice=min(per_choice, context_length - max(lengths)))
 
     def _walk_embeddings(self, tok: Tokenizer, body: Mapping[str, Any], context_length: int | None) -> Cost:
         lengths = self._prompt_lengths(tok, body.get("input"), "input")
@@ -724,7 +728,8 @@ class Pricer:
         requested, key = self._requested_max(body, ("max_output_tokens",))
         per_sequence = self._per_choice(requested, key, default_max_tokens, max_tokens_limit)
         self._check_context(prefill, context_length, "input")
-        return Cost(prefill=prefill, decode=min(per_sequence, context_length - prefill))
+        each = min(per_sequence, context_length - prefill)
+        return Cost(prefill=prefill, decode=each, per_choice=each)
 
     def _walk_passthrough(
         self,
@@ -1169,17 +1174,17 @@ class Pricer:
 
     def _reasoning_tokens(self, tok: Tokenizer, item: dict[str, Any], where: str) -> int:
         total = self._s.per_message_tokens
-        for field in ("summary", "content"):
-            entries = item.get(field)
+        for part in ("summary", "content"):
+            entries = item.get(part)
             if entries is None:
                 continue
             if not isinstance(entries, list):
                 raise InvalidRequest(
-                    f"{where}.{field} must be an array of text objects, got {_kind(entries)}",
-                    param=f"{where}.{field}",
+                    f"{where}.{part} must be an array of text objects, got {_kind(entries)}",
+                    param=f"{where}.{part}",
                 )
             for j, entry in enumerate(entries):
-                at = f"{where}.{field}[{j}]"
+                at = f"{where}.{part}[{j}]"
                 if not isinstance(entry, dict):
                     raise InvalidRequest(
                         f"{at} must be an object with a 'text', got {_kind(entry)}", param=at

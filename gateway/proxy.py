@@ -142,21 +142,6 @@ def _max_wait_header(value: bytes) -> float:
     return seconds
 
 
-def _sequences(kind: RouteKind, body: dict[str, Any]) -> int:
-    """How many sequences a request's decode reservation is spread over (n, best_of, prompts)."""
-    if kind is RouteKind.RESPONSES:
-        return 1
-    n = body.get("n") or 1
-    if kind is RouteKind.CHAT:
-        return int(n)
-    best_of = body.get("best_of") or 1
-    prompt = body.get("prompt")
-    prompts = 1
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        prompts = len(prompt)
-    return max(int(n), int(best_of)) * prompts
-
-
 class Proxy:
     """Request handling; one instance per app, created at start-up (needs the session)."""
 
@@ -575,7 +560,7 @@ class Proxy:
             # The Responses API always reports usage (in response.completed) and has no
             # stream_options; its output limit is max_output_tokens, for one sequence.
             if self.enforce_max_tokens and body.get("max_output_tokens") is None:
-                changes["max_output_tokens"] = max(x.cost.decode, 1)
+                changes["max_output_tokens"] = max(x.cost.per_choice, 1)
         else:
             if body.get("stream") is True:
                 opts = body.get("stream_options")
@@ -589,7 +574,7 @@ class Proxy:
                 and body.get("max_tokens") is None
                 and body.get("max_completion_tokens") is None
             ):
-                changes["max_tokens"] = max(x.cost.decode // _sequences(kind, body), 1)
+                changes["max_tokens"] = max(x.cost.per_choice, 1)
         if backend.spec.accepts_priority and body.get("priority") != x.tier.rank:
             changes["priority"] = x.tier.rank
         x.client_wants_usage = wants_usage

@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import orjson
 
+from classifiers import default_tokenizer
 from tests.conftest import GatewayFactory, RunningGateway, StubBackend, serve_asgi, stub_pools
 from tests.gateway.gw_support import chat
 
@@ -235,3 +236,29 @@ async def test_class_budget_pool(
         r = await c.post("/v1/chat/completions", json=chat(max_tokens=5))
         assert r.headers["x-tokengate-class"] == "small"
     assert await gw.wait_idle() == {"tenant:default": 0, "backend:default": 0, "class:big": 0}
+
+
+async def test_the_injected_limit_keeps_every_prompt_of_a_request_within_its_context(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
+) -> None:
+    # Two prompts of very different lengths: one max_tokens goes to both, so it is the per-choice
+    # reservation that fits the longest prompt's context, not an average over the prompts.
+    stub, url = stub_backend
+    gw = await gateway_factory(
+        {
+            "pools": stub_pools(url),
+            "models": {"stub-model": {"context_length": 200}},
+            "pricing": {"default_max_tokens": 300},
+        }
+    )
+    async with httpx.AsyncClient(base_url=gw.url) as c:
+        r = await c.post(
+            "/v1/completions", json={"model": "stub-model", "prompt": ["word " * 150, "hi"], "n": 2}
+        )
+        assert r.status_code == 200
+    count = default_tokenizer().count  # the gateway's default (cl100k)
+    long_tokens, short_tokens = count("word " * 150), count("hi")
+    assert stub.requests[-1].body["max_tokens"] == 200 - long_tokens  # fits the long prompt's context
+    assert int(r.headers["x-tokengate-cost"]) == long_tokens + short_tokens + 2 * (
+        (200 - long_tokens) + (200 - short_tokens)
+    )  # while each prompt still reserves what its own context allows
