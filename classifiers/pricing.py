@@ -696,7 +696,9 @@ class Pricer:
         per_choice = self._per_choice(requested, key, default_max_tokens, max_tokens_limit)
         self._check_context(max(lengths), context_length, "prompt")
         decode = sum(min(per_choice, context_length - n) for n in lengths) * choices
-        return Cost(prefill=sum(lengths), decode=decode, per_choice=min(per_choice, context_length - max(lengths)))
+        return Cost(
+            prefill=sum(lengths), decode=decode, per_choice=min(per_choice, context_length - max(lengths))
+        )
 
     def _walk_embeddings(self, tok: Tokenizer, body: Mapping[str, Any], context_length: int | None) -> Cost:
         lengths = self._prompt_lengths(tok, body.get("input"), "input")

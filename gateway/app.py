@@ -29,7 +29,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from budgets.types import BudgetLayout, BudgetStore
-from classifiers import Classifier, Pricer, PricingSettings, TokenizerRegistry, show_value
+from classifiers import Classifier, Pricer, TokenizerRegistry, show_value
 from gateway.accesslog import Record
 from gateway.admin.api import AdminApi
 from gateway.admin.control import Control, state_store_for
@@ -212,7 +212,7 @@ class Gateway:
                 self.pricer.close()  # its queued encodes fall back to counting inline; none fails
             self.pricer = Pricer(
                 TokenizerRegistry(models=self.models.tokenizer_specs()),
-                PricingSettings(**config.pricing.settings),
+                config.pricing.settings,
             )
         self.passthrough = PassthroughRoutes(config.passthrough)
         self.layout = build_layout(config, config.classes, self.tenants)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from budgets.redis import RedisOptions
-from classifiers import ClassRule
+from classifiers import ClassRule, PricingSettings
 from gateway.observe.settings import ObserveSettings
 from gateway.passthrough import DEFAULT_ROUTES, PassthroughRoute
 from gateway.upstream.pools import BackendPoolSpec, BackendSpec, Timeouts
@@ -79,9 +79,9 @@ class ModelConfig:
 @dataclass(frozen=True, slots=True)
 class PricingConfig:
     default_max_tokens: int = 1024
-    # Fields of classifiers.PricingSettings (per_message_tokens, image_tokens, ...), validated
-    # against that dataclass on load.
-    settings: Mapping[str, int] = field(default_factory=dict)
+    # The pricer's own settings (per_message_tokens, image_tokens, encode_threads, ...): owned by
+    # classifiers, read from the same `pricing:` section.
+    settings: PricingSettings = field(default_factory=PricingSettings)
 
 
 @dataclass(frozen=True, slots=True)

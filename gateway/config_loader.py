@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from backends.reference.server import BackendSettings
+from classifiers import PricingSettings, load_tokenizer
 from gateway import stores
 from gateway.class_rules import parse_classes
 from gateway.config import (
@@ -63,12 +65,6 @@ from gateway.passthrough import DEFAULT_ROUTES, PassthroughRoute
 from gateway.paths import path_problem
 
 _SHA256_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
-
-# Fields of classifiers.PricingSettings as the classifiers helper documented them; used only
-# when the classifiers package cannot be imported (it is always there in a full install).
-_FALLBACK_PRICING_FIELDS = frozenset(
-    {"per_message_tokens", "per_name_tokens", "reply_priming_tokens", "image_tokens", "audio_tokens"}
-)
 
 
 def load_config(path: str | Path | None) -> GatewayConfig:
@@ -316,30 +312,19 @@ def _models(v: Any) -> tuple[ModelConfig, ...]:
 def _check_tokenizer(spec: str, where: str) -> None:
     """Load it now (cached by the classifiers package) so a bad spec fails at load time."""
     try:
-        from classifiers import load_tokenizer
-    except ImportError:  # pragma: no cover
-        return
-    try:
         load_tokenizer(spec)
     except (ValueError, OSError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
 
 
 def _pricing(v: Any) -> PricingConfig:
-    fields = _pricing_fields()
-    m = section(v, "pricing", ("default_max_tokens", *sorted(fields)))
-    settings = {k: integer(m, k, "pricing", None, minimum=0) for k in m if k != "default_max_tokens"}
+    own = [f.name for f in dataclasses.fields(PricingSettings)]
+    m = section(v, "pricing", ("default_max_tokens", *own))
+    d = PricingSettings()
+    settings = PricingSettings(**{k: integer(m, k, "pricing", getattr(d, k), minimum=0) for k in own})
     return PricingConfig(
         default_max_tokens=integer(m, "default_max_tokens", "pricing", 1024, minimum=1), settings=settings
     )
-
-
-def _pricing_fields() -> frozenset[str]:
-    try:
-        from classifiers import PricingSettings
-    except ImportError:  # pragma: no cover
-        return _FALLBACK_PRICING_FIELDS
-    return frozenset(f.name for f in dataclasses.fields(PricingSettings))
 
 
 def _tenants(v: Any, tiers: Sequence[TierConfig], tier_names: set[str]) -> tuple[TenantConfig, ...]:
@@ -520,9 +505,7 @@ def _embedded(v: Any) -> EmbeddedBackendConfig:
     m = mapping(v, "embedded_backend") if v is not None else {}
     where = "embedded_backend"
     own = ("host", "port", "capacity_tokens")
-    allowed = _backend_setting_fields()
-    if allowed is not None:
-        check_keys(m, (*own, *sorted(allowed)), where)
+    check_keys(m, (*own, *sorted(_backend_setting_fields())), where)
     settings = {k: val for k, val in m.items() if k not in own}
     return EmbeddedBackendConfig(
         host=string(m, "host", where, "127.0.0.1"),
@@ -532,9 +515,5 @@ def _embedded(v: Any) -> EmbeddedBackendConfig:
     )
 
 
-def _backend_setting_fields() -> frozenset[str] | None:
-    try:
-        from backends.reference.server import BackendSettings
-    except ImportError:
-        return None
+def _backend_setting_fields() -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(BackendSettings)) - {"host", "port"}
