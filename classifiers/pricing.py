@@ -499,6 +499,13 @@ class Pricer:
 
     # ---- the same, with large never-seen texts tokenized off the event loop -----------------
 
+    async def _off_loop(self, walk: Callable[..., Cost], tok: Tokenizer, args: tuple[Any, ...]) -> Cost:
+        """Price inline when nothing large and new is left after a first pass, else finish off the loop."""
+        first = self._first_pass(walk, tok, args)
+        if isinstance(first, Cost):
+            return first
+        return await self._second_pass(first, walk, args)
+
     async def aprice_chat(
         self,
         body: Mapping[str, Any],
@@ -509,10 +516,7 @@ class Pricer:
     ) -> Cost:
         """`price_chat`'s exact result (or exception); see "Off the event loop" in the class doc."""
         args = (body, default_max_tokens, max_tokens_limit, context_length)
-        first = self._first_pass(self._walk_chat, self._tokenizer(body), args)
-        if isinstance(first, Cost):
-            return first
-        return await self._second_pass(first, self._walk_chat, args)
+        return await self._off_loop(self._walk_chat, self._tokenizer(body), args)
 
     async def aprice_completion(
         self,
@@ -524,18 +528,12 @@ class Pricer:
     ) -> Cost:
         """`price_completion`'s exact result (or exception), large texts tokenized off the loop."""
         args = (body, default_max_tokens, max_tokens_limit, context_length)
-        first = self._first_pass(self._walk_completion, self._tokenizer(body), args)
-        if isinstance(first, Cost):
-            return first
-        return await self._second_pass(first, self._walk_completion, args)
+        return await self._off_loop(self._walk_completion, self._tokenizer(body), args)
 
     async def aprice_embeddings(self, body: Mapping[str, Any], *, context_length: int | None = None) -> Cost:
         """`price_embeddings`'s exact result (or exception), large texts tokenized off the loop."""
         args = (body, context_length)
-        first = self._first_pass(self._walk_embeddings, self._tokenizer(body), args)
-        if isinstance(first, Cost):
-            return first
-        return await self._second_pass(first, self._walk_embeddings, args)
+        return await self._off_loop(self._walk_embeddings, self._tokenizer(body), args)
 
     async def aprice_responses(
         self,
@@ -547,10 +545,7 @@ class Pricer:
     ) -> Cost:
         """`price_responses`'s exact result (or exception), large texts tokenized off the loop."""
         args = (body, default_max_tokens, max_tokens_limit, context_length)
-        first = self._first_pass(self._walk_responses, self._tokenizer(body), args)
-        if isinstance(first, Cost):
-            return first
-        return await self._second_pass(first, self._walk_responses, args)
+        return await self._off_loop(self._walk_responses, self._tokenizer(body), args)
 
     async def aprice_passthrough(
         self,
@@ -563,10 +558,7 @@ class Pricer:
     ) -> Cost:
         """`price_passthrough`'s exact result, a large body tokenized off the loop; never raises."""
         args = (body_bytes, default_max_tokens, generates, context_length)
-        first = self._first_pass(self._walk_passthrough, self._passthrough_tokenizer(model), args)
-        if isinstance(first, Cost):
-            return first
-        return await self._second_pass(first, self._walk_passthrough, args)
+        return await self._off_loop(self._walk_passthrough, self._passthrough_tokenizer(model), args)
 
     def close(self) -> None:
         """Stop the encode pool; idempotent. Call it at shutdown.

@@ -8,6 +8,7 @@ in-process and points a pool ``default`` at it). Parsing and validation live in
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -95,6 +96,10 @@ class TenantConfig:
     max_max_tokens: int | None = None  # larger per-choice requests are a 400
     max_queue_len: int = 64
     models: tuple[str, ...] = ()  # model globs this tenant may use; empty = every served model
+
+
+# The keys of a tenant's section in the file (all but its name).
+TENANT_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TenantConfig) if f.name != "name")
 
 
 @dataclass(frozen=True, slots=True)

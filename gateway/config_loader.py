@@ -24,6 +24,7 @@ from gateway.class_rules import parse_classes
 from gateway.config import (
     DEFAULT_CONTEXT_LENGTH,
     DEFAULT_TIERS,
+    TENANT_KEYS,
     AdminConfig,
     BackendConfig,
     EmbeddedBackendConfig,
@@ -337,20 +338,7 @@ def _tenants(v: Any, tiers: Sequence[TierConfig], tier_names: set[str]) -> tuple
     owner: dict[str, str] = {}
     for name, body in m.items():
         where = f"tenants.{valid_name(name, 'tenants')}"
-        t = section(
-            body,
-            where,
-            (
-                "keys",
-                "budget_tokens",
-                "weight",
-                "tier",
-                "default_max_tokens",
-                "max_max_tokens",
-                "max_queue_len",
-                "models",
-            ),
-        )
+        t = section(body, where, TENANT_KEYS)
         keys = string_list(t, "keys", where)
         for i, key in enumerate(keys):
             if key.startswith("sha256:") and not _SHA256_RE.match(key):

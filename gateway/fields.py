@@ -116,11 +116,14 @@ def opt_integer(m: Mapping[str, Any], key: str, where: str, *, minimum: int | No
 
 
 def number(
-    m: Mapping[str, Any], key: str, where: str, default: float, *, minimum: float | None = None
+    m: Mapping[str, Any], key: str, where: str, default: float | None, *, minimum: float | None = None
 ) -> float:
+    """A number; ``default`` None makes the field required."""
     path = join(where, key)
     v = m.get(key)
     if v is None:
+        if default is None:
+            raise ConfigError(f"{path}: required, expected a number")
         return default
     if isinstance(v, bool) or not isinstance(v, int | float):
         raise ConfigError(f"{path}: expected a number, got {show(v)}")
@@ -130,7 +133,7 @@ def number(
 
 
 def positive_number(
-    m: Mapping[str, Any], key: str, where: str, default: float, *, maximum: float | None = None
+    m: Mapping[str, Any], key: str, where: str, default: float | None, *, maximum: float | None = None
 ) -> float:
     v = number(m, key, where, default)
     if v <= 0 or (maximum is not None and v > maximum):

@@ -12,12 +12,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from gateway.fields import ConfigError, check_keys, integer, positive_number
+
 # z-score of the 99th percentile of a standard normal: lognormal fits from (median, p99) use it.
 Z_P99 = 2.326347874
 
 
-class SpecError(ValueError):
-    """A workload or scenario file is malformed; the message names the field."""
+# A workload or scenario file is malformed; the message names the field. The same toolkit and
+# error as the gateway's config (gateway.fields), so both read and complain alike.
+SpecError = ConfigError
 
 
 class LengthDist(Protocol):
@@ -98,25 +101,11 @@ class Empirical:
 
 
 def _int_field(d: Mapping[str, Any], key: str, where: str, minimum: int = 1) -> int:
-    value = d.get(key)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
-        raise SpecError(f"{where}.{key}: expected an integer, got {value!r}")
-    if value < minimum:
-        raise SpecError(f"{where}.{key}: expected >= {minimum}, got {value}")
-    return int(value)
+    return integer(d, key, where, None, minimum=minimum)
 
 
 def _num_field(d: Mapping[str, Any], key: str, where: str) -> float:
-    value = d.get(key)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise SpecError(f"{where}.{key}: expected a positive number, got {value!r}")
-    return float(value)
-
-
-def check_keys(d: Mapping[str, Any], allowed: Sequence[str], where: str) -> None:
-    unknown = sorted(set(d) - set(allowed))
-    if unknown:
-        raise SpecError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+    return positive_number(d, key, where, None)
 
 
 def parse_length_dist(raw: Any, where: str, *, empirical: Sequence[int] | None = None) -> LengthDist:

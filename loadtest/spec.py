@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from gateway.fields import mapping, number
 from loadtest.distributions import (
     Empirical,
     LengthDist,
@@ -199,21 +200,12 @@ _WORKLOAD_KEYS = [
 
 
 def _number(raw: Mapping[str, Any], key: str, where: str, default: float | None = None) -> float:
-    value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise SpecError(f"{where}.{key}: expected a non-negative number, got {value!r}")
-    return float(value)
-
-
-def _mapping(raw: Any, where: str) -> Mapping[str, Any]:
-    if not isinstance(raw, Mapping):
-        raise SpecError(f"{where}: expected a mapping, got {type(raw).__name__}")
-    return raw
+    return number(raw, key, where, default, minimum=0.0)
 
 
 def _parse_tenant(name: str, raw: Any) -> TenantSpec:
     where = f"tenants.{name}"
-    d = _mapping(raw, where)
+    d = mapping(raw, where)
     check_keys(d, ["key", "keys", "weight", "tier", "gateway"], where)
     if "key" in d and "keys" in d:
         raise SpecError(f"{where}: give either 'key' or 'keys', not both")
@@ -226,7 +218,7 @@ def _parse_tenant(name: str, raw: Any) -> TenantSpec:
     tier = d.get("tier")
     if tier is not None and not isinstance(tier, str):
         raise SpecError(f"{where}.tier: expected a string, got {tier!r}")
-    gateway = _mapping(d.get("gateway", {}), f"{where}.gateway")
+    gateway = mapping(d.get("gateway", {}), f"{where}.gateway")
     return TenantSpec(name, tuple(keys_raw), weight, tier, dict(gateway))
 
 
@@ -236,7 +228,7 @@ def _parse_windows(raw: Any, where: str) -> tuple[RateWindow, ...]:
     out = []
     for i, item in enumerate(raw):
         w_where = f"{where}[{i}]"
-        d = _mapping(item, w_where)
+        d = mapping(item, w_where)
         check_keys(d, ["from_s", "to_s", "rate"], w_where)
         from_s, to_s = _number(d, "from_s", w_where), _number(d, "to_s", w_where)
         if to_s <= from_s:
@@ -277,7 +269,7 @@ def _parse_dist(raw: Any, where: str, base_dir: Path | None, synthetic: bool) ->
 
 
 def _parse_trace(raw: Any, where: str, base_dir: Path | None, synthetic: bool) -> TraceSource:
-    d = _mapping(raw, where)
+    d = mapping(raw, where)
     check_keys(
         d,
         ["file", "start_s", "time_scale", "size_scale", "sample", "max_prompt_tokens", "max_output_tokens"],
@@ -306,7 +298,7 @@ def _parse_class(
     name: str, raw: Any, tenants: Mapping[str, TenantSpec], base_dir: Path | None, synthetic: bool
 ) -> ClassSpec:
     where = f"classes.{name}"
-    d = _mapping(raw, where)
+    d = mapping(raw, where)
     check_keys(
         d,
         ["tenant", "group", "rate", "schedule", "process", "prompt_tokens", "output_tokens", "trace"],
@@ -348,7 +340,7 @@ def _parse_class(
 
 
 def _parse_phases(raw: Any) -> tuple[Phase, ...]:
-    d = _mapping(raw, "phases")
+    d = mapping(raw, "phases")
     out = []
     for name, windows in d.items():
         where = f"phases.{name}"
@@ -370,11 +362,11 @@ def parse_workload(
 ) -> WorkloadSpec:
     """Validates a workload mapping. ``synthetic`` ignores trace files and uses their fitted stand-ins."""
     check_keys(raw, [*_WORKLOAD_KEYS, "setup", "checks"], "workload")
-    tenants_raw = _mapping(raw.get("tenants"), "tenants")
+    tenants_raw = mapping(raw.get("tenants"), "tenants")
     tenants = {str(name): _parse_tenant(str(name), t) for name, t in tenants_raw.items()}
     if not tenants:
         raise SpecError("tenants: at least one tenant is required")
-    classes_raw = _mapping(raw.get("classes"), "classes")
+    classes_raw = mapping(raw.get("classes"), "classes")
     classes = tuple(_parse_class(str(n), c, tenants, base_dir, synthetic) for n, c in classes_raw.items())
     if not classes:
         raise SpecError("classes: at least one request class is required")
@@ -393,7 +385,7 @@ def parse_workload(
     phases = _parse_phases(raw["phases"]) if "phases" in raw else ()
     fairness = None
     if "fairness" in raw:
-        f = _mapping(raw["fairness"], "fairness")
+        f = mapping(raw["fairness"], "fairness")
         check_keys(f, ["tenants", "phase"], "fairness")
         names = f.get("tenants", list(tenants))
         if not isinstance(names, list) or any(n not in tenants for n in names) or len(names) < 2:

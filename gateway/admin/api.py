@@ -36,7 +36,7 @@ from gateway.admin.state import (
     redacted,
 )
 from gateway.admin.tokens import Caller, Role
-from gateway.config import DEFAULT_TIERS
+from gateway.config import DEFAULT_TIERS, TENANT_KEYS
 from gateway.errors import ApiError
 from gateway.fields import ConfigError
 
@@ -45,15 +45,7 @@ if TYPE_CHECKING:
 
 Handler = Callable[[Request, Caller], Awaitable[Response]]
 
-_TENANT_FIELDS = (
-    "budget_tokens",
-    "weight",
-    "tier",
-    "default_max_tokens",
-    "max_max_tokens",
-    "max_queue_len",
-    "models",
-)
+_TENANT_FIELDS = tuple(k for k in TENANT_KEYS if k != "keys")  # keys have their own routes
 _MAX_BODY = 64 * 1024
 
 

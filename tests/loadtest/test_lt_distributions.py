@@ -42,7 +42,7 @@ def test_lognormal_clips_to_min_max() -> None:
         ({"dist": "lognormal", "median": 100}, "exactly one of 'sigma' or 'p99'"),
         ({"dist": "uniform", "low": 5, "high": 2}, "high (2) < low (5)"),
         ({"dist": "zipf"}, "expected fixed, uniform, lognormal or trace"),
-        ({"dist": "fixed", "value": 3, "extra": 1}, "unknown key(s) ['extra']"),
+        ({"dist": "fixed", "value": 3, "extra": 1}, "prompt_tokens.extra: unknown key"),
         (0, "positive token count"),
     ],
 )

@@ -122,7 +122,7 @@ def test_scaled_multiplies_rates_and_sets_duration() -> None:
             "must be after",
         ),
         (lambda r: r.update(fairness={"tenants": ["chat"]}), "fairness.tenants"),
-        (lambda r: r.update(bogus=1), "unknown key(s) ['bogus']"),
+        (lambda r: r.update(bogus=1), "workload.bogus: unknown key"),
     ],
 )
 def test_workload_errors_name_the_field(mutate: Any, message: str) -> None:
