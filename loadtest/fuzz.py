@@ -401,6 +401,97 @@ def generate(seed: int, count: int, api_key: str | None = None) -> Iterator[Case
             yield Case(index, f"header {name}", _request("POST", route, _dumps(body), [json_ct, *headers]))
 
 
+ADMIN_PATHS = (
+    "/admin/v1/tenants",
+    "/admin/v1/tenants/{name}",
+    "/admin/v1/tenants/{name}/keys",
+    "/admin/v1/keys/{name}",
+    "/admin/v1/keys/{name}/rotate",
+    "/admin/v1/pools",
+    "/admin/v1/pools/{name}",
+    "/admin/v1/pools/{name}/backends",
+    "/admin/v1/tiers",
+    "/admin/v1/tiers/{name}",
+    "/admin/v1/overrides",
+    "/admin/v1/overrides/{name}/{name}",
+    "/admin/v1/state",
+    "/admin/v1/reload",
+    "/admin/v1/openapi.json",
+    "/admin/v1/nope",
+    "/admin/v2/tenants",
+)
+_NAMES = (
+    "acme",
+    "default",
+    "t",
+    "newco",
+    "x" * 300,
+    "%2e%2e",
+    "%C3%A9",
+    "a%20b",
+    "tenants",
+    "standard",
+    "-",
+    "0",
+)
+
+
+def _admin_body(rng: random.Random) -> dict[str, Any]:
+    candidates: list[dict[str, Any]] = [
+        {"name": rng.choice(["newco", "acme", "x" * 100, "", "a b"]), "budget_tokens": rng.randint(1, 10**6)},
+        {
+            "budget_tokens": rng.randint(1, 10**6),
+            "weight": 2,
+            "tier": rng.choice(["batch", "critical", "gold"]),
+        },
+        {
+            "url": rng.choice(["http://127.0.0.1:1", "ftp://x", "", "http://" + "a" * 500]),
+            "capacity_tokens": 1000,
+        },
+        {"url": "http://127.0.0.1:1", "draining": True},
+        {"rank": rng.randint(0, 9), "ceiling": rng.choice([0.5, 1.0, 2.0])},
+        {"overlap_s": rng.choice([0, 1, 10**9])},
+        {"name": "ci"},
+        {},
+    ]
+    return dict(rng.choice(candidates))
+
+
+def generate_admin(seed: int, count: int, token: str | None) -> Iterator[Case]:
+    """Cases against the admin API on the ops listener: every route and method, odd names, wrong and
+    extreme field values, broken JSON, missing or wrong tokens."""
+    rng = random.Random(seed)
+    json_ct = ("content-type", "application/json")
+    for index in range(count):
+        path = rng.choice(ADMIN_PATHS)
+        while "{name}" in path:
+            path = path.replace("{name}", rng.choice(_NAMES), 1)
+        if rng.random() < 0.2:
+            path += rng.choice(["?url=http://127.0.0.1:1", "?url=", "?url=" + "%" * 3, "?x=1"])
+        method = rng.choice(["GET", "GET", "POST", "PATCH", "PUT", "DELETE", "OPTIONS"])
+        roll = rng.random()
+        who = token if roll < 0.8 else rng.choice([None, "wrong", "x" * 5000])
+        headers = [json_ct] + ([("authorization", f"Bearer {who}")] if who else [])
+        body: bytes = b""
+        family = "admin"
+        if method in ("POST", "PATCH", "PUT"):
+            data = _admin_body(rng)
+            kind = rng.random()
+            if kind < 0.5:
+                what, data = _mutate(data, rng)
+                family = f"admin-mutate {what}"
+                body = _dumps(data)
+            elif kind < 0.7:
+                what, body = _broken_json(_dumps(data), rng)
+                family = f"admin-json {what}"
+            elif kind < 0.8:
+                body = _dumps({"budget_tokens": _deep(rng.choice([100, 600, 1100]))})
+                family = "admin-deep"
+            else:
+                body = _dumps(data)
+        yield Case(index, family, _request(method, path, body, headers))
+
+
 # ---- running ----
 
 
@@ -475,11 +566,17 @@ def render(report: Report) -> str:
 
 
 async def check_after(
-    url: str, api_key: str | None, ops_url: str | None = None, settle_s: float = 10.0
+    url: str,
+    api_key: str | None,
+    ops_url: str | None = None,
+    settle_s: float = 10.0,
+    *,
+    serve_check: bool = True,
 ) -> tuple[bool, bool]:
     """(every pool at 0 in flight, the gateway answers /healthz and a plain chat request).
 
-    ``ops_url``: where /metrics is (the ops listener); default: ``url``."""
+    ``ops_url``: where /metrics is (the ops listener); default: ``url``. ``serve_check`` False: only
+    /healthz (after fuzzing the admin API, tenants and backends may rightly have changed)."""
     import httpx
 
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
@@ -498,7 +595,8 @@ async def check_after(
             await asyncio.sleep(0.1)
         ok = (await c.get("/healthz")).status_code == 200
         body = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-        ok = ok and (await c.post("/v1/chat/completions", json=body)).status_code == 200
+        if serve_check:
+            ok = ok and (await c.post("/v1/chat/completions", json=body)).status_code == 200
     return zero, ok
 
 
@@ -511,6 +609,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     target.add_argument("--spawn", action="store_true", help="start a stub backend and a gateway in-process")
     p.add_argument("--api-key", default=None)
+    p.add_argument(
+        "--admin",
+        action="store_true",
+        help="fuzz the admin API on the ops listener instead (with --url: give --ops-url and --admin-token)",
+    )
+    p.add_argument("--admin-token", default=None, help="an admin token (with --url --admin)")
     p.add_argument("--cases", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", type=int, default=None, help="run only this case index (replay)")
@@ -521,6 +625,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 async def amain(args: argparse.Namespace) -> Report:
+    if args.admin:
+        return await _amain_admin(args)
     cases = generate(args.seed, args.cases, args.api_key)
     if args.only is not None:
         cases = (c for c in cases if c.index == args.only)
@@ -534,6 +640,24 @@ async def amain(args: argparse.Namespace) -> Report:
     async with fuzz_stack() as (url, ops_url):
         report = await run_cases(url, cases, concurrency=args.concurrency, hang_s=args.hang_s)
         report.pools_at_zero, report.healthy_after = await check_after(url, None, ops_url)
+    return report
+
+
+async def _amain_admin(args: argparse.Namespace) -> Report:
+    if args.url:
+        ops_url = args.ops_url or "http://127.0.0.1:9091"
+        cases = generate_admin(args.seed, args.cases, args.admin_token)
+        report = await run_cases(ops_url, cases, concurrency=args.concurrency, hang_s=args.hang_s)
+        report.pools_at_zero, report.healthy_after = await check_after(
+            args.url, None, ops_url, serve_check=False
+        )
+        return report
+    from loadtest.fuzz_stack import ADMIN_TOKEN, fuzz_stack
+
+    async with fuzz_stack() as (url, ops_url):
+        cases = generate_admin(args.seed, args.cases, ADMIN_TOKEN)
+        report = await run_cases(ops_url, cases, concurrency=args.concurrency, hang_s=args.hang_s)
+        report.pools_at_zero, report.healthy_after = await check_after(url, None, ops_url, serve_check=False)
     return report
 
 

@@ -16,6 +16,8 @@ from loadtest.processes import ProcessGroup, free_port, wait_ready
 from loadtest.stack import gateway_command
 from loadtest.stub_backend import StubBackend, StubConfig
 
+ADMIN_TOKEN = "fuzz-admin-token"
+
 
 @asynccontextmanager
 async def fuzz_stack(work_dir: Path | None = None) -> AsyncIterator[tuple[str, str]]:
@@ -35,7 +37,9 @@ async def fuzz_stack(work_dir: Path | None = None) -> AsyncIterator[tuple[str, s
         },
         "limits": {"body_timeout_s": 3, "header_timeout_s": 3},
         "drain_timeout_s": 2,
+        "admin": {"tokens_file": str(root / "tokens")},
     }
+    (root / "tokens").write_text(f"admin {ADMIN_TOKEN}\n")
     path = root / "fuzz-gateway.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     group = ProcessGroup()

@@ -5,7 +5,9 @@ answer >= 500, no hang, every pool back at 0 and the gateway healthy afterwards.
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
+import httpx
 import pytest
 
 from loadtest import fuzz
@@ -43,3 +45,29 @@ async def test_a_seeded_fuzz_slice_finds_no_server_error_and_no_hang(
     assert await gw.wait_idle(10) == {name: 0 for name in await gw.in_flight()}
     zero, healthy = await fuzz.check_after(gw.url, "k", gw.ops_url)
     assert zero and healthy
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [3, 4])
+async def test_fuzzing_the_admin_api_finds_no_server_error_and_no_hang(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory, tmp_path: Path, seed: int
+) -> None:
+    _, url = stub_backend
+    tokens = tmp_path / "tokens"
+    tokens.write_text("admin admin-secret\nread read-secret\n")
+    gw = await gateway_factory(
+        {
+            "pools": stub_pools(url),
+            "tenants": {"acme": {"keys": ["k"], "budget_tokens": 50_000}},
+            "admin": {"tokens_file": str(tokens)},
+            "limits": {"body_timeout_s": 2, "body_idle_timeout_s": 1, "header_timeout_s": 2},
+        }
+    )
+    report = await fuzz.run_cases(gw.ops_url, fuzz.generate_admin(seed, 300, "admin-secret"), concurrency=8)
+    assert report.cases == 300
+    assert report.server_errors == [], fuzz.render(report)
+    assert report.hangs == [], fuzz.render(report)
+    zero, healthy = await fuzz.check_after(gw.url, "k", gw.ops_url, serve_check=False)
+    assert zero and healthy
+    async with httpx.AsyncClient(base_url=gw.ops_url, headers={"authorization": "Bearer admin-secret"}) as c:
+        assert (await c.get("/admin/v1/state")).status_code == 200  # still answering
