@@ -43,7 +43,7 @@ from gateway.leases import LeaseKeeper
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.modeltable import ModelTable
 from gateway.observe import Observer, ScrapeTarget, StatsSources, observe_routes
-from gateway.observe.stats import config_view
+from gateway.observe.stats import BackendHealth, config_view
 from gateway.passthrough import PassthroughRoutes
 from gateway.paths import path_problem
 from gateway.proxy import Proxy
@@ -170,6 +170,9 @@ class Gateway:
             self.observer,
             snapshot=self.store.snapshot,
             config_view=lambda: config_view(self.config.classes, self.config.pools),
+            backend_health=lambda: [
+                BackendHealth(b.pool, b.name, b.state, b.consecutive_failures) for b in self.router.backends
+            ],
         )
         self.draining = False
         self._drained = False
@@ -504,8 +507,16 @@ class Gateway:
                 problems.append("budget store unhealthy")
         except Exception as exc:
             problems.append(f"budget store error: {exc}")
-        if not any(b.healthy for b in self.router.backends):
-            problems.append("no healthy backend")
+        backends = list(self.router.backends)
+        if not any(b.available and b.confirmed for b in backends):
+            # A backend that never answered does not count: at start-up every backend is
+            # optimistically "healthy" until failures open its breaker. Counts only: /readyz is
+            # open on the API port, and backend addresses are for the operator (/stats, doctor).
+            down = sum(1 for b in backends if not b.healthy)
+            unknown = sum(1 for b in backends if b.healthy and not b.confirmed)
+            problems.append(
+                f"no healthy backend ({len(backends)} configured: {down} down, {unknown} never answered)"
+            )
         if problems:
             return Response(
                 orjson.dumps({"status": "not ready", "problems": problems}),
