@@ -49,7 +49,8 @@ def dumps(obj: Any) -> str:
 
 def text_value(v: Any) -> str:
     if isinstance(v, str):
-        return v if v and " " not in v and "=" not in v and '"' not in v else json.dumps(v)
+        plain = v and v.isprintable() and " " not in v and "=" not in v and '"' not in v
+        return v if plain else json.dumps(v, ensure_ascii=False)  # quoted, a newline escaped
     return dumps(v) if isinstance(v, Mapping | list | tuple) else str(v)
 
 

@@ -160,6 +160,7 @@ def test_text_lines_read_as_words_with_the_fields_appended() -> None:
 def test_the_access_line_in_text_format(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="tokengate.access")
     rec = Record("POST", "/v1/chat/completions", start=0.0, request_id="tg-1-1", tenant="acme", status=200)
+    rec.error = "upstream said:\nfake line"
     accesslog.set_format("text")
     try:
         rec.emit(0.5)
@@ -168,7 +169,7 @@ def test_the_access_line_in_text_format(caplog: pytest.LogCaptureFixture) -> Non
     [line] = [r.getMessage() for r in caplog.records if r.name == "tokengate.access"]
     assert "Z INFO tokengate.access: POST /v1/chat/completions 200 " in line
     assert " request_id=tg-1-1 " in line and " tenant=acme " in line and "total_ms=500.0" in line
-    assert "{" not in line
+    assert "{" not in line and "\n" not in line and 'error="upstream said:\\nfake line"' in line
 
 
 @pytest.fixture
