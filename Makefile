@@ -10,7 +10,7 @@ setup:
 	bash scripts/bootstrap.sh
 
 run: setup
-	$(BIN)/tokengate serve $(if $(CONFIG),--config $(CONFIG),)
+	$(BIN)/tokengate serve --log-format text $(if $(CONFIG),--config $(CONFIG),)
 
 lint: setup
 	$(BIN)/ruff check .

@@ -1,20 +1,31 @@
-"""One structured access-log line per request (JSON on logger ``tokengate.access``).
+"""One structured access-log line per request (on logger ``tokengate.access``).
 
 The record is filled along the request's path and dumped once with orjson at the end; when
-the logger is disabled nothing is formatted. Keys never appear in it.
+the logger is disabled nothing is formatted. Keys never appear in it. The line is the whole log
+line, ``timestamp``, ``level``, ``logger`` and ``message`` included (like every other line, see
+``gateway.logs``), so its handler writes it as it is; ``set_format("text")`` makes it a
+``key=value`` line for humans instead.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import TextIO
 
-import orjson
+from gateway.logs import LogFormat, dumps, iso_timestamp, text_value
 
 access_log = logging.getLogger("tokengate.access")
+_NAME = access_log.name
+_text = False  # set by set_format: a module flag, read once per line
+
+
+def set_format(fmt: LogFormat) -> None:
+    global _text
+    _text = fmt == "text"
+
 
 # Errors may quote client input; a log line stays one readable line.
 _ERROR_LIMIT = 1000
@@ -26,6 +37,8 @@ class Record:
     method: str
     path: str
     start: float  # perf_counter at arrival
+    request_id: str = "-"  # ours, or the client's when trusted (gateway.requestid)
+    client_request_id: str | None = None  # a client's x-request-id we did not adopt, sanitised
     tenant: str = "-"
     tier: str = "-"
     klass: str = "unclassified"
@@ -36,6 +49,7 @@ class Record:
     decode: int = 0
     status: int = 0
     outcome: str = "ok"
+    reason: str | None = None  # the error code behind a non-2xx status (queue_timeout, ...)
     queue_s: float | None = None
     ttft_s: float | None = None
     backend_s: float | None = None
@@ -48,21 +62,26 @@ class Record:
         if not access_log.isEnabledFor(logging.INFO):
             return
         fields = self.fields(end)
-        try:
-            line = orjson.dumps(fields).decode()
-        except TypeError:  # e.g. an integer beyond 64 bits, or a str with a lone surrogate
-            line = json.dumps(fields, default=str, ensure_ascii=True)
+        line = _text_line(fields) if _text else dumps(fields)
         try:
             access_log.info(line)
         except Exception:  # a broken handler must not fail the request's bookkeeping
             logging.getLogger("tokengate").exception("writing the access log failed")
 
     def fields(self, end: float) -> dict[str, object]:
+        path = self.path[:_PATH_LIMIT]
         return {
+            "timestamp": iso_timestamp(time.time()),
+            "level": "info",
+            "logger": _NAME,
+            "message": f"{self.method} {path} {self.status}",
+            "request_id": self.request_id,
+            "client_request_id": self.client_request_id,
             "method": self.method,
-            "path": self.path[:_PATH_LIMIT],
+            "path": path,
             "status": self.status,
             "outcome": self.outcome,
+            "reason": self.reason,
             "tenant": self.tenant,
             "class": self.klass,
             "tier": self.tier,
@@ -80,6 +99,14 @@ class Record:
             "completion_tokens": self.completion_tokens,
             "error": None if self.error is None else self.error[:_ERROR_LIMIT],
         }
+
+
+def _text_line(fields: dict[str, object]) -> str:
+    head = f"{fields['timestamp']} INFO {_NAME}: {fields['message']}"
+    skip = ("timestamp", "level", "logger", "message", "method", "path", "status")
+    return head + "".join(
+        f" {k}={text_value(v)}" for k, v in fields.items() if v is not None and k not in skip
+    )
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
+from time import perf_counter
 from typing import Any
 
 import aiohttp
@@ -43,10 +44,11 @@ from gateway.leases import LeaseKeeper
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.modeltable import ModelTable
 from gateway.observe import Observer, ScrapeTarget, StatsSources, observe_routes
-from gateway.observe.stats import config_view
+from gateway.observe.stats import BackendHealth, config_view
 from gateway.passthrough import PassthroughRoutes
 from gateway.paths import path_problem
 from gateway.proxy import Proxy
+from gateway.requestid import from_client, new_id
 from gateway.stores import build_store
 from gateway.upstream.client import make_session
 from gateway.upstream.health import HealthChecker, HealthSettings
@@ -170,6 +172,9 @@ class Gateway:
             self.observer,
             snapshot=self.store.snapshot,
             config_view=lambda: config_view(self.config.classes, self.config.pools),
+            backend_health=lambda: [
+                BackendHealth(b.pool, b.name, b.state, b.consecutive_failures) for b in self.router.backends
+            ],
         )
         self.draining = False
         self._drained = False
@@ -339,8 +344,8 @@ class Gateway:
             if kind is None:
                 problem = path_problem(raw_path)
                 if problem is not None:
-                    await _send_error(
-                        send, ApiError(400, f"Invalid request path: {problem}", code="invalid_path")
+                    await self._refuse(
+                        scope, send, ApiError(400, f"Invalid request path: {problem}", code="invalid_path")
                     )
                     return
                 # A harmless escape (/v1/chat/completion%73) names the same route: price it as one.
@@ -355,7 +360,7 @@ class Gateway:
                     return
                 route = self.passthrough.match(scope["method"], path)
                 if route is None:
-                    await _send_error(send, self._unrouted(scope["method"], path))
+                    await self._refuse(scope, send, self._unrouted(scope["method"], path))
                     return
                 assert self._proxy is not None, "the app's lifespan has not run"
                 await self._proxy.handle(scope, receive, send, RouteKind.PASSTHROUGH, route)
@@ -364,7 +369,7 @@ class Gateway:
             elif self.config.ops.port is None:
                 await self._guarded_ops(scope, receive, send, on_api_port=True)
             else:
-                await _send_error(send, self._not_here(scope["method"], path))
+                await self._refuse(scope, send, self._not_here(scope["method"], path))
         elif scope["type"] == "lifespan":
             await self._lifespan(receive, send)
 
@@ -455,7 +460,32 @@ class Gateway:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
+    def _record(self, scope: Scope) -> Record:
+        """The access record of an answer the proxy does not make (models, refusals), with its request id."""
+        rec = Record(method=scope["method"], path=scope["path"], start=perf_counter(), request_id=new_id())
+        for name, value in scope["headers"]:
+            if name == b"x-request-id":
+                adopted, rec.client_request_id = from_client(value, self.config.logging.trust_request_id)
+                if adopted is not None:
+                    rec.request_id = adopted
+        return rec
+
+    async def _refuse(self, scope: Scope, send: Send, exc: ApiError) -> None:
+        """An error answer on the API port outside the proxy: with a request id and an access line."""
+        rec = self._record(scope)
+        rec.status, rec.outcome, rec.reason, rec.error = exc.status, "rejected", exc.code, exc.message
+        body = exc.body()
+        headers = exc.headers()
+        headers.append((b"content-length", str(len(body)).encode()))
+        headers.append((b"x-request-id", rec.request_id.encode()))
+        try:
+            await send({"type": "http.response.start", "status": exc.status, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+        finally:
+            rec.emit(perf_counter())
+
     async def _list_models(self, scope: Scope, send: Send) -> None:
+        rec = self._record(scope)
         try:
             if scope["method"] != "GET":
                 raise ApiError(405, "Use GET /v1/models", code="method_not_allowed")
@@ -467,7 +497,7 @@ class Gateway:
                     break
                 if name in (b"api-key", b"x-api-key"):
                     key = value.decode("latin-1").strip()
-            self.auth.authenticate(key)
+            rec.tenant = self.auth.authenticate(key).name
             body = orjson.dumps(
                 {
                     "object": "list",
@@ -480,9 +510,15 @@ class Gateway:
             status, headers = 200, [(b"content-type", b"application/json")]
         except ApiError as exc:
             status, headers, body = exc.status, exc.headers(), exc.body()
+            rec.outcome, rec.reason, rec.error = "rejected", exc.code, exc.message
+        rec.status = status
         headers.append((b"content-length", str(len(body)).encode()))
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        headers.append((b"x-request-id", rec.request_id.encode()))
+        try:
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+        finally:
+            rec.emit(perf_counter())
 
     # ---- ops routes (Starlette) ----
 
@@ -504,8 +540,16 @@ class Gateway:
                 problems.append("budget store unhealthy")
         except Exception as exc:
             problems.append(f"budget store error: {exc}")
-        if not any(b.healthy for b in self.router.backends):
-            problems.append("no healthy backend")
+        backends = list(self.router.backends)
+        if not any(b.available and b.confirmed for b in backends):
+            # A backend that never answered does not count: at start-up every backend is
+            # optimistically "healthy" until failures open its breaker. Counts only: /readyz is
+            # open on the API port, and backend addresses are for the operator (/stats, doctor).
+            down = sum(1 for b in backends if not b.healthy)
+            unknown = sum(1 for b in backends if b.healthy and not b.confirmed)
+            problems.append(
+                f"no healthy backend ({len(backends)} configured: {down} down, {unknown} never answered)"
+            )
         if problems:
             return Response(
                 orjson.dumps({"status": "not ready", "problems": problems}),

@@ -31,7 +31,7 @@ def parse_classes(v: Any, pool_names: set[str]) -> tuple[ClassRule, ...]:
         return ()
     if not isinstance(v, list):
         raise ConfigError(f"classes: expected a list of rules, got {show(v)}")
-    # Without pools the embedded backend's pool "default" is the only one.
+    # The caller passes the embedded backends' pools when none are configured.
     known = pool_names or {"default"}
     names: set[str] = set()
     out = []

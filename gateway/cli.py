@@ -32,7 +32,14 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--access-log",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="one JSON line per request on stdout (logger tokengate.access)",
+        help="one line per request on stdout (logger tokengate.access)",
+    )
+    p.add_argument(
+        "--log-format",
+        default="json",
+        choices=["json", "text"],
+        help="json: every log line one JSON object (timestamp, level, logger, message, ...); "
+        "text: plain lines for humans (default: %(default)s)",
     )
 
 
@@ -58,11 +65,19 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     from gateway.serve import serve, serve_workers, setup_logging
 
-    setup_logging(args.log_level, args.access_log)
-    if workers > 1:
-        return serve_workers(args.config, host=host, port=port, workers=workers, log_level=args.log_level)
+    setup_logging(args.log_level, args.access_log, args.log_format)
     try:
-        return serve(config, host=host, port=port, log_level=args.log_level, config_path=args.config, raw=raw)
+        if workers > 1:
+            return serve_workers(args.config, host=host, port=port, workers=workers, log_level=args.log_level)
+        return serve(
+            config,
+            host=host,
+            port=port,
+            log_level=args.log_level,
+            config_path=args.config,
+            raw=raw,
+            log_format=args.log_format,
+        )
     except (OSError, ValueError) as exc:
         print(f"tokengate serve: {exc}", file=sys.stderr)
         return 2

@@ -1,9 +1,10 @@
 """The gateway's configuration: frozen dataclasses, one per YAML section.
 
 Every key is optional; ``GatewayConfig()`` is the embedded default (memory store, three tiers,
-one open tenant, no pools -> ``tokengate serve`` starts the simulated reference backend
-in-process and points a pool ``default`` at it). Parsing and validation live in
-:mod:`gateway.config_loader`; nothing here reads files.
+one open tenant, no pools -> ``tokengate serve`` starts two simulated reference backends
+in-process as pools ``short`` and ``long`` with a class rule between them, see
+:mod:`gateway.embedded`). Parsing and validation live in :mod:`gateway.config_loader`; nothing
+here reads files.
 """
 
 from __future__ import annotations
@@ -132,6 +133,13 @@ class OpsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LoggingConfig:
+    # Adopt a client's x-request-id as the request's id (only when every client is trusted to send
+    # unique ids); otherwise the gateway makes its own and logs the client's as client_request_id.
+    trust_request_id: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class MetricsConfig:
     top_tenants: int = 20
 
@@ -155,11 +163,22 @@ class UpstreamConfig:
 
 @dataclass(frozen=True, slots=True)
 class EmbeddedBackendConfig:
+    """The simulated backends ``tokengate serve`` starts when no pools are configured (gateway.embedded)."""
+
     host: str = "127.0.0.1"
-    port: int = 8001  # 0 = a free port
+    port: int = 8001  # 0 = a free port; with split, pool long is on the next port
+    # Two backends, pools short and long, with class rules between them (unless `classes` is set);
+    # false: one backend, pool default.
+    split: bool = True
+    long_prompt_tokens: int = 8000  # with split: prompts from this many tokens are class long
     capacity_tokens: int | None = None  # None = derived from the backend's KV cache size
     # Passed to backends.reference.server.BackendSettings (validated against its fields).
     settings: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def pool_names(self) -> tuple[str, ...]:
+        """The pools the embedded backends serve, one backend each, in port order."""
+        return ("short", "long") if self.split else ("default",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +199,7 @@ class GatewayConfig:
     passthrough: tuple[PassthroughRoute, ...] = DEFAULT_ROUTES
     admin: AdminConfig = AdminConfig()
     ops: OpsConfig = OpsConfig()
+    logging: LoggingConfig = LoggingConfig()
     metrics: MetricsConfig = MetricsConfig()
     health: HealthConfig = HealthConfig()
     upstream: UpstreamConfig = UpstreamConfig()

@@ -34,6 +34,7 @@ from gateway.config import (
     LeasesConfig,
     LimitsConfig,
     ListenConfig,
+    LoggingConfig,
     MetricsConfig,
     ModelConfig,
     OpsConfig,
@@ -80,9 +81,15 @@ def load_raw(path: str | Path) -> dict[str, Any]:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{p}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{p}: not UTF-8 text (byte {exc.start}): is it the YAML config file?") from None
     try:
         data = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {_yaml_problem(exc)}") from None
     except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+    except ValueError as exc:  # a scalar YAML resolves but cannot build, e.g. the date 2026-13-45
         raise ConfigError(f"{p}: not valid YAML: {exc}") from None
     if data is None:
         return {}
@@ -91,12 +98,25 @@ def load_raw(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def _yaml_problem(exc: yaml.MarkedYAMLError) -> str:
+    """``line 3, column 9: expected ',' or '}', but got ':' (while parsing a flow mapping from line 1)``:
+    the file's line and column (1-based), not PyYAML's ``in "<unicode string>"``."""
+    mark = exc.problem_mark or exc.context_mark
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    text = where + (exc.problem or "syntax error")
+    if exc.context:
+        ctx = exc.context_mark
+        text += f" ({exc.context}" + (f" from line {ctx.line + 1}" if ctx is not None else "") + ")"
+    return text
+
+
 def parse_config(data: Any) -> GatewayConfig:
     root = mapping(data, "config", top=True)
     check_keys(root, _TOP_KEYS, "")
     tiers = _tiers(root.get("tiers"))
     tier_names = {t.name for t in tiers}
     pools = _pools(root.get("pools"))
+    embedded = _embedded(root.get("embedded_backend"))
     store = stores.parse_store(root.get("store"))
     cfg = GatewayConfig(
         listen=_listen(root.get("listen")),
@@ -105,7 +125,8 @@ def parse_config(data: Any) -> GatewayConfig:
         tiers=tiers,
         fairness=_fairness(root.get("fairness")),
         leases=_leases(root.get("leases")),
-        classes=parse_classes(root.get("classes"), {p.name for p in pools}),
+        # Without pools, the embedded backends' pools are the ones a class may name.
+        classes=parse_classes(root.get("classes"), {p.name for p in pools} or set(embedded.pool_names)),
         pools=pools,
         models=_models(root.get("models")),
         pricing=_pricing(root.get("pricing")),
@@ -114,10 +135,11 @@ def parse_config(data: Any) -> GatewayConfig:
         passthrough=_passthrough(root.get("passthrough")),
         admin=_admin(root.get("admin")),
         ops=_ops(root.get("ops")),
+        logging=_logging(root.get("logging")),
         metrics=_metrics_section(root.get("metrics")),
         health=_health(root.get("health")),
         upstream=_upstream(root.get("upstream")),
-        embedded_backend=_embedded(root.get("embedded_backend")),
+        embedded_backend=embedded,
         drain_timeout_s=number(root, "drain_timeout_s", "", 30.0, minimum=0.0),
         enforce_max_tokens=boolean(root, "enforce_max_tokens", "", True),
         observability=_observability(root.get("observability")),
@@ -170,6 +192,7 @@ _TOP_KEYS = (
     "passthrough",
     "admin",
     "ops",
+    "logging",
     "metrics",
     "health",
     "upstream",
@@ -464,6 +487,11 @@ def _ops(v: Any) -> OpsConfig:
     )
 
 
+def _logging(v: Any) -> LoggingConfig:
+    m = section(v, "logging", ("trust_request_id",))
+    return LoggingConfig(trust_request_id=boolean(m, "trust_request_id", "logging", False))
+
+
 def _metrics_section(v: Any) -> MetricsConfig:
     m = section(v, "metrics", ("top_tenants",))
     return MetricsConfig(top_tenants=integer(m, "top_tenants", "metrics", 20, minimum=0))
@@ -492,12 +520,14 @@ def _upstream(v: Any) -> UpstreamConfig:
 def _embedded(v: Any) -> EmbeddedBackendConfig:
     m = mapping(v, "embedded_backend") if v is not None else {}
     where = "embedded_backend"
-    own = ("host", "port", "capacity_tokens")
+    own = ("host", "port", "capacity_tokens", "split", "long_prompt_tokens")
     check_keys(m, (*own, *sorted(_backend_setting_fields())), where)
     settings = {k: val for k, val in m.items() if k not in own}
     return EmbeddedBackendConfig(
         host=string(m, "host", where, "127.0.0.1"),
         port=integer(m, "port", where, 8001, minimum=0, maximum=65535),
+        split=boolean(m, "split", where, True),
+        long_prompt_tokens=integer(m, "long_prompt_tokens", where, 8000, minimum=1),
         capacity_tokens=opt_integer(m, "capacity_tokens", where, minimum=1),
         settings=settings,
     )

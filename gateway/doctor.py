@@ -45,7 +45,9 @@ def run(args: argparse.Namespace) -> int:
     headers = {"authorization": f"Bearer {token}"} if token else {}
     try:
         resp = httpx.get(url, timeout=args.timeout, headers=headers)
-        resp.raise_for_status()
+        if resp.status_code >= 400:
+            print(f"tokengate doctor: cannot read {url}: {_refusal(resp)}", file=sys.stderr)
+            return 3
         stats = resp.json()
     except (httpx.HTTPError, ValueError) as e:
         print(f"tokengate doctor: cannot read {url}: {e}", file=sys.stderr)
@@ -57,6 +59,15 @@ def run(args: argparse.Namespace) -> int:
     report(stats, findings, base, sys.stdout)
     levels = {f.level for f in findings}
     return 2 if "crit" in levels else 1 if "warn" in levels else 0
+
+
+def _refusal(resp: httpx.Response) -> str:
+    """HTTP status and the gateway's own words (it says where /stats is, or which token it needs)."""
+    try:
+        message = resp.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = resp.text[:200]
+    return f"HTTP {resp.status_code}: {message}"
 
 
 def _table(rows: list[list[str]], out: TextIO) -> None:
@@ -111,14 +122,15 @@ def report(stats: Mapping[str, Any], findings: list[Finding], url: str, out: Tex
 
     backends = stats.get("backends") or []
     if backends:
-        out.write("\nBackends (scraped load)\n")
-        rows = [["backend", "pool", "KV", "running", "waiting", "preempt/s", "penalty", "state"]]
+        out.write("\nBackends (health, and the load their /metrics report)\n")
+        rows = [["backend", "pool", "health", "KV", "running", "waiting", "preempt/s", "penalty", "state"]]
         for b in backends:
             kv = b.get("kv_usage")
             rows.append(
                 [
                     str(b["backend"]),
                     str(b["pool"]),
+                    str(b.get("health") or "-"),
                     "-" if kv is None else f"{kv:.0%}",
                     _n(b.get("running")),
                     _n(b.get("waiting")),

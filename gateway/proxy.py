@@ -31,6 +31,7 @@ from gateway.errors import ApiError, from_admission
 from gateway.exchange import CancelReason, Exchange, Phase, Placement, Receive, RouteKind, Scope, Send
 from gateway.passthrough import PassthroughRoute
 from gateway.relay import UPSTREAM_ERRORS, relay_raw, relay_sse, relay_whole, upstream_failed
+from gateway.requestid import from_client, new_id
 from gateway.sse import usage_counts
 from gateway.upstream.client import REQUEST_DROP, classify_error
 from gateway.upstream.pools import Backend, NoBackend
@@ -172,6 +173,7 @@ class Proxy:
         self.default_max_tokens = cfg.pricing.default_max_tokens
         self.enforce_max_tokens = cfg.enforce_max_tokens
         self.open_mode = cfg.open_mode
+        self.trust_request_id = cfg.logging.trust_request_id
         self._demand_pools.clear()  # pool names may have changed meaning
         self._urls.clear()  # backends may have moved
 
@@ -187,7 +189,7 @@ class Proxy:
     ) -> None:
         task = asyncio.current_task()
         assert task is not None
-        rec = Record(method=scope["method"], path=scope["path"], start=perf_counter())
+        rec = Record(method=scope["method"], path=scope["path"], start=perf_counter(), request_id=new_id())
         x = Exchange(scope, receive, send, kind, route, rec, task)
         self.exchanges.add(x)
         try:
@@ -195,15 +197,15 @@ class Proxy:
         except ApiError as exc:
             await self._fail(x, exc)
         except ClientGone:
-            rec.status, rec.outcome = 499, "client_disconnect"
+            rec.status, rec.outcome, rec.reason = 499, "client_disconnect", "client_disconnect"
         except asyncio.CancelledError:
             reason = x.cancel_reason
             if reason is None:
-                rec.status, rec.outcome = 499, "shutdown"
+                rec.status, rec.outcome, rec.reason = 499, "shutdown", "shutdown"
                 raise  # not ours: the server is tearing the task down
             task.uncancel()
             if reason is CancelReason.DISCONNECT:
-                rec.status, rec.outcome = 499, "client_disconnect"
+                rec.status, rec.outcome, rec.reason = 499, "client_disconnect", "client_disconnect"
             elif reason is CancelReason.DRAINING:
                 await self._fail(x, ApiError(503, _DRAINING, code="draining", retry_after_s=1.0))
             else:
@@ -273,9 +275,16 @@ class Proxy:
                 elif name == b"x-tokengate-max-queue-wait":
                     max_wait_s = _max_wait_header(value)
                 continue
+            if name == b"x-request-id":
+                adopted, x.record.client_request_id = from_client(value, self.trust_request_id)
+                if adopted is not None:
+                    x.record.request_id = adopted
+                continue
             if name == b"content-type":
                 x.has_content_type = True
             fwd.append((name.decode("latin-1"), value.decode("latin-1")))
+        # The backend's logs can then be joined with ours.
+        fwd.append(("x-request-id", x.record.request_id))
 
         tenant = self.auth.authenticate(key or alt_key)
         x.record.tenant = tenant.name
@@ -622,6 +631,8 @@ class Proxy:
         rec = x.record
         if rec.error is None:  # an upstream failure already recorded the operator's version
             rec.error = exc.message
+        if rec.reason is None:
+            rec.reason = exc.code or exc.type
         if rec.outcome == "ok":
             rec.outcome = "upstream_error" if exc.status in (502, 504) else "rejected"
             if exc.status == 500:
@@ -637,6 +648,7 @@ class Proxy:
         body = exc.body()
         headers = exc.headers()
         headers.append((b"content-length", str(len(body)).encode()))
+        headers.append((b"x-request-id", rec.request_id.encode()))
         if rec.klass != "unclassified":
             headers.append((b"x-tokengate-class", rec.klass.encode()))
             headers.append((b"x-tokengate-cost", str(rec.prefill + rec.decode).encode()))

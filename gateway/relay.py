@@ -36,6 +36,7 @@ def upstream_failed(x: Exchange, failure: UpstreamFailure) -> ApiError:
 def _answer_headers(x: Exchange, resp: aiohttp.ClientResponse) -> list[tuple[bytes, bytes]]:
     rec = x.record
     headers = response_headers(resp.raw_headers)
+    headers.append((b"x-request-id", rec.request_id.encode()))
     headers.append((b"x-tokengate-class", rec.klass.encode()))
     headers.append((b"x-tokengate-cost", str(rec.prefill + rec.decode).encode()))
     headers.append((b"x-tokengate-queue-ms", f"{(rec.queue_s or 0.0) * 1000.0:.1f}".encode()))
@@ -80,7 +81,7 @@ async def relay_whole(x: Exchange, resp: aiohttp.ClientResponse, backend: Backen
     headers.append((b"content-length", str(len(data)).encode()))
     rec.status = status
     if status >= 400:
-        rec.outcome = "backend_4xx"
+        rec.outcome = rec.reason = "backend_4xx"
     x.started = True
     x.done = True
     await x.send({"type": "http.response.start", "status": status, "headers": headers})
@@ -126,7 +127,7 @@ async def relay_raw(x: Exchange, resp: aiohttp.ClientResponse, t_up: float) -> N
     rec = x.record
     rec.status = resp.status
     if resp.status >= 400:
-        rec.outcome = "backend_4xx"
+        rec.outcome = rec.reason = "backend_4xx"
     x.started = True
     await x.send({"type": "http.response.start", "status": resp.status, "headers": _answer_headers(x, resp)})
     content = resp.content

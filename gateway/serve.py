@@ -1,9 +1,13 @@
-"""``tokengate serve``: run the gateway (and, with no pools configured, the embedded backend).
+"""``tokengate serve``: run the gateway (and, with no pools configured, the embedded backends).
 
 The uvicorn server is subclassed only to drain before uvicorn's own shutdown: on SIGTERM/SIGINT
 the gateway stops admitting (503 for new requests, queued ones fail fast), lets in-flight
 requests finish up to ``drain_timeout_s``, cancels the rest (releasing their tokens), and only
 then lets uvicorn close connections and run the lifespan shutdown.
+
+The API port is bound before anything starts, so a busy port is one clear error and exit status 2,
+not a traceback after "Application startup complete". Once the gateway accepts requests it logs
+where to try it (the API, an example request, the dashboard, ``tokengate doctor``).
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import shlex
 import signal
 import socket
 import sys
@@ -20,47 +26,101 @@ from typing import Any
 
 import uvicorn
 
+from gateway import accesslog
 from gateway.accesslog import LineHandler
 from gateway.app import Gateway, build_app
 from gateway.config import GatewayConfig
 from gateway.config_loader import load_raw, parse_config
-from gateway.embedded import start_embedded, with_embedded_pool
+from gateway.embedded import Embedded, start_embedded, with_embedded_pool
 from gateway.fields import ConfigError
 from gateway.http_server import GuardedHttpToolsProtocol, connection_limits, guarded_protocol
+from gateway.logs import LogFormat, dumps, formatter
 
 log = logging.getLogger("tokengate")
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, gateway: Gateway) -> None:
+    def __init__(
+        self, config: uvicorn.Config, gateway: Gateway, on_started: Callable[[], None] | None = None
+    ) -> None:
         super().__init__(config)
         self.gateway = gateway
+        self.on_started = on_started
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.on_started is not None:
+            self.on_started()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         await self.gateway.drain(self.gateway.config.drain_timeout_s)
         await super().shutdown(sockets)
 
 
-def setup_logging(level: str, access_log: bool) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+LOG_FORMAT_ENV = "TOKENGATE_LOG_FORMAT"
+LOG_LEVEL_ENV = "TOKENGATE_LOG_LEVEL"
+ACCESS_LOG_ENV = "TOKENGATE_ACCESS_LOG"
+
+
+def setup_logging(level: str, access_log: bool, fmt: LogFormat = "json") -> None:
+    """Every log line in one format: the root logger (ours, uvicorn's, the libraries') on stderr,
+    the access log on stdout through its own buffered handler. Call before uvicorn is configured,
+    and give uvicorn ``log_config=None`` so it keeps these handlers."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter(fmt))
+    root = logging.getLogger()
+    for old in root.handlers[:]:
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    # uvicorn's lines ("Started server process", errors) reach the root handler.
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.asgi"):
+        lg = logging.getLogger(name)
+        lg.handlers.clear()
+        lg.propagate = True
+    uv_access = logging.getLogger("uvicorn.access")  # off: the access line below replaces it
+    uv_access.handlers.clear()
+    uv_access.propagate = False
+    uv_access.setLevel(logging.CRITICAL)
     # httpx logs every health probe at INFO.
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    accesslog.set_format(fmt)
     access = logging.getLogger("tokengate.access")
     access.propagate = False
-    access.handlers.clear()
+    for old in access.handlers[:]:
+        access.removeHandler(old)
+        old.close()
     if access_log:
         access.addHandler(LineHandler(sys.stdout))
         access.setLevel(logging.INFO)
     else:
         access.setLevel(logging.WARNING)
+    # Worker processes (--workers N) set themselves up the same way (app_from_env).
+    os.environ[LOG_FORMAT_ENV] = fmt
+    os.environ[LOG_LEVEL_ENV] = level
+    os.environ[ACCESS_LOG_ENV] = "1" if access_log else "0"
 
 
-def _uvicorn_config(app: Gateway, host: str, port: int, log_level: str) -> uvicorn.Config:
+def bind_listener(host: str, port: int, what: str, hint: str) -> socket.socket:
+    """A listening TCP socket on host:port, or OSError with a message that says what to change."""
+    # proto=IPPROTO_TCP: asyncio only sets TCP_NODELAY on accepted sockets whose proto says TCP.
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"{what}: cannot listen on {host}:{port} ({exc.strerror or exc}); {hint}") from None
+    return sock
+
+
+def _uvicorn_config(app: Gateway, log_level: str) -> uvicorn.Config:
     return uvicorn.Config(
         app,
-        host=host,
-        port=port,
         log_level=log_level,
+        log_config=None,  # setup_logging's handlers stay
         access_log=False,  # our own structured line replaces it
         lifespan="on",
         http=guarded_protocol(connection_limits(app.config)),
@@ -78,42 +138,141 @@ async def serve_async(
     log_level: str = "info",
     config_path: str | None = None,
     raw: Mapping[str, Any] | None = None,
+    log_format: LogFormat = "json",
 ) -> None:
     """``raw``: the file's YAML as read (admin changes are written over it); ``{}`` without a file."""
-    embedded = None
+    api_sock = bind_listener(
+        host, port, "tokengate serve", "stop what uses it, or choose another port (--port, or listen.port)"
+    )
+    embedded: Embedded | None = None
     prepare: Callable[[GatewayConfig], GatewayConfig] = _unchanged
-    if not config.pools:
-        started = await start_embedded(config)
-        embedded = started
-
-        def prepare(c: GatewayConfig) -> GatewayConfig:
-            # Every later config (reload, admin change) without pools of its own keeps the embedded one.
-            return c if c.pools else with_embedded_pool(c, started)
-
-        log.info(
-            "no pools configured: embedded reference backend on %s (model %s)", started.url, started.model
-        )
     try:
+        if not config.pools:
+            started = await start_embedded(config)
+            embedded = started
+
+            def prepare(c: GatewayConfig) -> GatewayConfig:
+                # Every later config (reload, admin change) without pools of its own keeps the embedded ones.
+                return c if c.pools else with_embedded_pool(c, started)
+
+            log.info(
+                "no pools configured: embedded simulated backends %s (model %s)",
+                ", ".join(f"{b.pool} on {b.url}" for b in started.backends),
+                started.model,
+            )
         app = build_app(prepare(config), raw={} if raw is None else raw)
         app.config_path = config_path
         app.prepare = prepare
         _reload_on_sighup(app)
         ops = await _start_ops_listener(app, log_level)
-        server = DrainingServer(_uvicorn_config(app, host, port, log_level), app)
+        api = api_sock.getsockname()
+        ops_at = ops.address if ops is not None else None
+        server = DrainingServer(
+            _uvicorn_config(app, log_level),
+            app,
+            on_started=lambda: _announce(app, (api[0], api[1]), ops_at, embedded, log_format),
+        )
         try:
-            await server.serve()
+            await server.serve(sockets=[api_sock])
         finally:
             if ops is not None:
                 await ops.stop()
     finally:
+        api_sock.close()
         if embedded is not None:
             await embedded.stop()
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", "", "::"):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+@dataclass(frozen=True)
+class StartupInfo:
+    """What the start-up lines say: where to send requests, what to try, where to look."""
+
+    api: str  # the OpenAI base URL, .../v1
+    dashboard: str
+    doctor: str  # the command
+    curl: str  # an example request
+    open_tenant: bool
+    lines: list[str]
+
+
+def startup_info(
+    app: Gateway, api: tuple[str, int], ops: tuple[str, int] | None, embedded: Embedded | None
+) -> StartupInfo:
+    cfg = app.config
+    base = f"http://{_url_host(api[0])}:{api[1]}"
+    ops_base = f"http://{_url_host(ops[0])}:{ops[1]}" if ops is not None else base
+    models = app.router.served_models()
+    model = models[0] if models else "MODEL"
+    body = dumps({"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8})
+    key = "" if cfg.open_mode else " -H 'authorization: Bearer YOUR-KEY'"
+    curl = (
+        f"curl -si {base}/v1/chat/completions -H 'content-type: application/json'{key} -d {shlex.quote(body)}"
+    )
+    doctor = f"tokengate doctor {ops_base}"
+    lines = [f"tokengate is ready: OpenAI API on {base}/v1"]
+    if cfg.open_mode:
+        lines.append("  tenants:   none configured: one open tenant takes any API key or none (drop-in use)")
+    else:
+        lines.append(f"  tenants:   {len(cfg.tenants)} configured; requests need one of their API keys")
+    if embedded is not None:
+        pools = ", ".join(f"pool {b.pool} on {b.url}" for b in embedded.backends)
+        lines.append(f"  backends:  embedded simulated backends serving {embedded.model}: {pools}")
+    if cfg.classes:
+        lines.append(f"  classes:   {'; '.join(_rule_words(r.to_config()) for r in cfg.classes)}")
+    lines.append(f"  try:       {curl}")
+    if ops is not None:
+        lines.append(f"  dashboard: {ops_base}/dashboard   (per-class latency, pools, queues, split advice)")
+    else:
+        lines.append(f"  dashboard: {ops_base}/dashboard   (a read or admin token: ops.port is null)")
+    lines.append(f"  doctor:    {doctor}")
+    return StartupInfo(base + "/v1", ops_base + "/dashboard", doctor, curl, cfg.open_mode, lines)
+
+
+def _announce(
+    app: Gateway,
+    api: tuple[str, int],
+    ops: tuple[str, int] | None,
+    embedded: Embedded | None,
+    fmt: LogFormat,
+) -> None:
+    """Where to try the gateway, once it accepts requests: plain lines in text, one record in JSON."""
+    info = startup_info(app, api, ops, embedded)
+    if fmt == "text":
+        print("\n".join(info.lines), file=sys.stderr, flush=True)
+        return
+    log.info(
+        "tokengate is ready: OpenAI API on %s, dashboard on %s",
+        info.api,
+        info.dashboard,
+        extra={
+            "fields": {
+                "api": info.api,
+                "open_tenant": info.open_tenant,
+                "try": info.curl,
+                "dashboard": info.dashboard,
+                "doctor": info.doctor,
+            }
+        },
+    )
+
+
+def _rule_words(rule: Mapping[str, Any]) -> str:
+    when = rule.get("when") or {}
+    cond = ", ".join(f"{k} {v}" for k, v in when.items()) if when else "everything else"
+    return f"{rule.get('name')} ({cond}) -> pool {rule.get('pool') or 'of the model'}"
 
 
 @dataclass
 class _OpsListener:
     server: uvicorn.Server
     task: asyncio.Task[None]
+    address: tuple[str, int]
 
     async def stop(self) -> None:
         self.server.should_exit = True
@@ -129,19 +288,16 @@ async def _start_ops_listener(app: Gateway, log_level: str) -> _OpsListener | No
             "ops.port is null: /metrics, /stats, /insights, /dashboard and /admin are on the API port (token required)"
         )
         return None
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((ops.host, ops.port))
-    except OSError as exc:
-        sock.close()
-        raise OSError(
-            f"ops listener: cannot listen on {ops.host}:{ops.port} ({exc.strerror}); set ops.port to a free port "
-            "(0 = any), or null to serve operator routes on the API port"
-        ) from None
+    sock = bind_listener(
+        ops.host,
+        ops.port,
+        "ops listener",
+        "set ops.port to a free port (0 = any), or null to serve operator routes on the API port",
+    )
     config = uvicorn.Config(
         app.ops_app,
         log_level=log_level,
+        log_config=None,
         access_log=False,
         lifespan="off",
         http=guarded_protocol(connection_limits(app.config)),
@@ -152,7 +308,7 @@ async def _start_ops_listener(app: Gateway, log_level: str) -> _OpsListener | No
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]), name="tokengate-ops-listener")
     bound = sock.getsockname()
     log.info("ops listener on http://%s:%d (/metrics /stats /insights /dashboard /admin)", bound[0], bound[1])
-    return _OpsListener(server, task)
+    return _OpsListener(server, task, (bound[0], bound[1]))
 
 
 def _unchanged(config: GatewayConfig) -> GatewayConfig:
@@ -188,11 +344,20 @@ def serve(
     log_level: str = "info",
     config_path: str | None = None,
     raw: Mapping[str, Any] | None = None,
+    log_format: LogFormat = "json",
 ) -> int:
     import uvloop
 
     uvloop.run(
-        serve_async(config, host=host, port=port, log_level=log_level, config_path=config_path, raw=raw)
+        serve_async(
+            config,
+            host=host,
+            port=port,
+            log_level=log_level,
+            config_path=config_path,
+            raw=raw,
+            log_format=log_format,
+        )
     )
     return 0
 
@@ -201,10 +366,16 @@ CONFIG_ENV = "TOKENGATE_CONFIG"
 
 
 def app_from_env() -> Gateway:
-    """uvicorn factory for ``--workers N``: each worker loads the config named in the environment."""
-    import os
+    """uvicorn factory for ``--workers N``: each worker loads the config named in the environment
+    and sets up its logging as the parent did (a spawned worker does not inherit it)."""
 
     path = os.environ.get(CONFIG_ENV) or None
+    fmt = os.environ.get(LOG_FORMAT_ENV, "json")
+    setup_logging(
+        os.environ.get(LOG_LEVEL_ENV, "info"),
+        os.environ.get(ACCESS_LOG_ENV, "1") == "1",
+        "text" if fmt == "text" else "json",
+    )
     raw = load_raw(path) if path else {}
     config = parse_config(raw)
     # The worker's protocol class is named by import string (a class made at run time cannot cross
@@ -220,11 +391,11 @@ def serve_workers(
 ) -> int:
     """Several worker processes (needs a shared store; checked by the caller). Each worker drains
     in its lifespan shutdown, after uvicorn's graceful wait (bounded by the drain timeout)."""
-    import os
-
     from gateway.config_loader import load_config
 
     config = load_config(config_path)
+    # uvicorn binds in the supervisor after its own start-up lines; a busy port is said here first.
+    bind_listener(host, port, "tokengate serve", "stop what uses it, or choose another port").close()
     if config_path:
         os.environ[CONFIG_ENV] = os.path.abspath(config_path)
     uvicorn.run(
@@ -234,6 +405,7 @@ def serve_workers(
         port=port,
         workers=workers,
         log_level=log_level,
+        log_config=None,
         access_log=False,
         lifespan="on",
         http="gateway.http_server:GuardedHttpToolsProtocol",

@@ -22,6 +22,7 @@ from loadtest.records import RunResult
 from loadtest.runner import Target
 from loadtest.scenario import Scenario, load_scenario
 from loadtest.stack import spawned_stack
+from loadtest.traces import use_traces_dir
 
 
 def parse_target(text: str, index: int) -> Target:
@@ -52,6 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", type=Path, default=None, help="output folder (default results/<scenario>)")
     parser.add_argument(
+        "--traces",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="a folder where the scenario's trace CSV files are looked up (format: loadtest/README.md)",
+    )
+    parser.add_argument(
         "--synthetic", action="store_true", help="ignore trace files; use their fitted stand-ins"
     )
     parser.add_argument(
@@ -70,13 +78,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--backend-arg", action="append", default=[], help="with --spawn: extra backend argument"
     )
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG charts")
-    parser.add_argument(
-        "--quiet", action="store_true", help="no progress line (it is shown only when stderr is a terminal)"
-    )
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     parser.add_argument("--strict", action="store_true", help="exit 3 when a check is not met")
 
 
 def prepare_scenario(args: argparse.Namespace) -> Scenario:
+    if getattr(args, "traces", None) is not None:
+        use_traces_dir(args.traces)
     scenario = load_scenario(args.scenario, synthetic=args.synthetic)
     workload = scenario.workload.scaled(rate_scale=args.rate_scale, duration_s=args.duration)
     if args.seed is not None:
@@ -91,9 +99,7 @@ def prepare_scenario(args: argparse.Namespace) -> Scenario:
 async def _run_targets(
     scenario: Scenario, targets: list[Target], args: argparse.Namespace
 ) -> list[RunResult]:
-    options = run_options(
-        scenario.workload, progress=not args.quiet and sys.stderr.isatty(), stream=not args.no_stream
-    )
+    options = run_options(scenario.workload, progress=not args.quiet, stream=not args.no_stream)
     if args.api_key:
         targets = [replace(t, api_key=args.api_key) for t in targets]
     return await compare(scenario.workload, targets, options=options, pause_s=args.pause)

@@ -8,6 +8,10 @@
 4. Prints the tables and the checks (met / not met, with the numbers), writes results.json,
    results.md and the PNG charts under ``--out``.
 
+Progress goes to stderr: a line redrawn in place on a terminal, a plain line every 10 s otherwise.
+The background traffic replays the Azure 2023 trace files when ``--traces DIR`` holds them, else
+their fitted stand-ins.
+
 Every child process is stopped on the way out, also on Ctrl-C or a failure.
 """
 
@@ -25,12 +29,20 @@ from loadtest.distributions import SpecError
 from loadtest.processes import StartupError, sigterm_as_interrupt
 from loadtest.scenario import Scenario, load_scenario
 from loadtest.stack import spawned_stack
-from loadtest.traces import default_traces_dir
+from loadtest.traces import use_traces_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out", type=Path, default=Path("results/demo"), help="output folder (default %(default)s)"
+    )
+    parser.add_argument(
+        "--traces",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="a folder with the trace CSV files to replay (azure_llm_2023_conv.csv, azure_llm_2023_code.csv; "
+        "format: loadtest/README.md); default: their fitted stand-ins",
     )
     parser.add_argument(
         "--synthetic",
@@ -44,9 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--fairness-scenario", default="fairness", help="the fairness scenario (name or file)"
     )
-    parser.add_argument(
-        "--quiet", action="store_true", help="no progress line (it is shown only when stderr is a terminal)"
-    )
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG charts")
     parser.add_argument("--strict", action="store_true", help="exit 3 when a check is not met")
 
@@ -66,7 +76,7 @@ def _run_one(
             f"{len(stack.config_paths)} gateway(s) up in {time.monotonic() - started:.1f} s; "
             f"running {', '.join(t.name for t in stack.targets)} ({spec.duration_s:g} s of arrivals each)"
         )
-        options = run_options(spec, progress=not args.quiet and sys.stderr.isatty())
+        options = run_options(spec, progress=not args.quiet)
         runs = asyncio.run(compare(spec, stack.targets, options=options, pause_s=0.5))
     return write_outputs(out_dir, spec, runs, scenario.checks, plots=not args.no_plots)
 
@@ -78,18 +88,31 @@ def _table(markdown: str) -> str:
     return markdown[start : end if end != -1 else None].strip()
 
 
+def _traffic_source(scenario: Scenario, args: argparse.Namespace) -> str:
+    traced = [c.trace for c in scenario.workload.classes if c.trace is not None]
+    if not traced:
+        return "the scenario's own distributions"
+    replayed = [t.name for t in traced if t.records is not None]
+    if replayed and len(replayed) == len(traced):
+        return f"replaying {', '.join(replayed)}"
+    if args.synthetic:
+        return "the traces' fitted stand-ins (--synthetic)"
+    files = ", ".join(sorted({t.name for t in traced}))
+    return (
+        "stand-ins fitted to the published figures of the traces "
+        f"(pass --traces DIR with {files} to replay the files themselves)"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     checks: list[CheckResult] = []
     try:
         with sigterm_as_interrupt():
+            if args.traces is not None:
+                use_traces_dir(args.traces)
             nn = load_scenario(args.scenario, synthetic=args.synthetic)
-            source = (
-                "synthetic stand-ins"
-                if args.synthetic
-                else f"traces from {default_traces_dir()} when present"
-            )
-            _say(f"[demo] background chat traffic: {source}")
+            _say(f"[demo] background chat traffic: {_traffic_source(nn, args)}")
             nn_out = _run_one(nn, args.out / "noisy-neighbour", args)
             print(f"\n# {nn.workload.name}\n\n{_table(nn_out.markdown)}\n")
             checks.extend(nn_out.checks)

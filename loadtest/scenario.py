@@ -179,7 +179,14 @@ def resolve_scenario_path(name: str) -> Path:
 
 def load_scenario(name: str | Path, *, synthetic: bool = False) -> Scenario:
     path = resolve_scenario_path(str(name))
-    raw = yaml.safe_load(path.read_text())
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        raise SpecError(f"{path}: not valid YAML: {where}{exc.problem}") from None
+    except (yaml.YAMLError, ValueError, OSError) as exc:  # ValueError: not UTF-8, or a bad date
+        raise SpecError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(raw, Mapping):
         raise SpecError(f"{path}: expected a YAML mapping at the top level")
     return parse_scenario(raw, path=path, synthetic=synthetic)

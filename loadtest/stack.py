@@ -53,6 +53,8 @@ def spawned_stack(
     wanted = [t for t in setup.targets if only_targets is None or t.name in only_targets]
     if not wanted:
         raise StartupError(f"no targets selected; the scenario has {[t.name for t in setup.targets]}")
+    # The children run in the repository (cwd), so every path handed to them must be absolute.
+    work_dir = work_dir.resolve()
     logs = work_dir / "logs"
     with ProcessGroup() as group:
         ports = [free_port() for _ in range(setup.backend_count)]

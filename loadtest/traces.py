@@ -1,8 +1,17 @@
 """Azure LLM inference trace (2023) parsing, windowing and scaling.
 
-Schema: ``TIMESTAMP,ContextTokens,GeneratedTokens`` with timestamps like ``2023-11-16 18:17:03.9799600``
-(seven fractional digits, which ``datetime.fromisoformat`` rejects on some Pythons, so they are parsed
-by hand). The files live outside the project (``<repo>/../shared/traces``) and are never copied in.
+The CSV format (the Azure LLM inference trace 2023's; any file in it can be replayed)::
+
+    TIMESTAMP,ContextTokens,GeneratedTokens
+    2023-11-16 18:15:46.6805900,374,44
+
+one request per row: its arrival time (``YYYY-MM-DD HH:MM:SS`` with an optional fraction of any
+length; seven digits, which ``datetime.fromisoformat`` rejects on some Pythons, so they are parsed by
+hand), its prompt tokens and its output tokens. Rows need not be sorted; extra columns are ignored.
+
+The files are never copied into the project. A scenario names a trace by file name; it is looked up
+as an absolute path, next to the scenario file, then in the folder given with ``--traces DIR`` (or
+``$TOKENGATE_TRACES``). Without the file, a known trace is replaced by its fitted stand-in.
 """
 
 from __future__ import annotations
@@ -54,12 +63,19 @@ def repo_root() -> Path:
     return Path(__file__).resolve().parent.parent
 
 
-def default_traces_dir() -> Path:
-    """``$TOKENGATE_TRACES`` if set, else ``<repo>/../shared/traces`` (where CI puts them)."""
+def default_traces_dir() -> Path | None:
+    """The folder given with ``--traces`` (kept in ``$TOKENGATE_TRACES``), or None."""
     env = os.environ.get(TRACES_ENV)
-    if env:
-        return Path(env)
-    return repo_root().parent / "shared" / "traces"
+    return Path(env) if env else None
+
+
+def use_traces_dir(folder: Path) -> Path:
+    """Look trace files up in ``folder`` from now on (``--traces DIR``); it must exist."""
+    resolved = folder.expanduser().resolve()
+    if not resolved.is_dir():
+        raise SpecError(f"--traces {folder}: no such folder (it should hold the trace CSV files)")
+    os.environ[TRACES_ENV] = str(resolved)
+    return resolved
 
 
 def resolve_trace_path(name: str, base_dir: Path | None = None) -> Path | None:
@@ -69,7 +85,9 @@ def resolve_trace_path(name: str, base_dir: Path | None = None) -> Path | None:
     if not candidate.is_absolute():
         if base_dir is not None:
             options.append(base_dir / candidate)
-        options.append(default_traces_dir() / candidate.name)
+        folder = default_traces_dir()
+        if folder is not None:
+            options.append(folder / candidate.name)
     for option in options:
         if option.is_file():
             return option

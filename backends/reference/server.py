@@ -3,7 +3,8 @@
 ``build_app(BackendSettings(...))`` returns a Starlette app whose lifespan starts and stops the
 engine loop; it can be served by its own uvicorn (``tokengate backend``) or embedded in another
 app's event loop (the gateway's default backend). Routes: ``POST /v1/chat/completions``,
-``POST /v1/completions``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+``POST /v1/completions``, ``POST /v1/embeddings`` (deterministic test vectors, see ``embeddings.py``),
+``GET /v1/models``, ``GET /health``, ``GET /metrics``; any other route is a 404 in OpenAI's error shape.
 
 Requests are priced exactly as the gateway prices them: the gateway's default tokenizer (cl100k
 offline) and the chat template in ``chat_template.py``. A client that disconnects (streaming or
@@ -39,6 +40,7 @@ from backends.engine.request import EngineRequest
 from backends.engine.scheduler import Scheduler, SchedulerConfig
 from backends.engine.types import SamplingParams, TextTokenizer
 from backends.reference.chat_template import render_chat
+from backends.reference.embeddings import embeddings_body, parse_embeddings
 from backends.reference.errors import ApiError, bad_request, error_response
 from backends.reference.metrics import EngineMetrics
 from backends.reference.protocol import GenerationParams, parse_chat, parse_completion
@@ -217,6 +219,15 @@ class ReferenceBackend:
         except ApiError as exc:
             return exc.response()
 
+    async def embeddings(self, request: Request) -> Response:
+        try:
+            req = parse_embeddings(await _json_body(request))
+            self._check_model(req.model)
+            body = embeddings_body(req, self.tokenizer.encode, self.settings.max_model_len)
+            return Response(orjson.dumps(body), media_type="application/json")
+        except ApiError as exc:
+            return exc.response()
+
     # ---- internals ---------------------------------------------------------------------------
 
     def _check_model(self, model: str) -> None:
@@ -359,6 +370,13 @@ async def _json_body(request: Request) -> Any:
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        return error_response(
+            404,
+            f"Unknown route {request.method} {request.url.path}: this reference backend serves "
+            "/v1/chat/completions, /v1/completions, /v1/embeddings and /v1/models",
+            code="unknown_route",
+        )
     return error_response(exc.status_code, str(exc.detail))
 
 
@@ -387,6 +405,7 @@ def build_app(settings: BackendSettings | None = None) -> Starlette:
         routes=[
             Route("/v1/chat/completions", backend.chat_completions, methods=["POST"]),
             Route("/v1/completions", backend.completions, methods=["POST"]),
+            Route("/v1/embeddings", backend.embeddings, methods=["POST"]),
             Route("/v1/models", backend.models, methods=["GET"]),
             Route("/health", backend.health, methods=["GET"]),
             Route("/metrics", backend.metrics_endpoint, methods=["GET"]),

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -105,7 +104,7 @@ class Control:
             config = self.effective(self.state, raw)  # raises ConfigError: nothing changes
             kept = await self.gw.apply(config, key_expiries(self.state))
             self.file_raw = raw
-        audit.info(_line(caller, "reload", path, None, None))
+        _write(caller, "reload", path, None, None)
         return kept
 
     async def _changed_elsewhere(self, state: AdminState) -> None:
@@ -124,7 +123,7 @@ class Control:
 
 
 def _audit(caller: Caller, action: str, target: str, before: AdminState, after: AdminState) -> None:
-    audit.info(_line(caller, action, target, _view(before, target), _view(after, target)))
+    _write(caller, action, target, _view(before, target), _view(after, target))
 
 
 def _view(state: AdminState, target: str) -> Any:
@@ -138,15 +137,17 @@ def _view(state: AdminState, target: str) -> Any:
     return redacted(state.overrides[kind][name])
 
 
-def _line(caller: Caller | None, action: str, target: str, before: Any, after: Any) -> str:
-    return orjson.dumps(
-        {
-            "ts": time.time(),
-            "actor": "signal/file" if caller is None else f"{caller.role.value}:{caller.fingerprint}",
-            "action": action,
-            "target": target,
-            "before": before,
-            "after": after,
-        },
-        default=str,
-    ).decode()
+def _write(caller: Caller | None, action: str, target: str, before: Any, after: Any) -> None:
+    """One audit line: the fields are keys of the JSON line (``gateway.logs``), or ``key=value`` in text.
+
+    ``before`` and ``after`` go through JSON once here, so the line shows exactly what a JSON dump of
+    the state would (and a value no formatter knows cannot break the line)."""
+    actor = "signal/file" if caller is None else f"{caller.role.value}:{caller.fingerprint}"
+    fields = {
+        "actor": actor,
+        "action": action,
+        "target": target,
+        "before": orjson.loads(orjson.dumps(before, default=str)),
+        "after": orjson.loads(orjson.dumps(after, default=str)),
+    }
+    audit.info("%s %s by %s", action, target, actor, extra={"fields": fields})

@@ -16,7 +16,7 @@ LEVELS = ("ok", "info", "warn", "crit")
 @dataclass(frozen=True, slots=True)
 class Finding:
     level: str  # ok | info | warn | crit
-    topic: str  # slo | hol | kv | split | queue | store
+    topic: str  # slo | hol | backend | kv | split | queue | store
     text: str
 
     def as_dict(self) -> dict[str, str]:
@@ -143,7 +143,27 @@ def _backends(stats: Mapping[str, Any]) -> list[Finding]:
     for b in stats.get("backends", []):
         name = f"backend {b['backend']} (pool {b['pool']})"
         kv = b.get("kv_usage")
-        if b.get("stale"):
+        health = b.get("health")
+        if health == "down":
+            out.append(
+                Finding(
+                    "crit",
+                    "backend",
+                    f"{name} is down: {b.get('consecutive_failures', 0)} connects or health probes in a row "
+                    "failed, so routing skips it (requests go to the pool's other backends, or get 503). "
+                    "Check that the engine is running and reachable at that URL.",
+                )
+            )
+        elif health == "unknown" and b.get("stale"):
+            out.append(
+                Finding(
+                    "crit",
+                    "backend",
+                    f"{name} has never answered: its health probe and its /metrics fail "
+                    f"({b.get('reason')}). Check that the engine is running and reachable at that URL.",
+                )
+            )
+        elif b.get("stale"):
             out.append(
                 Finding(
                     "crit",

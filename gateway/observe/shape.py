@@ -204,6 +204,9 @@ def split_plan(
     above = {k for k, cs in by_class.items() if sum(1 for c in cs if c >= cut) / len(cs) >= 0.9}
     stray = sum(1 for c, k in big if k not in above)
     moved = sorted(above) if above and stray <= 0.1 * len(big) and len(above) < len(by_class) else []
+    # Only a class with a rule routing to this pool can be moved by name (``default`` has none).
+    if not set(moved) <= {r.get("name") for r in rules if r.get("pool") == pool}:
+        moved = []
 
     new_rules: list[dict[str, Any]] = []
     for r in rules:
@@ -228,8 +231,13 @@ def split_plan(
         new_rules.append(long_rule)
         new_rules.append(rd)
 
-    notes: list[str] = []
     backends = [dict(_plain(b)) for b in (pools.get(pool) or {}).get("backends", [])]
+    if not any(r.get("pool") == new_pool for r in new_rules):
+        # No rule names this pool (no classes at all, or its requests fall through to the model's
+        # pool): without a rule of its own the new pool would get nothing.
+        _add_long_rule(new_rules, pool, new_pool, cut, backends, len(pools))
+
+    notes: list[str] = []
     if len(backends) >= 2:
         n_new = min(len(backends) - 1, max(1, round(len(backends) * share_tok)))
         keep, give = backends[: len(backends) - n_new], backends[len(backends) - n_new :]
@@ -255,6 +263,29 @@ def split_plan(
         pools=new_pools,
         notes=notes,
     )
+
+
+def _add_long_rule(
+    rules: list[dict[str, Any]],
+    pool: str,
+    new_pool: str,
+    cut: int,
+    backends: Sequence[Mapping[str, Any]],
+    n_pools: int,
+) -> None:
+    """A rule sending requests costing >= ``cut`` to ``new_pool``: before the first rule that matches
+    everything or sends requests to their model's pool (either may be how requests reach ``pool``),
+    else last. With other pools configured it names the pool's models when its backends list them,
+    so other pools' long requests stay where they are."""
+    taken = {r.get("name") for r in rules}
+    name = _fresh_name("long", {n: None for n in taken if isinstance(n, str)})
+    when: dict[str, Any] = {"min_cost": cut}
+    models = sorted({m for b in backends for m in b.get("models") or ()})
+    if n_pools > 1 and models:
+        when["models"] = models
+    rule = {"name": name, "when": when, "pool": new_pool}
+    at = next((i for i, r in enumerate(rules) if not r.get("when") or r.get("pool") is None), len(rules))
+    rules.insert(at, rule)
 
 
 def _capacity(backends: Sequence[Mapping[str, Any]]) -> int:

@@ -60,12 +60,23 @@ def config_view(classes: Sequence[ClassRule], pools: Sequence[BackendPoolSpec]) 
     return ConfigView(classes=[c.to_config() for c in classes], pools=out)
 
 
+@dataclass(frozen=True, slots=True)
+class BackendHealth:
+    """What the gateway's own health checks and connects say about one backend."""
+
+    pool: str
+    backend: str
+    health: str  # up | down (breaker open) | unknown (never answered yet)
+    consecutive_failures: int = 0
+
+
 @dataclass(slots=True)
 class StatsSources:
     observer: Observer
     snapshot: Callable[[], Awaitable[StoreSnapshot]] | None = None
     config_view: Callable[[], ConfigView] | None = None
     wall: Callable[[], float] = time.time
+    backend_health: Callable[[], Sequence[BackendHealth]] | None = None
 
 
 def _q(q: Quantiles) -> dict[str, float | None]:
@@ -149,6 +160,36 @@ def _store(snap: StoreSnapshot | None) -> dict[str, Any]:
     return {"pools": pools, "queues": dict(snap.queue_depth), "tenants": tenant_rows, "leases": snap.leases}
 
 
+def _backends(src: StatsSources) -> list[dict[str, Any]]:
+    """Each backend's scraped load with its health (configured order; health alone when not scraped)."""
+    loads = {(d["pool"], d["backend"]): d for d in (ld.as_dict() for ld in src.observer.loads)}
+    if src.backend_health is None:
+        return list(loads.values())
+    out = []
+    for h in src.backend_health():
+        d = loads.pop((h.pool, h.backend), None)
+        if d is None:
+            d = {
+                "pool": h.pool,
+                "backend": h.backend,
+                "flavor": None,
+                "kv_usage": None,
+                "running": None,
+                "waiting": None,
+                "preemptions_per_s": 0.0,
+                "stale": False,
+                "saturated": False,
+                "penalty": 0.0,
+                "age_s": None,
+                "reason": "not scraped",
+            }
+        d["health"] = h.health
+        d["consecutive_failures"] = h.consecutive_failures
+        out.append(d)
+    out.extend(loads.values())
+    return out
+
+
 def _shape(src: StatsSources) -> list[dict[str, Any]]:
     obs = src.observer
     view = src.config_view() if src.config_view is not None else None
@@ -182,7 +223,7 @@ async def build_stats(src: StatsSources) -> dict[str, Any]:
         "classes": _classes(obs),
         **_store(snap),
         "store_error": store_error,
-        "backends": [ld.as_dict() for ld in obs.loads],
+        "backends": _backends(src),
         "hol": {
             "threshold": s.hol.threshold,
             "lookback_windows": s.hol.lookback_windows,

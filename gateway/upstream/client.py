@@ -42,8 +42,9 @@ REQUEST_DROP = HOP_BY_HOP | {
     b"expect",
 }
 
-# Upstream response headers not relayed: hop-by-hop, and what the ASGI server sets itself.
-RESPONSE_DROP = HOP_BY_HOP | {b"content-length", b"date", b"server"}
+# Upstream response headers not relayed: hop-by-hop, what the ASGI server sets itself, and the
+# backend's own request id (the client gets the gateway's, which was forwarded to the backend).
+RESPONSE_DROP = HOP_BY_HOP | {b"content-length", b"date", b"server", b"x-request-id"}
 
 
 def make_session(*, max_connections: int = 1024, keepalive_s: float = 4.0) -> aiohttp.ClientSession:

@@ -4,6 +4,10 @@ A probe is ``GET /health`` (vLLM, SGLang, the reference backend), falling back t
 ``GET /v1/models`` when a backend has no /health. Healthy backends are probed every
 ``interval_s``; those whose breaker is open every ``unhealthy_interval_s``, and a success after
 the cooldown closes the breaker. A failed probe counts like a failed connect.
+
+``start`` probes every backend once before it returns (bounded by the probe timeout), so /readyz
+knows at once whether any backend answers; a failure of that first probe only leaves the backend
+``unknown`` (requests and later probes count failures as usual).
 """
 
 from __future__ import annotations
@@ -51,7 +55,25 @@ class HealthChecker:
     async def start(self) -> None:
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=self._settings.probe_timeout_s, trust_env=False)
+        await self.first_probe()
         self._prober.start()
+
+    async def first_probe(self) -> None:
+        """One probe of every backend at start-up; a success confirms it, a failure changes nothing."""
+        backends = [b for b in self._backends if not b.confirmed]
+        if not backends:
+            return
+        try:
+            async with asyncio.timeout(self._settings.probe_timeout_s):
+                results = await asyncio.gather(*(self.probe(b) for b in backends))
+        except TimeoutError:
+            return  # the periodic probes take over
+        now = time.monotonic()
+        for b, ok in zip(backends, results, strict=True):
+            if ok:
+                b.probe_succeeded(now)
+            else:
+                log.warning("backend %s did not answer its first health probe", b.name)
 
     async def close(self) -> None:
         await self._prober.stop()

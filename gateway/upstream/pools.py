@@ -85,7 +85,10 @@ class Backend:
     breaker: BreakerSettings = BreakerSettings()
     in_flight_tokens: int = 0
     in_flight_requests: int = 0
-    healthy: bool = True
+    healthy: bool = True  # optimistic until failures open the breaker: routing may try it
+    # It has answered (a health probe or a request) at least once. Until then its health is unknown:
+    # it still takes requests, but /readyz does not count it.
+    confirmed: bool = False
     consecutive_failures: int = 0
     down_since: float = 0.0
     discovered_models: tuple[str, ...] = ()
@@ -133,8 +136,16 @@ class Backend:
     def serves(self, model: str) -> bool:
         return not self._models or model in self._models
 
+    @property
+    def state(self) -> str:
+        """``up``, ``down`` (breaker open) or ``unknown`` (never answered yet), for /stats and the doctor."""
+        if not self.healthy:
+            return "down"
+        return "up" if self.confirmed else "unknown"
+
     def record_success(self) -> None:
         self.consecutive_failures = 0
+        self.confirmed = True
 
     def record_connect_failure(self, now: float | None = None) -> bool:
         """Count a failure to reach the backend; True when this opened the breaker."""
@@ -148,6 +159,7 @@ class Backend:
     def probe_succeeded(self, now: float | None = None) -> bool:
         """An active health probe answered; True when this closed the breaker."""
         now = time.monotonic() if now is None else now
+        self.confirmed = True
         if self.healthy:
             self.consecutive_failures = 0
             return False

@@ -226,6 +226,45 @@ async def test_other_errors(reference_server: Start) -> None:
     assert too_long.json()["error"]["code"] == "context_length_exceeded"
 
 
+async def test_embeddings_are_answered_in_openais_shape(reference_server: Start) -> None:
+    srv = await reference_server()
+    async with httpx.AsyncClient(base_url=srv.url) as client:
+        one = await post(client, "/v1/embeddings", {"model": MODEL, "input": "the quick brown fox"})
+        many = await post(
+            client,
+            "/v1/embeddings",
+            {"model": MODEL, "input": ["the quick brown fox", [1, 2, 3]], "dimensions": 8},
+        )
+        b64 = await post(
+            client,
+            "/v1/embeddings",
+            {"model": MODEL, "input": "hi", "dimensions": 4, "encoding_format": "base64"},
+        )
+        wrong_model = await post(client, "/v1/embeddings", {"model": "other", "input": "hi"})
+        empty = await post(client, "/v1/embeddings", {"model": MODEL, "input": []})
+        route = await client.post("/v1/nothing", json={})
+    assert one.status_code == 200, one.text
+    body = one.json()
+    vec = body["data"][0]["embedding"]
+    assert body["object"] == "list" and body["model"] == MODEL and len(vec) == 256
+    assert abs(sum(x * x for x in vec) - 1.0) < 1e-9
+    assert body["usage"]["prompt_tokens"] == len(srv.backend.tokenizer.encode("the quick brown fox"))
+    data = many.json()["data"]
+    assert [d["index"] for d in data] == [0, 1] and all(len(d["embedding"]) == 8 for d in data)
+    assert many.json()["usage"]["prompt_tokens"] == body["usage"]["prompt_tokens"] + 3
+    again = (await _embed(srv.url, "the quick brown fox"))["data"][0]["embedding"]
+    assert again == vec  # deterministic
+    assert isinstance(b64.json()["data"][0]["embedding"], str)
+    assert wrong_model.status_code == 404 and wrong_model.json()["error"]["code"] == "model_not_found"
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "input"
+    assert route.status_code == 404 and "/v1/embeddings" in route.json()["error"]["message"]
+
+
+async def _embed(url: str, text: str) -> Any:
+    async with httpx.AsyncClient(base_url=url) as client:
+        return (await post(client, "/v1/embeddings", {"model": MODEL, "input": text})).json()
+
+
 async def test_priority_accepted_by_priority_policy(reference_server: Start) -> None:
     srv = await reference_server(scheduling_policy="priority")
     async with httpx.AsyncClient(base_url=srv.url) as client:

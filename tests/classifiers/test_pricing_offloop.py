@@ -243,7 +243,14 @@ async def test_the_loop_keeps_ticking_while_a_200k_token_prompt_is_encoded() -> 
     try:
         # Two never-seen texts of the same size: one stalls the loop (the probe sees it), one not.
         stall_inline, encode = await _longest_stall(inline.aprice_chat(chat(prose(5, 200_000)), **LIMITS))
-        stall_offloop, _ = await _longest_stall(offloop.aprice_chat(chat(prose(6, 200_000)), **LIMITS))
+        # The better of two tries: another process can take the CPU from the loop for a moment
+        # whatever we do; a stall that is ours shows in both.
+        stall_offloop = min(
+            [
+                (await _longest_stall(offloop.aprice_chat(chat(prose(s, 200_000)), **LIMITS)))[0]
+                for s in (6, 9)
+            ]
+        )
     finally:
         offloop.close()
     assert stall_inline >= 0.8 * encode  # the ticker does see a stall when there is one

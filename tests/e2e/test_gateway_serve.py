@@ -1,8 +1,9 @@
-"""`tokengate serve` as a process: embedded backend, real requests, SIGTERM drains and exits."""
+"""`tokengate serve` as a process: embedded backends, real requests, JSON logs, SIGTERM drains and exits."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import sys
 from pathlib import Path
@@ -51,6 +52,7 @@ async def test_serve_with_embedded_backend_and_sigterm(tmp_path: Path) -> None:
                 },
             )
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+            assert r.headers["x-tokengate-class"] == "short" and r.headers["x-request-id"].startswith("tg-")
             assert (await c.get("/metrics")).status_code == 404  # operator data is not on the API port
             ops = await c.get(f"http://127.0.0.1:{ops_port}/metrics")
             assert ops.status_code == 200 and "tokengate_requests_total" in ops.text
@@ -58,9 +60,23 @@ async def test_serve_with_embedded_backend_and_sigterm(tmp_path: Path) -> None:
         out, err = await asyncio.wait_for(proc.communicate(), 20)
         # uvicorn re-raises the signal it handled once the graceful shutdown is done.
         assert proc.returncode in (0, -signal.SIGTERM), err.decode()
-        assert "Application shutdown complete" in err.decode()
-        line = next(line for line in out.decode().splitlines() if line.startswith("{"))
-        assert '"status":200' in line and '"class":"default"' in line
+        # Every line is one JSON object: ours, uvicorn's and the access log's.
+        logs = [json.loads(line) for line in err.decode().splitlines()]
+        assert all({"timestamp", "level", "logger", "message"} <= set(x) for x in logs)
+        said = {(x["logger"], x["message"]) for x in logs}
+        assert ("uvicorn.error", "Application startup complete.") in said
+        assert ("uvicorn.error", "Application shutdown complete.") in said
+        ready = next(x for x in logs if x["message"].startswith("tokengate is ready"))
+        assert ready["api"] == f"{url}/v1" and ready["dashboard"] == f"http://127.0.0.1:{ops_port}/dashboard"
+        assert (
+            ready["open_tenant"] is True
+            and ready["doctor"] == f"tokengate doctor http://127.0.0.1:{ops_port}"
+        )
+        lines = [json.loads(line) for line in out.decode().splitlines()]  # one per request
+        assert [x["path"] for x in lines] == ["/v1/models", "/v1/chat/completions", "/metrics"]
+        access = lines[1]
+        assert access["status"] == 200 and access["class"] == "short" and access["pool"] == "short"
+        assert access["logger"] == "tokengate.access" and access["request_id"] == r.headers["x-request-id"]
     finally:
         if proc.returncode is None:
             proc.kill()

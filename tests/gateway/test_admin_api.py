@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import pytest
 import yaml
 from openapi_spec_validator import validate
 
+from gateway.logs import JsonFormatter
 from tests.conftest import GatewayFactory, RunningGateway, StubBackend, serve_asgi, stub_pools
 from tests.gateway.gw_support import chat
 
@@ -129,9 +131,16 @@ async def test_tenant_lifecycle_with_keys_applies_at_once(
         assert (await use(gw, key)).status_code == 401
         assert (await c.delete("/admin/v1/tenants/newco")).status_code == 200
         assert (await c.get("/admin/v1/tenants/newco")).status_code == 404
-    lines = [rec.getMessage() for rec in caplog.records if rec.name == "tokengate.audit"]
+    # As `tokengate serve` writes them: one JSON object per line, the change's fields as keys.
+    lines = [JsonFormatter().format(rec) for rec in caplog.records if rec.name == "tokengate.audit"]
     assert len(lines) == 5 and all('"actor":"admin:' in line for line in lines)
     assert all(key not in line and created["prefix"] not in line.split('"prefix"')[0] for line in lines)
+    update = json.loads(lines[2])
+    assert {"timestamp", "level", "logger", "message"} <= set(update) and update[
+        "logger"
+    ] == "tokengate.audit"
+    assert update["action"] == "tenant.update" and update["target"] == "tenants/newco"
+    assert update["before"]["budget_tokens"] == 5000 and update["after"]["budget_tokens"] == 200
 
 
 async def test_a_rotated_key_keeps_working_for_its_overlap_then_expires(

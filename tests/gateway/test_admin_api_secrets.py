@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.logs import JsonFormatter
 from tests.conftest import GatewayFactory, RunningGateway, StubBackend, stub_pools
 from tests.gateway.gw_support import chat
 
@@ -63,7 +64,8 @@ async def test_the_audit_log_never_carries_a_backends_api_key(
     caplog.set_level(logging.INFO, logger="tokengate.audit")
     async with httpx.AsyncClient(base_url=gw.ops_url, headers=ADMIN) as c:
         assert (await c.patch("/admin/v1/pools/default", json={"budget_tokens": 50_000})).status_code == 200
-    lines = [rec.getMessage() for rec in caplog.records if rec.name == "tokengate.audit"]
+    # As `tokengate serve` writes them: one JSON object per line, the change's fields as keys.
+    lines = [JsonFormatter().format(rec) for rec in caplog.records if rec.name == "tokengate.audit"]
     assert lines and all(UPSTREAM_KEY not in line for line in lines)
 
 

@@ -147,7 +147,7 @@ def test_example_configs_load() -> None:
         ({"tiers": {"a": {"rank": 0}, "b": {"rank": 0}}}, "tiers.b.rank: 0 is already the rank of tier 'a'"),
         ({"classes": [{"name": "x", "pool": "nope"}]}, "classes[0].pool: unknown pool 'nope'"),
         (
-            {"classes": [{"name": "x", "pool": "default", "when": {"min_cost": "x"}}]},
+            {"classes": [{"name": "x", "pool": "short", "when": {"min_cost": "x"}}]},
             "classes[0].when.min_cost",
         ),
         ({"store": {"kind": "etcd"}}, "store.kind: expected one of 'memory', 'redis', got 'etcd'"),
@@ -206,3 +206,19 @@ def test_tenant_without_tier_gets_standard_or_lowest() -> None:
     assert parse_config({"tenants": {"a": {}}}).tenants[0].tier == "standard"
     cfg = parse_config({"tiers": {"gold": {"rank": 0}, "bronze": {"rank": 5}}, "tenants": {"a": {}}})
     assert cfg.tenants[0].tier == "bronze"
+
+
+def test_without_pools_classes_name_the_embedded_pools() -> None:
+    cfg = parse_config({"classes": [{"name": "big", "when": {"min_cost": 9000}, "pool": "long"}]})
+    assert cfg.embedded_backend.pool_names == ("short", "long") and cfg.classes[0].pool == "long"
+    with pytest.raises(ConfigError, match="unknown pool 'default'; configured pools: long, short"):
+        parse_config({"classes": [{"name": "x", "pool": "default"}]})
+    one = parse_config({"embedded_backend": {"split": False}, "classes": [{"name": "x", "pool": "default"}]})
+    assert one.embedded_backend.pool_names == ("default",)
+
+
+def test_logging_section() -> None:
+    assert parse_config({}).logging.trust_request_id is False
+    assert parse_config({"logging": {"trust_request_id": True}}).logging.trust_request_id is True
+    with pytest.raises(ConfigError, match=r"logging\.format: unknown key"):
+        parse_config({"logging": {"format": "text"}})

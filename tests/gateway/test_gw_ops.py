@@ -151,3 +151,33 @@ async def test_ops_route_errors_keep_the_openai_shape(gateway: RunningGateway) -
         r = await c.get("/metrics")
     assert r.status_code == 500
     assert r.json()["error"]["code"] == "internal_error"
+
+
+async def test_readyz_is_not_ready_while_no_backend_has_ever_answered(
+    gateway_factory: GatewayFactory,
+) -> None:
+    from tests.conftest import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    gw = await gateway_factory({"pools": stub_pools(dead, models=["stub-model"])})
+    async with httpx.AsyncClient(base_url=gw.url) as c:
+        r = await c.get("/readyz")
+    assert r.status_code == 503
+    assert r.json()["problems"] == ["no healthy backend (1 configured: 0 down, 1 never answered)"]
+    assert dead not in r.text  # backend addresses are operator data
+
+
+async def test_readyz_turns_ready_when_a_backend_first_answers(gateway_factory: GatewayFactory) -> None:
+    stub = StubBackend(health_status=500)  # up, but its health probe fails: unknown at start-up
+    served = await serve_asgi(stub)
+    try:
+        gw = await gateway_factory({"pools": stub_pools(served.url, models=["stub-model"])})
+        async with httpx.AsyncClient(base_url=gw.url) as c:
+            assert (await c.get("/readyz")).status_code == 503
+            backend = next(iter(gw.app.router.backends))
+            assert backend.state == "unknown"
+            assert (await c.post("/v1/chat/completions", json=chat(max_tokens=1))).status_code == 200
+            assert backend.state == "up"  # an answered request is an answer too
+            assert (await c.get("/readyz")).json() == {"status": "ready"}
+    finally:
+        await served.stop()

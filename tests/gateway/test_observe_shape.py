@@ -105,3 +105,21 @@ def test_split_single_backend_pool_asks_for_a_backend() -> None:
 
 def test_split_nothing_to_split() -> None:
     assert split_plan("main", [(100, "chat")] * 10, RULES, POOLS) is None
+
+
+def test_split_without_any_class_rules_routes_the_long_requests_to_the_new_pool() -> None:
+    samples = [(c, "default") for c, _ in _mixed(200, 20)]
+    plan = split_plan("main", samples, [], {"main": POOLS["main"]})
+    assert plan is not None and plan.moved_classes == []
+    doc = yaml.safe_load(plan.to_yaml())
+    assert doc["classes"] == [{"name": "long", "when": {"min_cost": plan.cut_cost}, "pool": "main-long"}]
+
+
+def test_split_rule_goes_before_a_rule_that_sends_requests_to_their_models_pool() -> None:
+    samples = [(c, "default") for c, _ in _mixed(200, 20)]
+    pools = {"main": POOLS["main"], "other": POOLS["other"]}
+    rules = [{"name": "to-other", "when": {"tenants": ["x"]}, "pool": "other"}, {"name": "any"}]
+    plan = split_plan("main", samples, rules, pools)
+    assert plan is not None
+    names = [r["name"] for r in yaml.safe_load(plan.to_yaml())["classes"]]
+    assert names == ["to-other", "long", "any"]

@@ -9,6 +9,7 @@ import random
 from contextlib import redirect_stdout
 
 import httpx
+import pytest
 import yaml
 from starlette.applications import Starlette
 
@@ -17,7 +18,8 @@ from gateway import doctor
 from gateway.observe import ConfigView, Observer, ObserveSettings, StatsSources, observe_routes
 from gateway.observe.diagnose import diagnose
 from gateway.observe.scrape import ScrapeTarget, parse_engine_metrics
-from tests.conftest import serve_asgi
+from tests.conftest import GatewayFactory, StubBackend, serve_asgi, stub_pools
+from tests.gateway.gw_support import chat
 
 
 class Clock:
@@ -264,3 +266,65 @@ def test_records_drive_in_flight_and_windows() -> None:
     assert sw.count == 1 and sw.errors == 1 and sw.queue_wait.p99 == 2.0
     (lw,) = obs.windows.history("long")
     assert lw.ttft.p99 == 0.8 and lw.admitted_cost_sum == 9100
+
+
+async def test_doctor_takes_a_url_ending_in_v1_and_the_api_port_says_where_stats_are(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stub, url = stub_backend
+    gw = await gateway_factory({"pools": stub_pools(url)})
+    async with httpx.AsyncClient(base_url=gw.url) as c:
+        r = await c.get("/v1/stats")
+    # Never forwarded to the backend as a charged pass-through: a 404 from the gateway itself.
+    assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_route"
+    assert stub.requests == [] and await gw.wait_idle() == {"tenant:default": 0, "backend:default": 0}
+
+    def doctor_at(base: str) -> int:
+        return doctor.run(argparse.Namespace(url=base, token=None, timeout=5.0, json=False))
+
+    assert await asyncio.to_thread(doctor_at, gw.ops_url + "/v1/") in (0, 1)
+    assert "tokengate doctor: " + gw.ops_url in capsys.readouterr().out
+    assert await asyncio.to_thread(doctor_at, gw.url + "/v1") == 3
+    err = capsys.readouterr().err
+    assert "HTTP 404" in err and "ops listener" in err  # the gateway's own words: where /stats is
+
+
+async def test_a_dead_backend_is_said_to_be_down_not_only_that_its_metrics_are_stale(
+    gateway_factory: GatewayFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.conftest import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    gw = await gateway_factory(
+        {
+            "pools": stub_pools(dead, models=["stub-model"]),
+            "health": {"failure_threshold": 1, "cooldown_s": 60},
+            "observability": {"scrape": {"interval_s": 0.05, "stale_after_s": 0.1}},
+        }
+    )
+    async with httpx.AsyncClient(base_url=gw.url) as c:
+        st = (await c.get(gw.ops_url + "/stats")).json()
+        assert [b["health"] for b in st["backends"]] == ["unknown"]
+        r = await c.post("/v1/chat/completions", json=chat())
+        assert r.status_code == 502
+        st = (await c.get(gw.ops_url + "/stats")).json()
+    (b,) = st["backends"]
+    assert b["health"] == "down" and b["consecutive_failures"] == 1
+    down = [f for f in st["findings"] if f["topic"] == "backend"]
+    assert [f["level"] for f in down] == ["crit"] and "is down" in down[0]["text"]
+    assert not any("metrics are stale" in f["text"] for f in st["findings"])
+    rc = await asyncio.to_thread(
+        doctor.run, argparse.Namespace(url=gw.ops_url, token=None, timeout=5.0, json=False)
+    )
+    out = capsys.readouterr().out
+    assert rc == 2 and "is down" in out and "down" in out.split("Backends")[1]
+
+
+def test_a_backend_that_never_answered_is_named_so() -> None:
+    st = {
+        "backends": [
+            {"backend": "b", "pool": "p", "health": "unknown", "stale": True, "reason": "metrics stale"}
+        ]
+    }
+    (f,) = [f for f in diagnose(st) if f.topic == "backend"]
+    assert f.level == "crit" and "has never answered" in f.text

@@ -89,7 +89,11 @@ def test_spawned_stack_runs_targets_and_cleans_up(tmp_path: Path) -> None:
     assert pids and not any(_alive(p) for p in pids)
 
 
-def test_demo_entry_point_on_tiny_scenarios(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_entry_point_on_tiny_scenarios(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run as a user would, from a folder outside the checkout with a relative --out (the children
+    start in the repository), with stderr not a terminal (progress as plain lines)."""
     nn = tmp_path / "nn.yaml"
     nn.write_text(yaml.safe_dump(_tiny("tiny-nn")))
     fair = _tiny("tiny-fair", fairness={"tenants": ["chat", "agent"], "phase": "noisy"})
@@ -98,19 +102,12 @@ def test_demo_entry_point_on_tiny_scenarios(tmp_path: Path, capsys: pytest.Captu
     fair_path.write_text(yaml.safe_dump(fair))
     parser = argparse.ArgumentParser()
     demo.add_arguments(parser)
-    args = parser.parse_args(
-        [
-            "--out",
-            str(tmp_path / "out"),
-            "--scenario",
-            str(nn),
-            "--fairness-scenario",
-            str(fair_path),
-            "--quiet",
-        ]
-    )
+    monkeypatch.chdir(tmp_path)
+    args = parser.parse_args(["--out", "out", "--scenario", str(nn), "--fairness-scenario", str(fair_path)])
     assert demo.run(args) == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
+    assert "gw: finished:" in captured.err and "\r" not in captured.err
     assert "## Checks" in printed and "[    met] gw vs direct" in printed and "[    met] shares" in printed
     nn_json = json.loads((tmp_path / "out" / "noisy-neighbour" / "results.json").read_text())
     assert [t["name"] for t in nn_json["targets"]] == ["direct", "gw", "gw-quiet"]

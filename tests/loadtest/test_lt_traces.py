@@ -1,12 +1,16 @@
+import argparse
 import random
 import statistics
 from pathlib import Path
 
 import pytest
 
+from loadtest import demo
+from loadtest.distributions import SpecError
+from loadtest.scenario import load_scenario
 from loadtest.schedule import build_schedule
 from loadtest.spec import parse_workload
-from loadtest.traces import TRACES_ENV, TraceWindow, load_trace
+from loadtest.traces import TRACES_ENV, TraceWindow, default_traces_dir, load_trace, use_traces_dir
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED_TRACES = REPO.parent / "shared" / "traces"
@@ -115,3 +119,33 @@ def test_real_trace_time_scaling_multiplies_the_rate(monkeypatch: pytest.MonkeyP
     # the first 60 s of the fast replay are the slow replay's first 15 s, compressed 4x
     assert [r.prompt_tokens for r in fast[:5]] == [r.prompt_tokens for r in slow[:5]]
     assert [r.at_s * 4 for r in fast[:5]] == pytest.approx([r.at_s for r in slow[:5]])
+
+
+def test_traces_are_looked_up_only_where_the_user_said(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_trace: Path
+) -> None:
+    monkeypatch.setenv(TRACES_ENV, "")  # unset, and restored after the test (use_traces_dir sets it)
+    assert default_traces_dir() is None  # no guessed folder outside the project
+    raw = {
+        "seed": 1,
+        "duration_s": 30,
+        "tenants": {"t": {}},
+        "classes": {"bg": {"tenant": "t", "trace": {"file": "azure_llm_2023_conv.csv"}}},
+    }
+    assert parse_workload(raw).classes[0].trace.records is None  # type: ignore[union-attr]
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "azure_llm_2023_conv.csv").write_text(small_trace.read_text())
+    use_traces_dir(folder)
+    trace = parse_workload(raw).classes[0].trace
+    assert trace is not None and trace.records is not None and len(trace.records) == 5
+    with pytest.raises(SpecError, match="no such folder"):
+        use_traces_dir(tmp_path / "nowhere")
+
+
+def test_the_demo_says_how_to_replay_the_trace_files(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(TRACES_ENV, "")
+    scenario = load_scenario("noisy_neighbour")
+    args = argparse.Namespace(synthetic=False)
+    words = demo._traffic_source(scenario, args)
+    assert "--traces DIR" in words and "shared" not in words

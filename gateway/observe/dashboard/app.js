@@ -218,7 +218,10 @@ function render(st) {
       { text: fmtN(b.running) + " / " + fmtN(b.waiting), cls: "num" },
       { text: (b.preemptions_per_s || 0).toFixed(2), cls: "num" },
       { text: (b.penalty || 0).toFixed(2), cls: "num" },
-      { text: b.reason, cls: b.saturated ? "bad" : "good" },
+      {
+        text: (b.health && b.health !== "up" ? b.health + " · " : "") + b.reason,
+        cls: b.saturated || b.health === "down" ? "bad" : "good",
+      },
     ];
   }));
   fillTable("tenants", (st.tenants || []).map((t) => [
