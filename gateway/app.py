@@ -49,6 +49,7 @@ from gateway.passthrough import PassthroughRoutes
 from gateway.paths import path_problem
 from gateway.proxy import Proxy
 from gateway.requestid import from_client, new_id
+from gateway.reservations import Reservations
 from gateway.stores import build_store
 from gateway.upstream.client import make_session
 from gateway.upstream.health import HealthChecker, HealthSettings
@@ -138,6 +139,7 @@ class Gateway:
         self._expiries: Mapping[str, float] = {}
         self.models: ModelTable
         self.pricer: Pricer
+        self.reservations: Reservations
         self.router = Router(config.pools, _breaker(config))
         layout = self._configure(config)
         # Everything else lives as long as the process.
@@ -220,6 +222,15 @@ class Gateway:
                 config.pricing.settings,
             )
         self.passthrough = PassthroughRoutes(config.passthrough)
+        reservations = Reservations(
+            config.reservation,
+            dict(config.reservation_by_pool),
+            dict(config.reservation_by_class),
+            lambda pool: self.observer.loads.kv_usage(pool),
+        )
+        if previous is not None:
+            reservations.carry_over(self.reservations)  # what was learned stays
+        self.reservations = reservations
         self.layout = build_layout(config, config.classes, self.tenants)
         return self.layout
 

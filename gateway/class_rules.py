@@ -18,7 +18,14 @@ from typing import Any
 from classifiers import BOUNDS, SCALAR, ClassRule
 from gateway.fields import ConfigError, did_you_mean, mapping, opt_integer, opt_string, section, show, string
 
-_RULE_KEYS = ("name", "pool", "overflow_pool", "budget_tokens", "when")
+_RULE_KEYS = (
+    "name",
+    "pool",
+    "overflow_pool",
+    "budget_tokens",
+    "when",
+    "reservation",
+)  # reservation: config_loader
 _ORDERED = (
     ("min_prompt_tokens", "max_prompt_tokens"),
     ("min_decode_tokens", "max_decode_tokens"),

@@ -16,8 +16,10 @@ from typing import Any, Literal
 
 from budgets.redis import RedisOptions
 from classifiers import ClassRule, PricingSettings
+from classifiers.reservation import ReservationSettings
 from gateway.observe.settings import ObserveSettings
 from gateway.passthrough import DEFAULT_ROUTES, PassthroughRoute
+from gateway.reservations import ReservationConfig
 from gateway.upstream.pools import BackendPoolSpec, BackendSpec, Timeouts
 
 DEFAULT_CONTEXT_LENGTH = 32768
@@ -198,6 +200,11 @@ class GatewayConfig:
     # /v1 routes forwarded besides the priced ones (gateway.passthrough); anything else is a 404.
     passthrough: tuple[PassthroughRoute, ...] = DEFAULT_ROUTES
     admin: AdminConfig = AdminConfig()
+    # Output tokens each request reserves (gateway.reservations): the default, and overrides of
+    # its settings per pool and per class.
+    reservation: ReservationConfig = field(default_factory=ReservationConfig)
+    reservation_by_pool: Mapping[str, ReservationSettings] = field(default_factory=dict)
+    reservation_by_class: Mapping[str, ReservationSettings] = field(default_factory=dict)
     ops: OpsConfig = OpsConfig()
     logging: LoggingConfig = LoggingConfig()
     metrics: MetricsConfig = MetricsConfig()

@@ -13,12 +13,13 @@ import hashlib
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
 from backends.reference.server import BackendSettings
 from classifiers import PricingSettings, load_tokenizer
+from classifiers.reservation import ReservationSettings
 from gateway import stores
 from gateway.class_rules import parse_classes
 from gateway.config import (
@@ -49,6 +50,7 @@ from gateway.fields import (
     ConfigError,
     boolean,
     check_keys,
+    choice,
     did_you_mean,
     integer,
     mapping,
@@ -65,6 +67,7 @@ from gateway.fields import (
 from gateway.observe.settings import ObserveConfigError, ObserveSettings
 from gateway.passthrough import DEFAULT_ROUTES, PassthroughRoute
 from gateway.paths import path_problem
+from gateway.reservations import ReservationConfig
 
 _SHA256_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 
@@ -133,6 +136,7 @@ def parse_config(data: Any) -> GatewayConfig:
         tenants=_tenants(root.get("tenants"), tiers, tier_names),
         limits=_limits(root.get("limits")),
         passthrough=_passthrough(root.get("passthrough")),
+        **_reservations(root),
         admin=_admin(root.get("admin")),
         ops=_ops(root.get("ops")),
         logging=_logging(root.get("logging")),
@@ -190,6 +194,7 @@ _TOP_KEYS = (
     "tenants",
     "limits",
     "passthrough",
+    "reservation",
     "admin",
     "ops",
     "logging",
@@ -260,7 +265,7 @@ def _pools(v: Any) -> tuple[PoolConfig, ...]:
     seen_urls: dict[str, str] = {}
     for name, body in m.items():
         where = f"pools.{valid_name(name, 'pools')}"
-        p = section(body, where, ("backends", "budget_tokens"))
+        p = section(body, where, ("backends", "budget_tokens", "reservation"))
         raw = p.get("backends")
         if not isinstance(raw, list) or not raw:
             raise ConfigError(f"{where}.backends: expected a non-empty list of backends, got {show(raw)}")
@@ -464,6 +469,80 @@ def _passthrough(v: Any) -> tuple[PassthroughRoute, ...]:
             )
         out.append(PassthroughRoute(method, path, boolean(r, "generates", where, method != "GET")))
     return tuple(out)
+
+
+_RESERVATION_KEYS = (
+    "mode",
+    "quantile",
+    "fixed_tokens",
+    "min_samples",
+    "half_life_s",
+    "prompt_buckets",
+    "max_keys",
+)
+
+
+def _reservation_settings(v: Any, where: str, base: ReservationSettings) -> ReservationSettings:
+    m = section(v, where, _RESERVATION_KEYS)
+    buckets = base.prompt_buckets
+    if m.get("prompt_buckets") is not None:
+        raw = m["prompt_buckets"]
+        if not isinstance(raw, list) or not all(type(b) is int and b > 0 for b in raw):
+            raise ConfigError(
+                f"{where}.prompt_buckets: expected a list of positive integers, got {show(raw)}"
+            )
+        buckets = tuple(sorted(raw))
+    quantile = positive_number(m, "quantile", where, base.quantile, maximum=1.0)
+    return ReservationSettings(
+        mode=cast(Any, choice(m, "mode", where, base.mode, ("max_tokens", "learned", "fixed"))),
+        quantile=quantile,
+        fixed_tokens=integer(m, "fixed_tokens", where, base.fixed_tokens, minimum=1),
+        min_samples=positive_number(m, "min_samples", where, base.min_samples),
+        half_life_s=positive_number(m, "half_life_s", where, base.half_life_s),
+        prompt_buckets=buckets,
+        max_keys=integer(m, "max_keys", where, base.max_keys, minimum=1),
+    )
+
+
+def _reservations(root: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``reservation:`` section and its overrides under ``pools.<name>`` and ``classes[i]``."""
+    where = "reservation"
+    m = section(
+        root.get("reservation"),
+        where,
+        (*_RESERVATION_KEYS, "grow", "grow_factor", "kv_high", "kv_low", "oracle_header"),
+    )
+    settings = _reservation_settings(
+        {k: v for k, v in m.items() if k in _RESERVATION_KEYS}, where, ReservationSettings()
+    )
+    kv_high = positive_number(m, "kv_high", where, 0.90, maximum=1.0)
+    kv_low = positive_number(m, "kv_low", where, 0.75, maximum=1.0)
+    if kv_low > kv_high:
+        raise ConfigError(f"reservation.kv_low: must be <= kv_high ({kv_high:g}), got {kv_low:g}")
+    grow_factor = positive_number(m, "grow_factor", where, 2.0)
+    if grow_factor <= 1.0:
+        raise ConfigError(f"reservation.grow_factor: expected a number above 1, got {grow_factor:g}")
+    default = ReservationConfig(
+        settings=settings,
+        grow=boolean(m, "grow", where, True),
+        grow_factor=grow_factor,
+        kv_high=kv_high,
+        kv_low=kv_low,
+        oracle_header=boolean(m, "oracle_header", where, False),
+    )
+    by_pool = {
+        name: _reservation_settings(body["reservation"], f"pools.{name}.reservation", settings)
+        for name, body in (root.get("pools") or {}).items()
+        if isinstance(body, Mapping) and body.get("reservation") is not None
+    }
+    by_class = {
+        str(rule.get("name")): _reservation_settings(
+            rule["reservation"], f"classes[{i}].reservation", settings
+        )
+        for i, rule in enumerate(root.get("classes") or [])
+        if isinstance(rule, Mapping) and rule.get("reservation") is not None
+    }
+    return {"reservation": default, "reservation_by_pool": by_pool, "reservation_by_class": by_class}
 
 
 def _admin(v: Any) -> AdminConfig:

@@ -20,6 +20,7 @@ from gateway.accesslog import Record
 from gateway.config import TenantConfig, TierConfig
 from gateway.metrics import Bound
 from gateway.passthrough import PassthroughRoute
+from gateway.reservations import Reserved
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -86,12 +87,16 @@ class Exchange:
     cost: Cost | None = None
     # classify, admit
     placement: Placement | None = None
+    reserved: Reserved | None = None  # output tokens held for it, and what they may grow to
+    oracle_output: int | None = None  # benchmarks: the true output length (x-tokengate-oracle-output)
     lease: Lease | None = None
     # forward
     client_wants_usage: bool = True
     # Served output for fair share: as reported; 0 when nothing reached a backend or it answered an
     # error; None when unknown (the store then charges the whole reservation).
     completion_tokens: int | None = None
+    streamed_tokens: int = 0  # output events relayed so far (a stream's tokens, about one an event)
+    extended_tokens: int = 0  # what lease growth added to the reservation
 
     def cancel(self, reason: CancelReason) -> None:
         if not self.done and self.cancel_reason is None:

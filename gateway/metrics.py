@@ -48,6 +48,10 @@ class Bound:
     prompt_act: Counter
     output_est: Counter
     output_act: Counter
+    reservation_ratio: Histogram
+    overdrafts: Counter
+    overdraft_tokens: Counter
+    extensions: Counter
 
 
 class GatewayMetrics:
@@ -103,6 +107,38 @@ class GatewayMetrics:
         )
         self.tokens_actual = Counter(
             "tokengate_tokens_actual", "Tokens the backend reported in usage", ("class", "kind"), registry=r
+        )
+        self.reservation_ratio = Histogram(
+            "tokengate_reservation_ratio",
+            "Output tokens used / output tokens reserved at admission, per request",
+            ("class", "tenant"),
+            buckets=_RATIO_BUCKETS,
+            registry=r,
+        )
+        self.overdrafts = Counter(
+            "tokengate_overdraft_requests",
+            "Requests whose output outgrew what their pools could give (reservation exceeded)",
+            ("class", "tenant"),
+            registry=r,
+        )
+        self.overdraft_tokens = Counter(
+            "tokengate_overdraft_tokens",
+            "Output tokens beyond what the pools had room for when a reservation was outgrown",
+            ("class", "tenant"),
+            registry=r,
+        )
+        self.extensions = Counter(
+            "tokengate_lease_extensions",
+            "Leases grown while a stream ran (its output outgrew the reservation)",
+            ("class",),
+            registry=r,
+        )
+        self.pool_used = Gauge(
+            "tokengate_pool_used_tokens",
+            "Tokens requests in flight really occupy now (prompt + output so far), beside the reserved "
+            "tokengate_pool_in_flight_tokens",
+            ("pool",),
+            registry=r,
         )
         self.pool_in_flight = Gauge(
             "tokengate_pool_in_flight_tokens", "Tokens held by granted leases", ("pool", "kind"), registry=r
@@ -165,7 +201,21 @@ class GatewayMetrics:
             prompt_act=self.tokens_actual.labels(klass, "prompt"),
             output_est=self.tokens_estimated.labels(klass, "output"),
             output_act=self.tokens_actual.labels(klass, "output"),
+            reservation_ratio=self.reservation_ratio.labels(klass, tenant),
+            overdrafts=self.overdrafts.labels(klass, tenant),
+            overdraft_tokens=self.overdraft_tokens.labels(klass, tenant),
+            extensions=self.extensions.labels(klass),
         )
+
+    @staticmethod
+    def observe_reservation(b: Bound, reserved: int, extended: int, output: int) -> None:
+        """A finished request's output against what it reserved at admission (plus its growth)."""
+        if reserved > 0:
+            b.reservation_ratio.observe(output / reserved)
+        over = output - reserved - extended
+        if over > 0:  # more than the lease ever held: settled only at release (non-streaming)
+            b.overdrafts.inc()
+            b.overdraft_tokens.inc(over)
 
     @staticmethod
     def observe_usage(

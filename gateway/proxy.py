@@ -32,6 +32,7 @@ from gateway.exchange import CancelReason, Exchange, Phase, Placement, Receive, 
 from gateway.passthrough import PassthroughRoute
 from gateway.relay import UPSTREAM_ERRORS, relay_raw, relay_sse, relay_whole, upstream_failed
 from gateway.requestid import from_client, new_id
+from gateway.reservations import with_decode
 from gateway.sse import usage_counts
 from gateway.upstream.client import REQUEST_DROP, classify_error
 from gateway.upstream.pools import Backend, NoBackend
@@ -168,6 +169,7 @@ class Proxy:
         self.pricer = gw.pricer
         self.classifier = gw.classifier
         self.models = gw.models
+        self.reservations = gw.reservations
         self.max_body = cfg.limits.max_body_bytes
         self.body_deadlines = BodyDeadlines(cfg.limits.body_timeout_s, cfg.limits.body_idle_timeout_s)
         self.default_max_tokens = cfg.pricing.default_max_tokens
@@ -274,6 +276,8 @@ class Proxy:
                     tier_name = value.decode("latin-1").strip()
                 elif name == b"x-tokengate-max-queue-wait":
                     max_wait_s = _max_wait_header(value)
+                elif name == b"x-tokengate-oracle-output":  # benchmarks (reservation.oracle_header)
+                    x.oracle_output = int(value) if value.isdigit() and len(value) < 10 else None
                 continue
             if name == b"x-request-id":
                 adopted, x.record.client_request_id = from_client(value, self.trust_request_id)
@@ -437,6 +441,14 @@ class Proxy:
                 pools += (class_pool(klass),)
             self._demand_pools[key] = pools
         x.placement = Placement(klass, pool, pools)
+        if cost.decode > 0:
+            r = self.reservations.reserve(
+                cost=cost, tenant=tenant.name, model=x.model, klass=klass, pool=pool, oracle=x.oracle_output
+            )
+            x.reserved = r
+            if r.decode != cost.decode:
+                x.cost = with_decode(cost, r.decode)
+                rec.decode = r.decode
 
     # ---- 5. admit ----
 
@@ -624,6 +636,8 @@ class Proxy:
             return
         self.keeper.discard(lease.id)
         await self.store.release(lease.id, x.completion_tokens)
+        if x.reserved is not None:
+            self.reservations.observe(x.reserved, x.record.completion_tokens)
 
     # ---- answers and bookkeeping ----
 
@@ -671,6 +685,10 @@ class Proxy:
                 b.ttft.observe(rec.ttft_s)
             if rec.backend_s is not None:
                 b.backend.observe(rec.backend_s)
+            if x.reserved is not None and rec.completion_tokens is not None:
+                self.metrics.observe_reservation(
+                    b, x.reserved.decode, x.extended_tokens, rec.completion_tokens
+                )
             if rec.prompt_tokens is not None or rec.completion_tokens is not None:
                 self.metrics.observe_usage(
                     b,

@@ -336,6 +336,17 @@ class BackendLoads:
     def get(self, backend: str) -> BackendLoad | None:
         return self._by_url.get(backend)
 
+    def kv_usage(self, pool: str) -> float | None:
+        """The fullest fresh KV-cache usage among ``pool``'s backends; None when none reports one."""
+        usages = []
+        for load in self._by_url.values():
+            s = load.sample
+            if load.pool != pool or s is None or s.kv_usage is None or load.last_ok is None:
+                continue
+            if load.clock() - load.last_ok <= self.settings.stale_after_s:
+                usages.append(s.kv_usage)
+        return max(usages) if usages else None
+
     def __iter__(self) -> Iterator[BackendLoad]:
         return iter(self._by_url.values())
 
