@@ -537,7 +537,21 @@ class Gateway:
         snapshot = await self.store.snapshot()
         self.metrics.in_flight_requests.set(len(self.exchanges))
         self.metrics.update_state(snapshot, self.router.backends, [t.name for t in self.config.tiers])
+        used = self._used_tokens()
+        for pool in self.router.pools:
+            self.metrics.pool_used.labels(pool).set(used.get(pool, 0))
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    def _used_tokens(self) -> dict[str, int]:
+        """Per backend pool, the tokens requests in flight really occupy now: the prompt plus the
+        output streamed so far (a non-streamed answer is counted at its reservation: unseen)."""
+        used: dict[str, int] = {}
+        for x in self.exchanges:
+            if x.lease is None or x.placement is None or x.cost is None:
+                continue
+            output = x.streamed_tokens if x.record.stream else x.cost.decode
+            used[x.placement.pool] = used.get(x.placement.pool, 0) + x.cost.prefill + output
+        return used
 
     async def _healthz(self, request: Request) -> Response:
         return Response(b'{"status":"ok"}', media_type="application/json")

@@ -107,6 +107,8 @@ async def relay_sse(x: Exchange, resp: aiohttp.ClientResponse, t_up: float) -> A
             if first:
                 rec.ttft_s = perf_counter() - rec.start
                 first = False
+            # About one output token per event: count events (a C-level scan, no parsing).
+            x.streamed_tokens += chunk.count(b"data:")
             out = relay.feed(chunk)
             if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})
