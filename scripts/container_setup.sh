@@ -12,9 +12,14 @@
 #   test itself (tests/deploy/stack.py), from the same base.
 # - kubectl (with its built-in kustomize) from the Debian package when it is missing.
 #
+# --tools-only: the engine's and kubectl's packages and podman-compose, no base image (what the
+# fast tests in `make test` need: `podman-compose config`, `kubectl kustomize`).
+#
 # Prints one line per decision; exits non-zero when something cannot be set up.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+tools_only=0
+[ "${1:-}" = "--tools-only" ] && tools_only=1
 
 say() { printf 'container-setup: %s\n' "$*"; }
 if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
@@ -69,6 +74,8 @@ if ! .venv/bin/podman-compose version >/dev/null 2>&1; then
   say "installing podman-compose (PyPI) into .venv"
   .venv/bin/python -m pip install -q 'podman-compose==1.6.0'
 fi
+
+[ "$tools_only" = 1 ] && { say "tools ready (podman $(podman version --format '{{.Client.Version}}'))"; exit 0; }
 
 # ---- the base image ----
 base=docker.io/library/debian:bookworm-slim

@@ -78,16 +78,16 @@ def detect_engine() -> Engine | None:
     return None
 
 
-def compose_config_command() -> tuple[str, ...] | None:
-    """The command that renders compose.yaml (`docker compose config` / `podman-compose config`)."""
+def compose_command() -> tuple[str, ...] | None:
+    """A compose that can render compose.yaml without running anything (`... config`)."""
     docker = shutil.which("docker")
     if docker and _ok([docker, "compose", "version"]):
-        return (docker, "compose", "config")
+        return (docker, "compose")
     pc = podman_compose()
     if pc and shutil.which("podman"):
-        return (pc, "config")
+        return (pc,)
     dc = shutil.which("docker-compose")
-    return (dc, "config") if dc else None
+    return (dc,) if dc else None
 
 
 def compose_services() -> dict[str, dict[str, object]]:
