@@ -29,7 +29,7 @@ COPY budgets ./budgets
 COPY classifiers ./classifiers
 COPY backends ./backends
 COPY loadtest ./loadtest
-RUN pip install -q --no-deps . && python3 -m compileall -q /opt/venv/lib
+RUN pip install -q --no-deps .
 
 # ---- the runtime every target shares: python3, the venv, the user, entrypoint and health check ----
 FROM ${BASE_IMAGE} AS runtime
@@ -58,7 +58,7 @@ RUN if [ -n "$TORCH_FIND_LINKS" ]; then \
     else \
       pip install -q --index-url "$TORCH_INDEX_URL" --extra-index-url https://pypi.org/simple "$TORCH_SPEC"; \
     fi \
- && pip install -q 'safetensors>=0.4' 'numpy>=1.26' && python3 -m compileall -q /opt/venv/lib
+ && pip install -q 'safetensors>=0.4' 'numpy>=1.26'
 
 FROM runtime AS reference
 COPY --from=reference-build /opt/venv /opt/venv
