@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -78,6 +79,19 @@ def detect_engine() -> Engine | None:
     return None
 
 
+def engine_or_skip() -> Engine:
+    """The engine; without one a failure where CI=true (never a silent skip there), else a skip."""
+    import pytest
+
+    engine = detect_engine()
+    if engine is None:
+        message = "no container engine: run scripts/container_setup.sh (Podman from Debian) or start Docker"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    return engine
+
+
 def compose_command() -> tuple[str, ...] | None:
     """A compose that can render compose.yaml without running anything (`... config`)."""
     docker = shutil.which("docker")
@@ -122,16 +136,44 @@ def image_exists(engine: Engine, image: str) -> bool:
     return _ok([engine.cli, "image", "inspect", image])
 
 
-def build_tokengate(engine: Engine) -> None:
-    tag = f"localhost/tokengate:ctx-{build_context_hash()}"
+def build_tokengate(engine: Engine, target: str = "gateway") -> str:
+    """Builds (or reuses) the image of ``target``; returns its content-addressed tag."""
+    name = "tokengate" if target == "gateway" else f"tokengate-{target}"
+    tag = f"localhost/{name}:ctx-{build_context_hash()}"
     if image_exists(engine, tag):
         log(f"image {tag}: reused (build context unchanged)")
     else:
         start = time.monotonic()
         extra = ["--format", "docker"] if engine.kind == "podman" else []  # keep HEALTHCHECK
-        _run([engine.cli, "build", *extra, "--target", "gateway", "-t", tag, "."], timeout=1800)
+        wheels = local_torch_wheels() if target == "reference" and engine.kind == "podman" else None
+        if wheels is not None:
+            extra += ["-v", f"{wheels}:/wheels:ro", "--build-arg", "TORCH_FIND_LINKS=/wheels"]
+            log(f"image {tag}: torch from the host's wheel folder {wheels}")
+        _run([engine.cli, "build", *extra, "--target", target, "-t", tag, "."], timeout=1800)
         log(f"image {tag}: built in {time.monotonic() - start:.0f} s")
-    _run([engine.cli, "tag", tag, TOKENGATE_IMAGE], timeout=60)
+    _run([engine.cli, "tag", tag, f"localhost/{name}:latest"], timeout=60)
+    return tag
+
+
+def local_torch_wheels() -> Path | None:
+    """A folder of the host's pip find-links holding the pinned CPU torch wheel, if any (the
+    project's machines have one; elsewhere the Dockerfile's default index serves it)."""
+    spec = re.search(r"^ARG TORCH_SPEC=torch==(\S+)", (ROOT / "Dockerfile").read_text(), re.M)
+    assert spec, "Dockerfile: ARG TORCH_SPEC"
+    links = os.environ.get("PIP_FIND_LINKS", "").split()
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(
+            [sys.executable, "-m", "pip", "config", "get", "global.find-links"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        links += out.stdout.split()
+    for link in links:
+        folder = Path(link.removeprefix("file://"))
+        if folder.is_dir() and any(folder.glob(f"torch-{spec.group(1)}-*.whl")):
+            return folder
+    return None
 
 
 def ensure_registry_images(engine: Engine) -> tuple[list[str], list[str]]:

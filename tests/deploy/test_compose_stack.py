@@ -45,12 +45,7 @@ class Running:
 
 @pytest.fixture(scope="module")
 def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
-    engine = st.detect_engine()
-    if engine is None:
-        message = "no container engine: run scripts/container_setup.sh (Podman from Debian) or start Docker"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
+    engine = st.engine_or_skip()
     t0 = time.monotonic()
     st.log(f"engine: {engine.describe()}")
     st.build_tokengate(engine)
