@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -53,6 +54,7 @@ from gateway.fields import (
     choice,
     did_you_mean,
     integer,
+    join,
     mapping,
     number,
     opt_integer,
@@ -98,7 +100,42 @@ def load_raw(path: str | Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: expected a mapping of sections at the top, got {show(data)}")
-    return data
+    expanded: dict[str, Any] = expand_env(data, "", os.environ)
+    return expanded
+
+
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def expand_env(value: Any, where: str, environ: Mapping[str, str]) -> Any:
+    """``${NAME}`` and ``${NAME:-default}`` in the file's strings, from the environment.
+
+    A value that is exactly one reference takes the variable's YAML meaning (``port: ${PORT}`` is a
+    number); inside a longer string it is text. An unset variable without a default is an error that
+    names the field and the variable. ``$${`` writes a literal ``${``.
+    """
+    if isinstance(value, dict):
+        return {k: expand_env(v, join(where, str(k)), environ) for k, v in value.items()}
+    if isinstance(value, list):
+        return [expand_env(v, f"{where}[{i}]", environ) for i, v in enumerate(value)]
+    if not isinstance(value, str) or "${" not in value:
+        return value
+
+    def lookup(m: re.Match[str]) -> str:
+        name, default = m.group(1), m.group(2)
+        got = environ.get(name, default)
+        if got is None:
+            raise ConfigError(f"{where}: the environment variable {name} is not set (used as ${{{name}}})")
+        return got
+
+    literal = value.replace("$${", "\x00")
+    whole = _ENV_REF.fullmatch(literal)
+    if whole is not None:
+        text = lookup(whole)
+        scalar = yaml.safe_load(text) if text else text
+        # Numbers and booleans take their meaning; anything else (a URL, a key) stays the text.
+        return scalar if isinstance(scalar, int | float | bool) else text
+    return _ENV_REF.sub(lookup, literal).replace("\x00", "${")
 
 
 def _yaml_problem(exc: yaml.MarkedYAMLError) -> str:

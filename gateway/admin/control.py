@@ -52,9 +52,16 @@ class Control:
         self._lock = asyncio.Lock()
 
     async def start(self) -> None:
-        self.state = await self.store.load()
-        if self.file_raw is not None and self.state.version > 0:
-            await self.gw.apply(self.effective(self.state), key_expiries(self.state))
+        try:
+            state = await self.store.load()
+        except Exception as exc:
+            # Redis away at start-up: serve the file's config now (the budget store decides what a
+            # Redis outage means for requests); the watcher applies the shared state once it answers.
+            log.warning(
+                "admin state not readable at start-up (%s); running on the config file until it is", exc
+            )
+        else:
+            await self._changed_elsewhere(state)
         await self.store.start(self._changed_elsewhere)
 
     async def close(self) -> None:

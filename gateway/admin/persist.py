@@ -101,14 +101,20 @@ class RedisStateStore:
         self._cas = self._redis.register_script(_CAS)
         self._poll_interval_s = poll_interval_s
         self._seen = -1
+        self._known = AdminState()  # the newest state this replica has seen or saved
         self._on_change: Listener | None = None
         self._watcher = BackgroundTask("tokengate-admin-state", self._watch, log)
 
     async def load(self) -> AdminState:
         raw = await self._redis.get(self.key)
         state = AdminState() if raw is None else AdminState.from_json(json.loads(raw))
-        self._seen = max(self._seen, state.version)
+        self._note(state)
         return state
+
+    def _note(self, state: AdminState) -> None:
+        self._seen = max(self._seen, state.version)
+        if state.version >= self._known.version:
+            self._known = state
 
     async def save(self, state: AdminState, expected_version: int) -> None:
         ok = await self._cas(
@@ -116,7 +122,7 @@ class RedisStateStore:
         )
         if not ok:
             raise Conflict
-        self._seen = max(self._seen, state.version)
+        self._note(state)
 
     async def start(self, on_change: Listener) -> None:
         self._on_change = on_change
@@ -131,6 +137,7 @@ class RedisStateStore:
         """Pub/sub for speed, a version poll for certainty: a lost message costs one poll interval."""
         pubsub = self._redis.pubsub()
         subscribed = False
+        failing = False
         while True:
             try:
                 if not subscribed:
@@ -139,13 +146,18 @@ class RedisStateStore:
                 with contextlib.suppress(TimeoutError):
                     await pubsub.get_message(ignore_subscribe_messages=True, timeout=self._poll_interval_s)
                 await self._check()
+                if failing:
+                    log.info("admin state watch: redis answers again")
+                    failing = False
             except asyncio.CancelledError:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()
                 raise
             except Exception as exc:  # Redis away: keep the running config, try again
                 subscribed = False
-                log.warning("admin state watch: %s", exc)
+                if not failing:  # once per outage, not once per poll
+                    log.warning("admin state watch: %s; the running config stays until redis answers", exc)
+                    failing = True
                 await asyncio.sleep(self._poll_interval_s)
 
     async def _check(self) -> None:
@@ -156,9 +168,15 @@ class RedisStateStore:
     async def load_if_newer(self) -> AdminState | None:
         raw = await self._redis.get(self.key)
         if raw is None:
+            if self._known.version > 0:
+                # Redis lost its data (a restart without persistence): every replica that still
+                # knows the state writes it back; the first wins, the others see a conflict.
+                with contextlib.suppress(Conflict):
+                    await self.save(self._known, 0)
+                    log.warning("redis had lost the admin state; restored version %d", self._known.version)
             return None
         state = AdminState.from_json(json.loads(raw))
         if state.version <= self._seen:
             return None
-        self._seen = state.version
+        self._note(state)
         return state

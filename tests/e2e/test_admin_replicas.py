@@ -84,3 +84,27 @@ async def test_a_change_on_one_replica_applies_on_every_replica_within_a_second_
     for g in restarted:
         assert await accepts(g, key)
         assert any(t.name == "acme" and t.budget_tokens == 1500 for t in g.app.config.tenants)
+
+
+async def test_a_gateway_starts_while_redis_is_down_and_takes_the_shared_state_when_it_answers(
+    stub_backend: tuple[StubBackend, str],
+    gateway_factory: GatewayFactory,
+    fresh_redis: RedisServer,
+    tmp_path: Path,
+) -> None:
+    _, url = stub_backend
+    tokens = tmp_path / "tokens"
+    tokens.write_text("admin admin-secret\n")
+    config = replica_config(url, fresh_redis, str(tokens))
+    first = await gateway_factory(config)
+    async with httpx.AsyncClient(base_url=first.ops_url, headers=ADMIN) as admin:
+        await admin.patch("/admin/v1/tenants/acme", json={"budget_tokens": 4321})
+    fresh_redis.kill()
+    late = await gateway_factory(config)  # starts on the file's config; no crash
+    assert any(t.name == "acme" and t.budget_tokens == 1000 for t in late.app.config.tenants)
+    fresh_redis.restart()
+
+    async def caught_up() -> bool:
+        return any(t.name == "acme" and t.budget_tokens == 4321 for t in late.app.config.tenants)
+
+    await until(caught_up, within_s=10.0)

@@ -222,3 +222,28 @@ def test_logging_section() -> None:
     assert parse_config({"logging": {"trust_request_id": True}}).logging.trust_request_id is True
     with pytest.raises(ConfigError, match=r"logging\.format: unknown key"):
         parse_config({"logging": {"format": "text"}})
+
+
+def test_environment_variables_fill_the_file_and_a_missing_one_names_the_field(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "tokengate.yaml"
+    path.write_text(
+        "listen:\n  port: ${TG_PORT}\n"
+        "store: {kind: redis, url: '${TG_REDIS}', fail_mode: '${TG_FAIL:-open}'}\n"
+        "pools: {p: {backends: [{url: 'http://${TG_HOST}:8000', capacity_tokens: 1000, api_key: '$${literal}'}]}}\n"
+    )
+    monkeypatch.setenv("TG_PORT", "9000")
+    monkeypatch.setenv("TG_REDIS", "redis://r:6379/0")
+    monkeypatch.setenv("TG_HOST", "vllm-0")
+    cfg = load_config(path)
+    assert cfg.listen.port == 9000  # a whole reference takes the variable's YAML meaning
+    assert cfg.store.redis is not None and cfg.store.redis.url == "redis://r:6379/0"
+    assert cfg.store.redis.fail_mode == "open"  # the default after :-
+    assert cfg.pools[0].backends[0].url == "http://vllm-0:8000"
+    assert cfg.pools[0].backends[0].api_key == "${literal}"
+    monkeypatch.delenv("TG_HOST")
+    with pytest.raises(
+        ConfigError, match=r"pools\.p\.backends\[0\]\.url: the environment variable TG_HOST is not set"
+    ):
+        load_config(path)
