@@ -33,7 +33,9 @@ def busy_layout() -> BudgetLayout:
     return BudgetLayout(
         pools=pools,
         tiers=dict(TIERS),
-        tenants={t: TenantSpec(t, weight=(1.0, 2.0, 0.3)[i % 3], max_queue_len=5) for i, t in enumerate(TENANTS)},
+        tenants={
+            t: TenantSpec(t, weight=(1.0, 2.0, 0.3)[i % 3], max_queue_len=5) for i, t in enumerate(TENANTS)
+        },
         policy=PolicySpec(backfill_limit_s=1.0, lease_ttl_s=TTL, max_scan=3, idle_forget_s=4.0),
     )
 
