@@ -13,6 +13,7 @@ of it without letting it grant anything more: ``pause``/``resume``, ``leases``, 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 import logging
 import secrets
@@ -41,6 +42,7 @@ _log = logging.getLogger(__name__)
 class _Live:
     lease: Lease
     expires_at: float
+    n: int  # grant order: expired leases are reaped in this order
 
 
 class MemoryStore:
@@ -66,6 +68,10 @@ class MemoryStore:
         self._clock = clock
         self._state = policy.PolicyState(layout)
         self._leases: dict[str, _Live] = {}
+        # (expires_at, lease id), lazily: a heartbeat pushes a new entry and leaves the old one to be
+        # skipped, so a reap looks only at leases that may have expired, not at every lease.
+        self._expiry: list[tuple[float, str]] = []
+        self._grants = itertools.count()
         self._waiters: dict[int, asyncio.Future[Lease]] = {}
         self._rates: dict[str, ReleaseRate] = {}
         self._reap_interval_s = reap_interval_s
@@ -92,8 +98,9 @@ class MemoryStore:
         self._started = False
         await self._reaper.stop()
         waiters, self._waiters = self._waiters, {}
+        now = self._clock()
         for seq, fut in waiters.items():
-            policy.withdraw(self._state, seq)
+            policy.withdraw(self._state, seq, now)
             if not fut.done():
                 fut.set_exception(StoreUnavailable("shutting down"))
 
@@ -101,8 +108,7 @@ class MemoryStore:
         return self._started and not self._closed
 
     async def apply_layout(self, layout: BudgetLayout) -> None:
-        self._state.layout = layout
-        for ticket, err in policy.drop_invalid(self._state):
+        for ticket, err in policy.apply_layout(self._state, layout):
             fut = self._waiters.pop(ticket.seq, None)
             if fut is not None and not fut.done():
                 fut.set_exception(err)
@@ -127,16 +133,18 @@ class MemoryStore:
         live = self._leases.pop(lease_id, None)
         if live is None:
             return False
-        policy.release(self._state, live.lease.demand, None)
-        self._grant(self._clock())
+        now = self._clock()
+        policy.release(self._state, live.lease.demand, None, now)
+        self._grant(now)
         return True
 
     def hand_over_waiting(self, outcome: Callable[[Demand], BaseException]) -> int:
         """Withdraw every waiting ticket, oldest first; each waiter's ``acquire`` raises
         ``outcome(demand)``, called in that order. Returns how many were handed over."""
         tickets = sorted(self._state.waiting.values(), key=lambda t: t.seq)
+        now = self._clock()
         for ticket in tickets:
-            policy.withdraw(self._state, ticket.seq)
+            policy.withdraw(self._state, ticket.seq, now)
             fut = self._waiters.pop(ticket.seq, None)
             if fut is not None and not fut.done():
                 fut.set_exception(outcome(ticket.demand))
@@ -201,8 +209,9 @@ class MemoryStore:
         expires_at = self._clock() + self._state.layout.policy.lease_ttl_s
         for lease_id in lease_ids:
             live = self._leases.get(lease_id)
-            if live is not None:
+            if live is not None and live.expires_at != expires_at:
                 live.expires_at = expires_at
+                self._expire_at(expires_at, lease_id)
 
     async def reap_expired(self) -> int:
         """Return expired leases' tokens to their pools; the number of leases reaped."""
@@ -220,8 +229,7 @@ class MemoryStore:
             if name not in pools:
                 pools[name] = PoolState(name, 0, used, True)
         queue_depth = dict.fromkeys(layout.tiers, 0)
-        for ticket in state.waiting.values():
-            queue_depth[ticket.demand.tier] = queue_depth.get(ticket.demand.tier, 0) + 1
+        queue_depth.update(state.tier_waiting)
         tenant_depth = dict.fromkeys(layout.tenants, 0)
         tenant_depth.update(state.tenant_waiting)
         return StoreSnapshot(
@@ -241,8 +249,17 @@ class MemoryStore:
             granted_at=now,
             queued_s=now - enqueued_at,
         )
-        self._leases[lease.id] = _Live(lease, now + self._state.layout.policy.lease_ttl_s)
+        expires_at = now + self._state.layout.policy.lease_ttl_s
+        self._leases[lease.id] = _Live(lease, expires_at, next(self._grants))
+        self._expire_at(expires_at, lease.id)
         return lease
+
+    def _expire_at(self, expires_at: float, lease_id: str) -> None:
+        heap = self._expiry
+        heapq.heappush(heap, (expires_at, lease_id))
+        if len(heap) > 64 and len(heap) > 3 * len(self._leases):
+            self._expiry = [(live.expires_at, i) for i, live in self._leases.items()]
+            heapq.heapify(self._expiry)
 
     def _grant(self, now: float, own: int | None = None) -> Lease | None:
         """Run a grant pass and hand each grant to its waiter; returns ``own``'s lease if granted."""
@@ -273,7 +290,7 @@ class MemoryStore:
             self._return(live.lease.demand, actual_decode, now)
 
     def _return(self, demand: Demand, actual_decode: int | None, now: float) -> None:
-        policy.release(self._state, demand, actual_decode)
+        policy.release(self._state, demand, actual_decode, now)
         cost = demand.cost
         for name in demand.pools:
             meter = self._rates.get(name)
@@ -283,7 +300,7 @@ class MemoryStore:
 
     def _withdraw(self, seq: int, now: float) -> None:
         # A withdrawn ticket may have been holding pools for itself: others may now be granted.
-        if policy.withdraw(self._state, seq) is not None:
+        if policy.withdraw(self._state, seq, now) is not None:
             self._grant(now)
 
     def _abandon(self, seq: int, fut: asyncio.Future[Lease]) -> None:
@@ -306,11 +323,19 @@ class MemoryStore:
 
     def _reap(self) -> int:
         now = self._clock()
-        expired = [lease_id for lease_id, live in self._leases.items() if live.expires_at <= now]
-        for lease_id in expired:
-            self._drop_lease(lease_id, now, None)  # usage unknown: the whole reservation is charged
+        heap, leases = self._expiry, self._leases
+        expired: list[_Live] = []
+        while heap and heap[0][0] <= now:
+            expires_at, lease_id = heapq.heappop(heap)
+            live = leases.get(lease_id)
+            if live is not None and live.expires_at == expires_at:
+                expired.append(live)
+        expired.sort(key=lambda live: live.n)  # grant order, as the leases were granted
+        for live in expired:
+            self._drop_lease(live.lease.id, now, None)  # usage unknown: the whole reservation is charged
         if expired:
             self._grant(now)
+        policy.forget_idle(self._state, now)
         return len(expired)
 
     async def _reap_forever(self) -> None:

@@ -67,37 +67,49 @@ queue, take the pool exclusively until it "caught up".
 
 Grant pass (``grant_pass``; run on enqueue, release, reap, withdrawal and layout change)
 ---------------------------------------------------------------------------------------
-::
+Words: a tenant's *head* in a tier is the first ticket of its ``(tier, tenant)`` FIFO; its *rank*
+is ``(counters[tenant], head.seq, tenant)``. A head is *old* once it has waited
+``backfill_limit_s``, else *young*: a ticket that has waited that long when it becomes head is old
+at once (``now - enqueued_at >= backfill_limit_s``, with the pass's ``now`` during a pass and the
+latest pass's ``now``, ``state.clock``, outside one); a head that ages while it is head is made old
+by ``promote`` below. A head stays old (a store clock stepping back changes nothing). A head's
+*group* is its tier plus the set of shared pools its demand names; ``room(group)`` is the least
+``limit(pool, tier) - in_flight[pool]`` over those pools (unbounded for none). A head *fits* when
+its cost is at most the room of its group. ::
 
+    promote: the young heads with now - enqueued_at >= backfill_limit_s become old, oldest first
+             (by enqueued_at, then seq), at most max_scan of them (the rest at the next passes)
     held_all = {}                      # shared pools no later ticket may be granted on
-    scanned = 0
+    budget = max_scan                  # tickets the pass may still examine
     for tier in tiers that have waiting tickets, by (rank, name):
         held_lower = {}                # shared pools held against *later tiers* only
-        candidates = {tenant: head of its (tier, tenant) FIFO}
-        while candidates and scanned < max_scan:
-            pick the candidate with the smallest (counters[tenant], head.seq, tenant)
-            scanned += 1
-            private_ok  = every private pool of the demand: in_flight + cost <= capacity
-            shared_full = some shared pool: in_flight + cost > floor(ceiling(tier) * capacity)
-            held        = some shared pool of the demand is in held_all
-            if private_ok and not shared_full and not held:
-                GRANT: in_flight[p] += cost for every pool; charge the VTC; pop the ticket;
-                the tenant's next ticket in this FIFO (if any) becomes its candidate, with the
-                updated counter
-            else:
-                remove the tenant from candidates (FIFO: nothing of it in this tier passes its head)
-                if private_ok and shared_full:        # blocked by a shared pool's capacity/ceiling
-                    held_lower |= shared pools of the demand
-                    if now - head.enqueued_at >= backfill_limit_s:
-                        held_all |= shared pools of the demand
+        cursor = below every rank
+        loop:
+            stop the pass if budget == 0
+            candidates = the tier's heads ranked after cursor, except heads blocked by a private
+                         pool (in_flight + cost > capacity) and heads naming a pool in held_all
+            eligible   = old candidates, and young candidates of every group in which some young
+                         candidate fits
+            if no eligible:
+                held_lower |= shared pools of every candidate      # young, and none fits
+                break
+            c = the eligible candidate with the lowest rank
+            held_lower |= shared pools of every candidate ranked before c   # passed: none fits
+            budget -= 1; cursor = rank(c)  # c is *examined*
+            if c fits:
+                GRANT: in_flight[p] += cost for every pool; charge the VTC; pop the ticket; the
+                tenant's next ticket in this FIFO (if any) is its new head, ranked with the
+                updated counter (so after the cursor)
+            else:                         # blocked by a shared pool's capacity or ceiling
+                held_lower |= shared pools of c
+                if c is old: held_all |= shared pools of c
         held_all |= held_lower
-        stop if scanned == max_scan
 
 What that means:
 - Tier first, then fair share (lowest counter), then FIFO per tenant; ties by seq (unique, so the
   tenant-name tie-break never decides in practice, it is there for completeness).
-- A ticket blocked only by private pools (its tenant's budget) never holds anything: other tenants
-  proceed. A ticket blocked only by a hold does not create holds of its own (no cascades).
+- A ticket blocked by private pools (its tenant's budget) never holds anything: other tenants
+  proceed. A ticket naming a held pool does not create holds of its own (no cascades).
 - Backfill: a ticket blocked by a shared pool's capacity or ceiling lets later tickets of its own tier
   take that pool only while it has waited (since enqueue) less than ``backfill_limit_s``; from then
   on it holds *all* its shared pools against every later ticket, so they drain to it (no starvation).
@@ -105,9 +117,39 @@ What that means:
   never overtaken on a pool by a lower tier). Tickets on other pools proceed.
 - Holds are recomputed by every pass from the waiting tickets and ``now``; nothing about them is
   stored. A hold can only prevent grants, so a pass that runs late never misses one.
-- Bounded work: at most ``max_scan`` tickets are examined per pass (granted or not).
+- Bounded work: at most ``max_scan`` tickets are examined per pass (granted or found blocked on
+  shared capacity). The rest waits for the next pass (the next enqueue, release, reap...).
 - Fast path (``grant_immediately``): when no ticket is waiting at all, a demand that fits is
   granted at once (lift, then charge). This is exactly what enqueue + grant pass would decide.
+
+Why the pass is written this way (issue 15: one pass costs O(log n), not O(n)). The stores keep the
+heads indexed (budgets/queue_index.py; sorted sets in Redis): per group, young heads by rank and by
+cost, old heads by rank; heads blocked by a private pool parked until that pool changes; young heads
+promoted to old as they age. A pass then looks at the lowest old head and the lowest young head of
+each unheld group, and decides "no young head of this group fits" from the lowest young cost, without
+visiting the heads. Three rules changed from the earlier pass, which looked at every head and
+charged each look to ``max_scan``; with every demand naming at most one shared pool and neither a pass nor its promotions
+cut short by ``max_scan``, the two make the same decisions (tests/budgets/test_policy_index.py
+checks it against the earlier pass):
+
+1. A ticket naming a held pool holds nothing, even when it also lacks capacity (before, it held its
+   other shared pools too). It cannot be granted before the holder anyway, and it takes its own
+   holds as soon as the hold on it ends; this is what lets a pass skip a held group whole.
+2. ``max_scan`` counts examined tickets only. Tickets blocked by a private pool or by a hold, and
+   young tickets passed because none of their group fits, are never looked at one by one, so they
+   no longer use up the budget.
+3. A head that ages while it is head becomes old at the start of a pass, at most ``max_scan`` per
+   pass: a burst of heads that all age at once (say 100,000 tenants that queued in the same second)
+   is promoted over several passes instead of in one long one, and each of them backfills like a
+   young head until its turn. Old stays old, so that nothing is ever demoted.
+
+Forgetting idle tenants (bounded memory)
+----------------------------------------
+A tenant with no waiting ticket and no live lease since ``idle_since[t]`` is *idle*. ``forget_idle``
+(run by every store's reaper) deletes the counter of each tenant idle for at least
+``idle_forget_s`` (``now - idle_since >= idle_forget_s``), oldest first; it comes back as a tenant
+never seen (lift rule 3). Its debt is forgiven after that long: without this, per-tenant state
+would grow with every tenant that ever sent a request.
 
 Driving the policy (every store, in this order; ``now`` = the store clock at that moment)
 ------------------------------------------------------------------------------------------
@@ -122,10 +164,15 @@ Driving the policy (every store, in this order; ``now`` = the store clock at tha
 - Every withdrawal (timeout, cancellation) is followed by a grant pass: the ticket may have been
   holding pools.
 - ``release``: ``release`` (charging the served output), then a grant pass. Reaping: ``release``
-  of each expired lease with no usage (the whole reservation is charged), then one grant pass. A
-  grant whose waiter is already gone is given back with ``actual_decode=0``.
+  of each expired lease with no usage (the whole reservation is charged), then one grant pass,
+  then ``forget_idle``. A grant whose waiter is already gone is given back with ``actual_decode=0``.
 - ``apply_layout``: replace the layout (leases and counters stay), ``drop_invalid`` (those waiters
   fail with the returned error), then a grant pass.
+
+Every function that changes the state takes the store's ``now`` where it can make a tenant idle.
+The index (``state.index``) is derived state kept in step by these functions: code outside this
+module changes counters only through ``set_counter`` and the layout only through ``apply_layout``
+(or ``state.layout = ...`` followed by ``drop_invalid``).
 """
 
 from __future__ import annotations
@@ -133,8 +180,10 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from budgets.queue_index import Group, LazyMin, QueueIndex, Ticket
 from budgets.types import (
     AdmissionError,
     BudgetLayout,
@@ -145,12 +194,7 @@ from budgets.types import (
     UnknownTenantOrTier,
 )
 
-
-@dataclass(slots=True)
-class Ticket:
-    seq: int
-    demand: Demand
-    enqueued_at: float
+__all__ = ["PolicyState", "Ticket"]
 
 
 @dataclass(slots=True)
@@ -163,6 +207,17 @@ class PolicyState:
     counters: dict[str, float] = field(default_factory=dict)
     leases_by_tenant: dict[str, int] = field(default_factory=dict)  # only tenants with > 0
     next_seq: int = 1
+    # Derived state, kept in step by this module (never decides anything by itself).
+    clock: float = -math.inf  # the highest ``now`` a grant pass has seen
+    index: QueueIndex = field(default_factory=QueueIndex)
+    tier_waiting: dict[str, int] = field(default_factory=dict)  # only tiers with > 0
+    ahead: dict[tuple[str, str], int] = field(default_factory=dict)  # (pool, tier) -> waiting tokens
+    idle_since: dict[str, float] = field(default_factory=dict)  # tenants idle since (not forgotten)
+    idle_heap: list[tuple[float, str]] = field(default_factory=list)  # idle_since, lazily ordered
+    backlog_min: LazyMin = field(default_factory=LazyMin)  # counters of backlogged tenants
+    lease_min: LazyMin = field(default_factory=LazyMin)  # counters of tenants with live leases
+    all_min: LazyMin = field(default_factory=LazyMin)  # every counter
+    tier_order: tuple[BudgetLayout | None, tuple[str, ...]] = (None, ())  # (layout, tiers by rank)
 
 
 # ---- limits and validation ----
@@ -259,40 +314,73 @@ def prompt_service(layout: BudgetLayout, demand: Demand) -> float:
     return layout.policy.prefill_weight * demand.prefill / layout.tenants[demand.tenant].weight
 
 
+def set_counter(state: PolicyState, tenant: str, value: float) -> None:
+    """Set a tenant's counter (tests, restores): the only way to change one from outside, since the
+    index ranks heads by counter."""
+    _set_counter(state, tenant, value)
+
+
+def _set_counter(state: PolicyState, tenant: str, value: float) -> None:
+    counters = state.counters
+    before = counters.get(tenant)
+    counters[tenant] = value
+    backlogged = tenant in state.tenant_waiting
+    if before is None or value < before:  # the lift bases hold lower bounds: tell them of a drop
+        _join(state.all_min, counters, value, tenant, counters)
+        if backlogged:
+            _join(state.backlog_min, counters, value, tenant, state.tenant_waiting)
+        if tenant in state.leases_by_tenant:
+            _join(state.lease_min, counters, value, tenant, state.leases_by_tenant)
+    if backlogged:
+        state.index.reposition(tenant, value)
+
+
+def _join(
+    base: LazyMin, counters: dict[str, float], value: float, tenant: str, members: Mapping[str, object]
+) -> None:
+    """``tenant`` became a member of ``members`` (or its counter dropped): tell ``base``."""
+    if base.add(value, tenant, len(members)):
+        base.rebuild((counters[t], t) for t in members)
+
+
 def lift(state: PolicyState, tenant: str) -> None:
     """Apply the lift rule for ``tenant``; the caller guarantees the tenant is not backlogged."""
     counters = state.counters
-    base: float | None = None
-    for other in state.tenant_waiting:
-        if other != tenant:
-            c = counters[other]
-            if base is None or c < base:
-                base = c
+    backlogged, leased = state.tenant_waiting, state.leases_by_tenant
+    base = state.backlog_min.lowest(lambda t: counters[t] if t in backlogged else None, skip=tenant)
     if base is None:
-        for other in state.leases_by_tenant:
-            if other != tenant:
-                c = counters[other]
-                if base is None or c < base:
-                    base = c
+        base = state.lease_min.lowest(lambda t: counters[t] if t in leased else None, skip=tenant)
     own = counters.get(tenant)
     if own is None:
-        counters[tenant] = base if base is not None else min(counters.values(), default=0.0)
+        if base is None:
+            base = state.all_min.lowest(counters.get)
+        _set_counter(state, tenant, base if base is not None else 0.0)
     elif base is not None and base > own:
-        counters[tenant] = base
+        _set_counter(state, tenant, base)
 
 
 def _charge(state: PolicyState, demand: Demand) -> None:
     cost = demand.cost
     if cost:  # in_flight holds only pools with tokens in flight
+        in_flight = state.in_flight
         for name in demand.pools:
-            state.in_flight[name] = state.in_flight.get(name, 0) + cost
+            in_flight[name] = in_flight.get(name, 0) + cost
     tenant = demand.tenant
-    state.counters[tenant] = state.counters.get(tenant, 0.0) + prompt_service(state.layout, demand)
-    state.leases_by_tenant[tenant] = state.leases_by_tenant.get(tenant, 0) + 1
+    leased = state.leases_by_tenant
+    n = leased.get(tenant, 0)
+    leased[tenant] = n + 1
+    value = state.counters.get(tenant, 0.0) + prompt_service(state.layout, demand)
+    _set_counter(state, tenant, value)
+    if not n:
+        state.idle_since.pop(tenant, None)
+        _join(state.lease_min, state.counters, value, tenant, leased)
+    if cost:
+        _private_changed(state, demand)
 
 
-def release(state: PolicyState, demand: Demand, actual_decode: int | None) -> None:
-    """Return a lease's tokens; charge the tenant's VTC for the output it was served."""
+def release(state: PolicyState, demand: Demand, actual_decode: int | None, now: float | None = None) -> None:
+    """Return a lease's tokens; charge the tenant's VTC for the output it was served. ``now`` (the
+    store clock) dates the tenant's idleness when this was its last lease."""
     cost = demand.cost
     for name in demand.pools:
         left = state.in_flight.get(name, 0) - cost
@@ -306,11 +394,60 @@ def release(state: PolicyState, demand: Demand, actual_decode: int | None) -> No
         state.leases_by_tenant[tenant] = n
     else:
         state.leases_by_tenant.pop(tenant, None)
+        if tenant not in state.tenant_waiting:
+            _idle(state, tenant, state.clock if now is None else now)
     spec = state.layout.tenants.get(tenant)
     if spec is not None and tenant in state.counters:
         served = served_output(demand.decode, actual_decode)
         if served:  # adding 0.0 changes nothing; the Lua port skips the write the same way
-            state.counters[tenant] += state.layout.policy.decode_weight * served / spec.weight
+            _set_counter(
+                state,
+                tenant,
+                state.counters[tenant] + state.layout.policy.decode_weight * served / spec.weight,
+            )
+    if cost:
+        _private_changed(state, demand)
+
+
+def _private_changed(state: PolicyState, demand: Demand) -> None:
+    private = state.index.private
+    if not private:
+        return
+    for name in demand.pools:
+        if name in private:
+            state.index.private_changed(name, state.layout, state.counters, state.in_flight, state.clock)
+
+
+# ---- idle tenants ----
+
+
+def _idle(state: PolicyState, tenant: str, now: float) -> None:
+    state.idle_since[tenant] = now
+    heap = state.idle_heap
+    heapq.heappush(heap, (now, tenant))
+    if len(heap) > 64 and len(heap) > 3 * len(state.idle_since):
+        state.idle_heap = [(since, t) for t, since in state.idle_since.items()]
+        heapq.heapify(state.idle_heap)
+
+
+def forget_idle(state: PolicyState, now: float, limit: int | None = None) -> int:
+    """Forget the counters of tenants idle for ``idle_forget_s`` (module docstring), at most
+    ``limit`` of them; returns how many were forgotten."""
+    after = state.layout.policy.idle_forget_s
+    heap, since_of, counters = state.idle_heap, state.idle_since, state.counters
+    n = 0
+    while heap and (limit is None or n < limit):
+        since, tenant = heap[0]
+        if since_of.get(tenant) != since:
+            heapq.heappop(heap)  # stale: active again, or idle again since
+            continue
+        if not now - since >= after:
+            break
+        heapq.heappop(heap)
+        del since_of[tenant]
+        counters.pop(tenant, None)
+        n += 1
+    return n
 
 
 # ---- queue operations ----
@@ -327,124 +464,230 @@ def grant_immediately(state: PolicyState, demand: Demand) -> bool:
 
 def enqueue(state: PolicyState, demand: Demand, now: float) -> Ticket:
     tenant = demand.tenant
-    if tenant not in state.tenant_waiting:
+    tier = demand.tier
+    backlog = state.tenant_waiting.get(tenant, 0)
+    if not backlog:
         lift(state, tenant)
     ticket = Ticket(state.next_seq, demand, now)
     state.next_seq += 1
     state.waiting[ticket.seq] = ticket
-    state.tenant_waiting[tenant] = state.tenant_waiting.get(tenant, 0) + 1
-    state.queues.setdefault((demand.tier, tenant), deque()).append(ticket)
+    state.tenant_waiting[tenant] = backlog + 1
+    if not backlog:
+        state.idle_since.pop(tenant, None)
+        _join(state.backlog_min, state.counters, state.counters[tenant], tenant, state.tenant_waiting)
+    state.tier_waiting[tier] = state.tier_waiting.get(tier, 0) + 1
+    cost = demand.cost
+    if cost:
+        ahead = state.ahead
+        for name in demand.pools:
+            ahead[(name, tier)] = ahead.get((name, tier), 0) + cost
+    key = (tier, tenant)
+    fifo = state.queues.get(key)
+    if fifo is None:
+        state.queues[key] = deque((ticket,))
+        state.index.add(
+            tier, tenant, ticket, state.layout, state.counters[tenant], state.in_flight, state.clock
+        )
+    else:
+        fifo.append(ticket)
     return ticket
 
 
-def _forget(state: PolicyState, ticket: Ticket) -> None:
+def _forget(state: PolicyState, ticket: Ticket, now: float | None) -> None:
     del state.waiting[ticket.seq]
-    tenant = ticket.demand.tenant
+    demand = ticket.demand
+    tenant, tier = demand.tenant, demand.tier
     n = state.tenant_waiting[tenant] - 1
     if n > 0:
         state.tenant_waiting[tenant] = n
     else:
         del state.tenant_waiting[tenant]
+        if tenant not in state.leases_by_tenant:
+            _idle(state, tenant, state.clock if now is None else now)
+    n = state.tier_waiting[tier] - 1
+    if n > 0:
+        state.tier_waiting[tier] = n
+    else:
+        del state.tier_waiting[tier]
+    cost = demand.cost
+    if cost:
+        ahead = state.ahead
+        for name in demand.pools:
+            left = ahead.get((name, tier), 0) - cost
+            if left > 0:
+                ahead[(name, tier)] = left
+            else:
+                ahead.pop((name, tier), None)
 
 
-def withdraw(state: PolicyState, seq: int) -> Ticket | None:
+def withdraw(state: PolicyState, seq: int, now: float | None = None) -> Ticket | None:
     """Remove a waiting ticket (timeout, cancellation, shutdown); None if it is no longer waiting."""
     ticket = state.waiting.get(seq)
     if ticket is None:
         return None
     key = (ticket.demand.tier, ticket.demand.tenant)
     fifo = state.queues[key]
-    fifo.remove(ticket)
-    if not fifo:
-        del state.queues[key]
-    _forget(state, ticket)
+    if fifo[0] is ticket:
+        fifo.popleft()
+        index = state.index
+        index.remove(index.heads[key])
+        if fifo:
+            tenant = key[1]
+            index.add(
+                key[0], tenant, fifo[0], state.layout, state.counters[tenant], state.in_flight, state.clock
+            )
+        else:
+            del state.queues[key]
+    else:
+        fifo.remove(ticket)
+    _forget(state, ticket, now)
     return ticket
 
 
+def apply_layout(state: PolicyState, layout: BudgetLayout) -> list[tuple[Ticket, AdmissionError]]:
+    """Replace the layout (leases and counters stay); returns the tickets dropped by ``drop_invalid``."""
+    state.layout = layout
+    return drop_invalid(state)
+
+
 def drop_invalid(state: PolicyState) -> list[tuple[Ticket, AdmissionError]]:
-    """After a layout change: withdraw tickets that can now never be granted, with the reason."""
+    """After a layout change: withdraw tickets that can now never be granted, with the reason; then
+    index the heads again under the new layout (O(waiting tickets), once per layout change)."""
     dropped: list[tuple[Ticket, AdmissionError]] = []
     for ticket in list(state.waiting.values()):
         try:
             check_demand(state.layout, ticket.demand)
         except AdmissionError as err:
-            withdraw(state, ticket.seq)
+            key = (ticket.demand.tier, ticket.demand.tenant)
+            fifo = state.queues[key]
+            fifo.remove(ticket)
+            if not fifo:
+                del state.queues[key]
+            _forget(state, ticket, None)
             dropped.append((ticket, err))
+    reindex(state)
     return dropped
+
+
+def reindex(state: PolicyState) -> None:
+    """Build the index from the waiting tickets again (after a layout change). A head keeps its age
+    class; a ticket that only now becomes head (its predecessor was dropped) is classed as usual."""
+    index = state.index
+    was_old = {head.ticket.seq: head.old for head in index.heads.values()}
+    index.clear()
+    layout, counters, in_flight, clock = state.layout, state.counters, state.in_flight, state.clock
+    for (tier, tenant), fifo in state.queues.items():
+        head = fifo[0]
+        old = was_old.get(head.seq)
+        at = clock if old is None else -math.inf
+        index.add(tier, tenant, head, layout, counters[tenant], in_flight, at, old=bool(old))
+
+
+def _tier_order(state: PolicyState) -> tuple[str, ...]:
+    layout = state.layout
+    cached, order = state.tier_order
+    if cached is not layout:
+        order = tuple(t.name for t in sorted(layout.tiers.values(), key=lambda t: (t.rank, t.name)))
+        state.tier_order = (layout, order)
+    return order
+
+
+def _room(group: Group, tier: TierSpec, pools: Mapping[str, PoolSpec], in_flight: Mapping[str, int]) -> float:
+    """The least ``limit(pool, tier) - in_flight`` over the group's shared pools."""
+    room = math.inf
+    for name in group.pools:
+        left = math.floor(tier.ceiling * pools[name].capacity) - in_flight.get(name, 0)
+        if left < room:
+            room = left
+    return room
 
 
 def grant_pass(state: PolicyState, now: float) -> list[Ticket]:
     """Grant waiting tickets in rank order (see the module docstring); returns them in grant order."""
     if not state.waiting:
         return []
+    if now > state.clock:
+        state.clock = now
     layout = state.layout
-    by_tier: dict[str, list[str]] = {}
-    for tier_name, tenant in state.queues:
-        by_tier.setdefault(tier_name, []).append(tenant)
-    tier_order = sorted(by_tier, key=lambda name: (layout.tiers[name].rank, name))
-    max_scan = layout.policy.max_scan
-    backfill_limit = layout.policy.backfill_limit_s
-    counters = state.counters
+    index = state.index
+    budget = layout.policy.max_scan
+    index.promote(now, layout.policy.backfill_limit_s, budget)
+    pools = layout.pools
     in_flight = state.in_flight
     granted: list[Ticket] = []
     held_all: set[str] = set()
-    scanned = 0
-    for tier_name in tier_order:
+    for tier_name in _tier_order(state):
+        by_pools = index.groups.get(tier_name)
+        if not by_pools:
+            continue
         tier = layout.tiers[tier_name]
+        live = [g for g in by_pools.values() if held_all.isdisjoint(g.pools)]
         held_lower: set[str] = set()
-        heap: list[tuple[float, int, str]] = []
-        for tenant in by_tier[tier_name]:
-            head = state.queues[(tier_name, tenant)][0]
-            heap.append((counters[tenant], head.seq, tenant))
-        heapq.heapify(heap)
-        while heap and scanned < max_scan:
-            _, _, tenant = heapq.heappop(heap)
-            fifo = state.queues[(tier_name, tenant)]
-            ticket = fifo[0]
-            scanned += 1
+        contributed: set[int] = set()  # id() of groups whose pools are in held_lower
+        cursor: tuple[float, int, str] | None = None
+        while True:
+            if budget <= 0:
+                return granted
+            best = None
+            best_group: Group | None = None
+            best_room = 0.0
+            passing: list[tuple[Group, tuple[float, int, str]]] = []  # young heads of pruned groups
+            for g in live:
+                room = _room(g, tier, pools, in_flight)
+                cand = g.lowest_old() if g.n_old else None
+                young = g.young
+                if young:
+                    i = 0 if cursor is None else young.bisect_right(cursor)
+                    if i < len(young):
+                        succ = young[i]
+                        if g.lowest_young_cost() <= room:  # type: ignore[operator]
+                            if cand is None or succ < cand:
+                                cand = succ
+                        elif id(g) not in contributed:
+                            passing.append((g, succ))
+                if cand is not None and (best is None or cand < best):
+                    best, best_group, best_room = cand, g, room
+            for g, succ in passing:
+                if best is None or succ < best:  # passed over: blocked, and none of its group fits
+                    held_lower.update(g.pools)
+                    contributed.add(id(g))
+            if best is None or best_group is None:
+                break
+            budget -= 1
+            cursor = best
+            tenant = best[2]
+            qkey = (tier_name, tenant)
+            head = index.heads[qkey]
+            ticket = head.ticket
             demand = ticket.demand
-            cost = demand.cost
-            private_ok = True
-            shared_full = False
-            held = False
-            for name in demand.pools:
-                pool = layout.pools[name]
-                used = in_flight.get(name, 0)
-                if not pool.shared:
-                    if used + cost > pool.capacity:
-                        private_ok = False
-                else:
-                    if used + cost > pool_limit(pool, tier):
-                        shared_full = True
-                    if name in held_all:
-                        held = True
-            if private_ok and not shared_full and not held:
+            if demand.cost <= best_room:
+                fifo = state.queues[qkey]
                 fifo.popleft()
-                _forget(state, ticket)
+                index.remove(head)
+                _forget(state, ticket, now)
                 _charge(state, demand)
                 granted.append(ticket)
                 if fifo:
-                    heapq.heappush(heap, (counters[tenant], fifo[0].seq, tenant))
+                    new = index.add(
+                        tier_name, tenant, fifo[0], layout, state.counters[tenant], in_flight, now
+                    )
+                    ng = new.group
+                    if ng is not None and ng not in live and held_all.isdisjoint(ng.pools):
+                        live.append(ng)
                 else:
-                    del state.queues[(tier_name, tenant)]
-            elif private_ok and shared_full:
-                shared = [name for name in demand.pools if layout.pools[name].shared]
-                held_lower.update(shared)
-                if now - ticket.enqueued_at >= backfill_limit:
-                    held_all.update(shared)
+                    del state.queues[qkey]
+            elif head.old:
+                held_lower.update(best_group.pools)
+                held_all.update(best_group.pools)
+                live = [g for g in live if held_all.isdisjoint(g.pools)]
+            else:
+                held_lower.update(best_group.pools)
+                contributed.add(id(best_group))
         held_all |= held_lower
-        if scanned >= max_scan:
-            break
     return granted
 
 
 def tokens_ahead(state: PolicyState, pool: str, rank: int) -> int:
     """Tokens of waiting tickets on ``pool`` in tiers ranked ``rank`` or better (for retry estimates)."""
-    tiers = state.layout.tiers
-    total = 0
-    for ticket in state.waiting.values():
-        d = ticket.demand
-        tier = tiers.get(d.tier)
-        if tier is not None and tier.rank <= rank and pool in d.pools:
-            total += d.cost
-    return total
+    ahead = state.ahead
+    return sum(ahead.get((pool, tier.name), 0) for tier in state.layout.tiers.values() if tier.rank <= rank)

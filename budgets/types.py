@@ -65,6 +65,9 @@ class PolicySpec:
     lease_ttl_s: float = 10.0
     # Bound on tickets examined per grant pass (keeps one pass O(limit), also in Lua).
     max_scan: int = 256
+    # A tenant with no waiting ticket and no live lease for this long is forgotten (its counter
+    # deleted; it comes back as a newcomer): per-tenant state stays bounded by recent tenants.
+    idle_forget_s: float = 3600.0
 
 
 @dataclass(frozen=True, slots=True)

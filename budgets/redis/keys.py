@@ -17,9 +17,15 @@ Keys (``T`` = ``{tg:<prefix>}``):
                                    (shared), ``t:<tier>`` = ``"<rank>|<ceiling>|<max_wait_s>"``,
                                    ``n:<tenant>`` = ``"<weight>|<max_queue_len>"``
 ``T:used``                 hash    pool -> tokens in flight (absent when 0)
-``T:vtc``                  hash    tenant -> virtual token counter (``%.17g``, exact)
+``T:vtc``                  zset    tenant -> virtual token counter (the score: exact; the
+                                   lowest is the first entry)
+``T:vb`` / ``T:vl``        zset    counters of backlogged tenants / of tenants with live
+                                   leases (the lift rule's bases)
+``T:idle``                 zset    tenant -> idle since (no ticket, no lease): forgotten after
+                                   ``idle_forget_s``
 ``T:tleases``              hash    tenant -> live leases (absent when 0)
 ``T:twait``                hash    tenant -> waiting tickets (absent when 0; = backlogged)
+``T:ahead``                hash    ``<pool> SEP <tier>`` -> tokens of waiting tickets (retry-after)
 ``T:tierq``                hash    tier -> waiting tickets (absent when 0)
 ``T:rate``                 hash    pool -> ``"<tokens/s EWMA>|<last update>"`` (retry-after)
 ``T:leases``               hash    lease id -> packed lease (see :func:`pack_demand`)
@@ -28,8 +34,16 @@ Keys (``T`` = ``{tg:<prefix>}``):
 ``T:reaped``               zset    lease id -> forget-at (recently reaped: release says False)
 ``T:seq``                  string  ticket sequence counter (only grows)
 ``T:tickets``              hash    seq -> packed ticket
-``T:qt:<tier>``            set     tenants with a non-empty FIFO in that tier
 ``T:q:<n>:<tier>:<tenant>`` list   FIFO of ticket seqs of one (tier, tenant); n = len(tier)
+``T:heads``                hash    ``<tier> SEP <tenant>`` -> that FIFO's head as the grant pass
+                                   indexes it (age class, parked, rank, group)
+``T:gy|gc|go:<n>:<tier>:<g>`` zset per tier and group ``g`` (the shared pools a demand names):
+                                   young heads by rank (``gy``, members ordered bytewise) and by
+                                   cost (``gc``), old heads by rank (``go``)
+``T:gt:<tier>``, ``T:gtiers`` set  groups with active heads in a tier; tiers with such groups
+``T:pv:<pool>``            set     heads naming private pool ``<pool>`` (parked or not)
+``T:age``                  zset    young heads by enqueue time (promotion to old)
+``T:clock``                string  the latest ``now`` of a grant pass
 ``T:replicas``             zset    replica id -> liveness expiry (server time)
 ``T:rtk:<replica>``        set     seqs of that replica's waiting tickets (reaped when it dies)
 ``T:epoch``                string  random token written by the first replica to find Redis
@@ -93,6 +107,7 @@ class KeyLayout:
         """Every key name without a variable part (for tests and docs)."""
         names = ["layout", "spec", "used", "vtc", "tleases", "twait", "tierq", "rate"]
         names += ["leases", "lexp", "gone", "reaped", "seq", "tickets", "replicas", "epoch", "rejoin"]
+        names += ["vb", "vl", "idle", "ahead", "heads", "age", "gtiers", "clock"]
         return [f"{self.tag}:{n}" for n in names]
 
 
@@ -144,6 +159,7 @@ def layout_json(layout: BudgetLayout) -> str:
             layout.policy.backfill_limit_s,
             layout.policy.lease_ttl_s,
             layout.policy.max_scan,
+            layout.policy.idle_forget_s,
         ],
     }
     return json.dumps(doc, sort_keys=True, separators=(",", ":"))
@@ -151,7 +167,8 @@ def layout_json(layout: BudgetLayout) -> str:
 
 def layout_from_json(text: str) -> BudgetLayout:
     doc = json.loads(text)
-    pw, dw, backfill, ttl, max_scan = doc["policy"]
+    pw, dw, backfill, ttl, max_scan, *rest = doc["policy"]  # idle_forget_s is absent from old layouts
+    idle = rest[0] if rest else PolicySpec().idle_forget_s
     return BudgetLayout(
         pools={n: PoolSpec(n, int(c), bool(s)) for n, (c, s) in doc["pools"].items()},
         tiers={n: TierSpec(n, int(r), float(c), float(w)) for n, (r, c, w) in doc["tiers"].items()},
@@ -162,6 +179,7 @@ def layout_from_json(text: str) -> BudgetLayout:
             backfill_limit_s=backfill,
             lease_ttl_s=ttl,
             max_scan=int(max_scan),
+            idle_forget_s=float(idle),
         ),
     )
 
@@ -196,6 +214,7 @@ def layout_args(layout: BudgetLayout) -> list[str]:
         fmt_float(p.backfill_limit_s),
         fmt_float(p.lease_ttl_s),
         str(int(p.max_scan)),
+        fmt_float(p.idle_forget_s),
         LIST_SEP.join(t.name for t in order),
         LIST_SEP.join(pools),
         LIST_SEP.join(tiers),

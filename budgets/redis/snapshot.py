@@ -14,8 +14,9 @@ async def read_snapshot(transport: Transport, keys: KeyLayout, layout: BudgetLay
     stands in for the one Redis lost, if it did."""
     t = keys.tag
     async with transport.client.pipeline(transaction=True) as pipe:
-        for name in ("spec", "used", "tierq", "twait", "vtc"):
+        for name in ("spec", "used", "tierq", "twait"):
             pipe.hgetall(f"{t}:{name}")
+        pipe.zrange(f"{t}:vtc", 0, -1, withscores=True)
         pipe.hlen(f"{t}:leases")
         spec, used, tierq, twait, vtc, leases = await transport.call(pipe.execute())
     specs = {k[2:]: v for k, v in spec.items() if k.startswith("p:")}
@@ -39,7 +40,7 @@ async def read_snapshot(transport: Transport, keys: KeyLayout, layout: BudgetLay
         pools=pools,
         queue_depth=queue_depth,
         tenant_queue_depth=tenant_depth,
-        virtual_service={k: float(v) for k, v in vtc.items()},
+        virtual_service={k: float(v) for k, v in vtc},
         leases=int(leases),
     )
 

@@ -17,6 +17,12 @@ def state_with(*pools, tenants=("a", "b", "c"), tiers=None, **pol) -> PolicyStat
     return PolicyState(layout(pools, tenants, tiers=tiers, **pol))
 
 
+def set_counters(state: PolicyState, **values: float) -> None:
+    """Counters set by hand, through the policy (it keeps its index ranked by them)."""
+    for tenant, value in values.items():
+        policy.set_counter(state, tenant, value)
+
+
 def hold(state: PolicyState, d: Demand) -> None:
     """Put a lease in flight directly (fast path on an empty queue)."""
     assert policy.grant_immediately(state, d)
@@ -120,23 +126,23 @@ def test_newcomer_lifted_beside_a_busy_tenant_wins_the_next_release() -> None:
 
 def test_lift_prefers_other_backlogged_tenants() -> None:
     state = state_with(shared(P, 10), tiers=FLAT)
-    state.counters.update(a=5.0, b=50.0, c=500.0)
+    set_counters(state, a=5.0, b=50.0, c=500.0)
     hold(state, demand("c", 10, P, tier="std"))  # c in flight at 510
     policy.enqueue(state, demand("b", 10, P, tier="std"), now=0)  # b backlogged at 50 (>= 510? no base:
     # nobody else backlogged, so the in-flight tenant c is the base: b lifted to 510)
     assert state.counters["b"] == 510.0
-    state.counters["b"] = 50.0
+    policy.set_counter(state, "b", 50.0)
     policy.enqueue(state, demand("a", 10, P, tier="std"), now=0)  # base = min backlogged others = b
     assert state.counters["a"] == 50.0
 
 
 def test_lift_never_lowers_and_skips_backlogged_tenants() -> None:
     state = state_with(shared(P, 10), tiers=FLAT)
-    state.counters.update(a=100.0, b=10.0)
+    set_counters(state, a=100.0, b=10.0)
     policy.enqueue(state, demand("b", 20, P, tier="std"), now=0)
     policy.enqueue(state, demand("a", 20, P, tier="std"), now=0)
     assert state.counters["a"] == 100.0  # own is higher than the base
-    state.counters["a"] = 1.0
+    policy.set_counter(state, "a", 1.0)
     policy.enqueue(state, demand("a", 20, P, tier="std"), now=0)  # already backlogged: no lift
     assert state.counters["a"] == 1.0
 
@@ -146,7 +152,7 @@ def test_lift_without_any_base() -> None:
     policy.enqueue(state, demand("a", 20, P, tier="std"), now=0)
     assert state.counters == {"a": 0.0}  # first tenant ever: 0
     policy.withdraw(state, 1)
-    state.counters.update(a=30.0, b=7.0)
+    set_counters(state, a=30.0, b=7.0)
     policy.enqueue(state, demand("a", 20, P, tier="std"), now=0)
     assert state.counters["a"] == 30.0  # known tenant, nobody else active: unchanged
     policy.withdraw(state, 2)
@@ -164,7 +170,7 @@ def test_rank_is_tier_then_counter_then_arrival() -> None:
     policy.enqueue(state, demand("b", 10, P, tier="standard"), now=0)  # seq 2
     policy.enqueue(state, demand("a", 10, P, tier="standard"), now=0)  # seq 3
     policy.enqueue(state, demand("c", 10, P, tier="standard"), now=0)  # seq 4
-    state.counters.update(a=1.0, b=1.0, c=0.5)
+    set_counters(state, a=1.0, b=1.0, c=0.5)
     policy.release(state, demand("c", 100, P), None)
     assert granted(state) == [("c", 4), ("b", 2), ("a", 3), ("a", 1)]
 
@@ -213,7 +219,7 @@ def test_backfill_until_the_limit_then_hold() -> None:
     hold(state, demand("c", 50, P, tier="std"))
     policy.enqueue(state, demand("a", 60, P, tier="std"), now=0.0)
     policy.enqueue(state, demand("b", 10, P, tier="std"), now=0.0)
-    state.counters.update(a=0.0, b=1.0)  # a ranks first
+    set_counters(state, a=0.0, b=1.0)  # a ranks first
     assert granted(state, now=1.99) == [("b", 2)]  # backfill
     policy.enqueue(state, demand("b", 10, P, tier="std"), now=1.99)
     assert granted(state, now=2.0) == []  # a has waited 2 s: P is held for it
@@ -228,7 +234,7 @@ def test_holder_holds_all_its_shared_pools_but_not_others() -> None:
     policy.enqueue(state, demand("a", 60, P, Q, tier="std"), now=0.0)  # blocked on P, fits Q
     policy.enqueue(state, demand("b", 10, Q, tier="std"), now=0.0)
     policy.enqueue(state, demand("c", 10, R, tier="std"), now=0.0)
-    state.counters.update(a=0.0, b=1.0, c=2.0)
+    set_counters(state, a=0.0, b=1.0, c=2.0)
     assert granted(state, now=0.0) == [("c", 3)]
 
 
@@ -238,7 +244,7 @@ def test_blocked_by_a_hold_does_not_hold_in_turn() -> None:
     policy.enqueue(state, demand("a", 60, P, tier="std"), now=0.0)  # holds P
     policy.enqueue(state, demand("b", 10, P, Q, tier="std"), now=0.0)  # fits, but P is held
     policy.enqueue(state, demand("c", 10, Q, tier="std"), now=0.0)  # Q is not held by b
-    state.counters.update(a=0.0, b=1.0, c=2.0)
+    set_counters(state, a=0.0, b=1.0, c=2.0)
     assert granted(state, now=0.0) == [("c", 3)]
 
 
@@ -249,7 +255,7 @@ def test_blocked_higher_tier_holds_against_lower_tiers_at_once() -> None:
     policy.enqueue(state, demand("b", 10, P, tier="critical"), now=0.0)  # same tier: backfills
     policy.enqueue(state, demand("b", 10, P, tier="standard"), now=0.0)  # lower tier: held
     policy.enqueue(state, demand("c", 10, Q, tier="batch"), now=0.0)  # other pool: proceeds
-    state.counters.update(a=0.0, b=1.0, c=2.0)
+    set_counters(state, a=0.0, b=1.0, c=2.0)
     assert granted(state, now=0.0) == [("b", 2), ("c", 4)]
 
 

@@ -31,7 +31,7 @@ local function acquire_main(A)
   local spec = tenant_spec(d.tenant)
   local ahead = tonumber(redis.call('HGET', K.twait, d.tenant) or '0') - 1
   if ahead >= spec.maxq then
-    withdraw(seq)
+    withdraw(seq, now)
     grant_pass(now, nil)
     return { 'FULL', ahead, spec.maxq, fmt(retry_after(d, now)) }
   end

@@ -1,8 +1,8 @@
 -- apply_layout.lua: write a layout (MemoryStore.apply_layout): replace the specs, bump the version
 -- when the digest changed, fail waiting tickets that can now never be granted (their owners are
 -- told by pub/sub), run a grant pass, announce the version on the layout channel.
--- A (ARGV after now-override and replica): digest, json, pw, dw, backfill, ttl, max_scan, tier order, pools, tiers,
--- tenants
+-- A (ARGV after now-override and replica): digest, json, pw, dw, backfill, ttl, max_scan, idle_forget_s,
+-- tier order, pools, tiers, tenants
 -- Reply: {changed 0/1, version}
 local function apply_layout_main(A)
   local now = script_now()
@@ -15,9 +15,9 @@ local function apply_layout_main(A)
     -- T:spec: the policy, then p:/t:/n: fields for pools, tiers and tenants (see lib.lua).
     local fields = {
       'ver', ver, 'pw', A[3], 'dw', A[4], 'backfill', A[5], 'ttl', A[6], 'max_scan', A[7],
-      'tiers', A[8],
+      'idle', A[8], 'tiers', A[9],
     }
-    for _, packed in ipairs({ A[9], A[10], A[11] }) do
+    for _, packed in ipairs({ A[10], A[11], A[12] }) do
       local entries = split(packed, LSEP)
       for i = 1, #entries do
         local j = string.find(entries[i], SEP, 1, true)
@@ -30,18 +30,24 @@ local function apply_layout_main(A)
   end
   reset_layout_cache()
   load_policy()
+  upgrade(now)
   if changed == 1 then
-    -- policy.drop_invalid
+    -- policy.drop_invalid: tickets that can never be granted now leave, then the index is rebuilt
     local all = redis.call('HKEYS', K.tickets)
+    table.sort(all, function(a, b)
+      return tonumber(a) < tonumber(b)
+    end)
     for i = 1, #all do
       local tk = load_ticket(all[i])
       local err = check_demand(tk.d)
       if err then
-        withdraw(all[i])
+        redis.call('LREM', qkey(tk.d.tier, tk.d.tenant), 1, tk.seq)
+        forget(tk, pass_clock())
         local msg = 'F' .. SEP .. tk.seq .. SEP .. err[2] .. SEP .. err[3] .. SEP .. tostring(err[4] or '')
         notify(tk.owner, msg)
       end
     end
+    reindex()
   end
   grant_pass(now, nil)
   if changed == 1 then

@@ -3,7 +3,8 @@
 -- This is a port of budgets/policy.py (and the retry estimate of budgets/retry.py). The Python
 -- module's docstring is the specification; every function here names its Python counterpart and
 -- must make the same decisions, in the same order, with the same float arithmetic (doubles on
--- both sides; counters are stored with %.17g so they round-trip exactly).
+-- both sides; counters are stored with %.17g so they round-trip exactly). The index that keeps a
+-- grant pass O(log n) (budgets/queue_index.py) lives in sorted sets: see "the index" below.
 --
 -- KEYS[1] is "{tg:<prefix>}:layout"; every other key is derived from its hash tag, so all keys of
 -- one budget domain share one cluster slot. ARGV[1] is always the clock override: empty in
@@ -30,6 +31,15 @@ local K = {
   seq = T .. ':seq',
   tickets = T .. ':tickets',
   replicas = T .. ':replicas',
+  -- derived state: the index of the grant pass (budgets/queue_index.py) and the lift bases
+  vb = T .. ':vb',
+  vl = T .. ':vl',
+  idle = T .. ':idle',
+  ahead = T .. ':ahead',
+  heads = T .. ':heads',
+  age = T .. ':age',
+  gtiers = T .. ':gtiers',
+  clock = T .. ':clock',
 }
 local SEP = '\31'
 local LSEP = '\30'
@@ -83,10 +93,6 @@ end
 
 local function qkey(tier, tenant)
   return T .. ':q:' .. #tier .. ':' .. tier .. ':' .. tenant
-end
-
-local function qtkey(tier)
-  return T .. ':qt:' .. tier
 end
 
 local function rtkey(replica)
@@ -162,7 +168,7 @@ end
 local function load_policy(d)
   local fields = {}
   if P == nil then
-    fields = { 'ver', 'pw', 'dw', 'backfill', 'ttl', 'max_scan', 'tiers' }
+    fields = { 'ver', 'pw', 'dw', 'backfill', 'ttl', 'max_scan', 'tiers', 'idle' }
   end
   local first = #fields + 1
   if d then
@@ -192,6 +198,7 @@ local function load_policy(d)
       ttl = tonumber(v[5]),
       max_scan = tonumber(v[6]),
       tier_order = split(v[7], LSEP),
+      idle = tonumber(v[8] or '3600'),
     }
   end
   for i = first, #fields do
@@ -270,11 +277,14 @@ local function add_used(pools, delta)
   end
 end
 
+-- Counters live in the sorted set T:vtc (tenant -> counter): the score is the double itself, so
+-- reads are exact, and the lowest counter of all (lift rule 3) is its first entry. T:vb and T:vl
+-- hold the counters of backlogged tenants and of tenants with live leases (lift rules 1 and 2).
 local vtc_c = {}
 local function vtc(tenant) -- nil when the tenant has no counter
   local c = vtc_c[tenant]
   if c == nil then
-    local v = redis.call('HGET', K.vtc, tenant)
+    local v = redis.call('ZSCORE', K.vtc, tenant)
     c = v and tonumber(v) or false
     vtc_c[tenant] = c
   end
@@ -284,25 +294,325 @@ local function vtc(tenant) -- nil when the tenant has no counter
   return c
 end
 
--- Fetch several tenants' counters at once.
-local function prefetch_vtc(names)
-  local missing = {}
-  for i = 1, #names do
-    if vtc_c[names[i]] == nil then
-      missing[#missing + 1] = names[i]
+local function backlogged(tenant)
+  return redis.call('HEXISTS', K.twait, tenant) == 1
+end
+
+local function leased(tenant)
+  return redis.call('HEXISTS', K.tleases, tenant) == 1
+end
+
+-- The lowest score of a sorted set whose member is not ``skip``; nil when there is none.
+local function lowest(key, skip)
+  local v = redis.call('ZRANGE', key, 0, 1, 'WITHSCORES')
+  if v[1] and v[1] ~= skip then
+    return tonumber(v[2])
+  end
+  if v[3] then
+    return tonumber(v[4])
+  end
+  return nil
+end
+
+-- ---- the index (budgets/queue_index.py) ----
+--
+-- T:heads       hash  "<tier> SEP <tenant>" -> the head of that FIFO: flags (old 0/1, parked 0/1)
+--                     SEP seq SEP cost SEP enqueued_at SEP counter it is ranked with SEP group id
+--                     SEP private pools (LSEP-joined)
+-- group id            the demand's shared pools, sorted bytewise, LSEP-joined
+-- T:gy:<n>:<tier>:<gid>  zset, all scores 0: young active heads by rank; member =
+--                     struct.pack('>dd', counter, seq) .. tenant, so that the byte order of members
+--                     is the order of (counter, seq) for the non-negative doubles involved
+-- T:gc:...        zset  young active heads by cost (member tenant)
+-- T:go:...        zset  old active heads by rank (as T:gy)
+-- T:gt:<tier>     set   group ids with active heads in that tier; T:gtiers: tiers with such a set
+-- T:pv:<pool>     set   heads naming private pool <pool> (parked or not)
+-- T:age           zset  young heads by enqueued_at; member struct.pack('>d', seq) .. head key
+-- T:clock         the latest ``now`` of a grant pass (ages outside a pass are measured against it)
+local function head_key(tier, tenant)
+  return tier .. SEP .. tenant
+end
+
+local function gkey(kind, tier, gid)
+  return T .. ':g' .. kind .. ':' .. #tier .. ':' .. tier .. ':' .. gid
+end
+
+local function gtkey(tier)
+  return T .. ':gt:' .. tier
+end
+
+local function pvkey(pool)
+  return T .. ':pv:' .. pool
+end
+
+local function rank_member(counter, seq, tenant)
+  return struct.pack('>dd', counter, seq) .. tenant
+end
+
+local function age_member(seq, hk)
+  return struct.pack('>d', seq) .. hk
+end
+
+-- Python's (counter, seq) tuple order of two rank members (never Lua's locale-dependent ``<``).
+local function ranked_before(a, b)
+  local c1, s1 = struct.unpack('>dd', a)
+  local c2, s2 = struct.unpack('>dd', b)
+  if c1 ~= c2 then
+    return c1 < c2
+  end
+  return s1 < s2
+end
+
+local function bytes_before(a, b)
+  local n = math.min(#a, #b)
+  for i = 1, n do
+    local x, y = string.byte(a, i), string.byte(b, i)
+    if x ~= y then
+      return x < y
     end
   end
-  if #missing > 0 then
-    local v = redis.call('HMGET', K.vtc, unpack(missing))
-    for i = 1, #missing do
-      vtc_c[missing[i]] = v[i] and tonumber(v[i]) or false
+  return #a < #b
+end
+
+local clock_c = nil
+local function pass_clock()
+  if clock_c == nil then
+    local v = redis.call('GET', K.clock)
+    clock_c = v and tonumber(v) or -math.huge
+  end
+  return clock_c
+end
+
+local function load_head(hk)
+  local v = redis.call('HGET', K.heads, hk)
+  if not v then
+    return nil
+  end
+  local f = split(v, SEP)
+  local tier, tenant = string.match(hk, '^(.-)\31(.*)$')
+  return {
+    hk = hk,
+    tier = tier,
+    tenant = tenant,
+    old = string.sub(f[1], 1, 1) == '1',
+    parked = string.sub(f[1], 2, 2) == '1',
+    seq = tonumber(f[2]),
+    cost = tonumber(f[3]),
+    enq = tonumber(f[4]),
+    counter = tonumber(f[5]),
+    gid = f[6],
+    private = split(f[7], LSEP),
+    private_raw = f[7],
+  }
+end
+
+local function store_head(h)
+  local flags = (h.old and '1' or '0') .. (h.parked and '1' or '0')
+  redis.call('HSET', K.heads, h.hk, flags .. SEP .. h.seq .. SEP .. h.cost .. SEP .. fmt(h.enq) .. SEP
+    .. fmt(h.counter) .. SEP .. h.gid .. SEP .. h.private_raw)
+end
+
+local function activate(h, counter)
+  h.parked = false
+  h.counter = counter
+  local m = rank_member(counter, h.seq, h.tenant)
+  if h.old then
+    redis.call('ZADD', gkey('o', h.tier, h.gid), 0, m)
+  else
+    redis.call('ZADD', gkey('y', h.tier, h.gid), 0, m)
+    redis.call('ZADD', gkey('c', h.tier, h.gid), h.cost, h.tenant)
+  end
+  if redis.call('SADD', gtkey(h.tier), h.gid) == 1 then
+    redis.call('SADD', K.gtiers, h.tier)
+  end
+end
+
+local function deactivate(h)
+  local m = rank_member(h.counter, h.seq, h.tenant)
+  if h.old then
+    redis.call('ZREM', gkey('o', h.tier, h.gid), m)
+  else
+    redis.call('ZREM', gkey('y', h.tier, h.gid), m)
+    redis.call('ZREM', gkey('c', h.tier, h.gid), h.tenant)
+  end
+  h.parked = true
+  if redis.call('EXISTS', gkey('o', h.tier, h.gid), gkey('y', h.tier, h.gid)) == 0 then
+    redis.call('SREM', gtkey(h.tier), h.gid)
+  end
+end
+
+-- queue_index.private_ok: every private pool of the head has room for its cost.
+local function private_ok(cost, private)
+  prefetch_used(private)
+  for i = 1, #private do
+    if used(private[i]) + cost > pool_spec(private[i]).cap then
+      return false
+    end
+  end
+  return true
+end
+
+-- QueueIndex.add: the ticket ``tk`` becomes the head of its FIFO.
+local function add_head(tk, now, old)
+  local d = tk.d
+  local shared, private = {}, {}
+  for i = 1, #d.pools do
+    if pool_spec(d.pools[i]).shared then
+      shared[#shared + 1] = d.pools[i]
+    else
+      private[#private + 1] = d.pools[i]
+    end
+  end
+  table.sort(shared, bytes_before)
+  local h = {
+    hk = head_key(d.tier, d.tenant),
+    tier = d.tier,
+    tenant = d.tenant,
+    old = old or now - tk.enq >= P.backfill,
+    parked = true,
+    seq = tk.seq,
+    cost = d.cost,
+    enq = tk.enq,
+    counter = 0,
+    gid = table.concat(shared, LSEP),
+    private = private,
+    private_raw = table.concat(private, LSEP),
+  }
+  if not h.old then
+    redis.call('ZADD', K.age, fmt(h.enq), age_member(h.seq, h.hk))
+  end
+  for i = 1, #private do
+    redis.call('SADD', pvkey(private[i]), h.hk)
+  end
+  if private_ok(h.cost, private) then
+    activate(h, vtc(d.tenant))
+  end
+  store_head(h)
+  return h
+end
+
+-- QueueIndex.remove
+local function remove_head(h)
+  if not h.parked then
+    deactivate(h)
+  end
+  redis.call('HDEL', K.heads, h.hk)
+  for i = 1, #h.private do
+    redis.call('SREM', pvkey(h.private[i]), h.hk)
+  end
+  if not h.old then
+    redis.call('ZREM', K.age, age_member(h.seq, h.hk))
+  end
+end
+
+-- QueueIndex.reposition: the tenant's counter changed; its active heads move to their new rank.
+local function reposition(tenant, counter)
+  local hks = {}
+  for i = 1, #P.tier_order do
+    hks[i] = head_key(P.tier_order[i], tenant)
+  end
+  local recs = redis.call('HMGET', K.heads, unpack(hks))
+  for i = 1, #hks do
+    if recs[i] then
+      local h = load_head(hks[i])
+      if not h.parked then
+        local kind = h.old and 'o' or 'y'
+        redis.call('ZREM', gkey(kind, h.tier, h.gid), rank_member(h.counter, h.seq, tenant))
+        redis.call('ZADD', gkey(kind, h.tier, h.gid), 0, rank_member(counter, h.seq, tenant))
+        h.counter = counter
+        store_head(h)
+      end
     end
   end
 end
 
+-- QueueIndex.private_changed: tokens in flight on private ``pool`` changed.
+local function private_changed(pool)
+  local hks = redis.call('SMEMBERS', pvkey(pool))
+  for i = 1, #hks do
+    local h = load_head(hks[i])
+    local ok = private_ok(h.cost, h.private)
+    if not h.parked and not ok then
+      deactivate(h)
+      store_head(h)
+    elseif h.parked and ok then
+      activate(h, vtc(h.tenant))
+      store_head(h)
+    end
+  end
+end
+
+local function private_pools_changed(d)
+  for i = 1, #d.pools do
+    local p = pool_spec(d.pools[i])
+    if p and not p.shared then -- a pool gone from the layout has no heads left
+      private_changed(d.pools[i])
+    end
+  end
+end
+
+-- policy._set_counter
 local function set_vtc(tenant, x)
   vtc_c[tenant] = x
-  redis.call('HSET', K.vtc, tenant, fmt(x))
+  local s = fmt(x)
+  redis.call('ZADD', K.vtc, s, tenant)
+  if backlogged(tenant) then
+    redis.call('ZADD', K.vb, s, tenant)
+    reposition(tenant, x)
+  end
+  if leased(tenant) then
+    redis.call('ZADD', K.vl, s, tenant)
+  end
+end
+
+-- policy._idle: the tenant has no waiting ticket and no live lease from ``now`` on.
+local function mark_idle(tenant, now)
+  redis.call('ZADD', K.idle, fmt(now), tenant)
+end
+
+-- ``now - since >= after`` for the entries of sorted set ``key`` (scores ``since``), oldest first,
+-- at most ``limit``: the score range is widened by a hair and the exact test decides, so that the
+-- answer is the one Python's float arithmetic gives.
+local function aged(key, now, after, limit)
+  local edge = now - after
+  local v = redis.call('ZRANGEBYSCORE', key, '-inf', fmt(edge + 1e-9 * math.max(1, math.abs(edge))),
+    'WITHSCORES', 'LIMIT', 0, limit)
+  local out = {}
+  for i = 1, #v, 2 do
+    if not (now - tonumber(v[i + 1]) >= after) then
+      break
+    end
+    out[#out + 1] = v[i]
+  end
+  return out
+end
+
+-- policy.forget_idle
+local function forget_idle(now, limit)
+  local gone = aged(K.idle, now, P.idle, limit)
+  for i = 1, #gone do
+    redis.call('ZREM', K.idle, gone[i])
+    redis.call('ZREM', K.vtc, gone[i])
+    vtc_c[gone[i]] = false
+  end
+  return #gone
+end
+
+-- QueueIndex.promote
+local function promote(now, limit)
+  local members = aged(K.age, now, P.backfill, limit)
+  for i = 1, #members do
+    local h = load_head(string.sub(members[i], 9))
+    redis.call('ZREM', K.age, members[i])
+    if not h.parked then
+      local m = rank_member(h.counter, h.seq, h.tenant)
+      redis.call('ZREM', gkey('y', h.tier, h.gid), m)
+      redis.call('ZREM', gkey('c', h.tier, h.gid), h.tenant)
+      redis.call('ZADD', gkey('o', h.tier, h.gid), 0, m)
+    end
+    h.old = true
+    store_head(h)
+  end
 end
 
 -- ---- demands, tickets, leases ----
@@ -426,43 +736,20 @@ local function served_output(decode, reported)
   return n
 end
 
-local function min_counter_of(names, except)
-  prefetch_vtc(names)
-  local base = nil
-  for i = 1, #names do
-    local other = names[i]
-    if other ~= except then
-      local c = vtc(other)
-      if c ~= nil and (base == nil or c < base) then
-        base = c
-      end
-    end
-  end
-  return base
-end
-
 -- policy.lift (the caller guarantees the tenant is not backlogged). ``nobody_waits``: the caller
 -- knows no ticket is waiting at all, so there is no backlogged tenant to look up.
 local function lift(tenant, nobody_waits)
   local base = nil
   if not nobody_waits then
-    base = min_counter_of(redis.call('HKEYS', K.twait), tenant)
+    base = lowest(K.vb, tenant)
   end
   if base == nil then
-    local names = redis.call('HKEYS', K.tleases)
-    names[#names + 1] = tenant -- fetched along with the others: lift reads it next
-    base = min_counter_of(names, tenant)
+    base = lowest(K.vl, tenant)
   end
   local own = vtc(tenant)
   if own == nil then
     if base == nil then
-      local all = redis.call('HVALS', K.vtc)
-      for i = 1, #all do
-        local c = tonumber(all[i])
-        if base == nil or c < base then
-          base = c
-        end
-      end
+      base = lowest(K.vtc, tenant)
     end
     set_vtc(tenant, base or 0.0)
   elseif base ~= nil and base > own then
@@ -473,10 +760,19 @@ end
 -- policy._charge
 local function charge(d)
   add_used(d.pools, d.cost)
+  local n = tonumber(redis.call('HINCRBY', K.tleases, d.tenant, 1))
   local spec = tenant_spec(d.tenant)
-  set_vtc(d.tenant, (vtc(d.tenant) or 0.0) + prompt_service(d, spec.weight))
-  redis.call('HINCRBY', K.tleases, d.tenant, 1)
+  local x = (vtc(d.tenant) or 0.0) + prompt_service(d, spec.weight)
+  set_vtc(d.tenant, x)
+  if n == 1 then
+    redis.call('ZREM', K.idle, d.tenant)
+    redis.call('ZADD', K.vl, fmt(x), d.tenant)
+  end
+  if d.cost ~= 0 then
+    private_pools_changed(d)
+  end
 end
+
 
 -- budgets.retry.ReleaseRate
 local function rate_value(v, now)
@@ -507,6 +803,10 @@ local function give_back(d, served, now)
   add_used(d.pools, -d.cost)
   if tonumber(redis.call('HINCRBY', K.tleases, d.tenant, -1)) <= 0 then
     redis.call('HDEL', K.tleases, d.tenant)
+    redis.call('ZREM', K.vl, d.tenant)
+    if not backlogged(d.tenant) then
+      mark_idle(d.tenant, now)
+    end
   end
   if served > 0 then -- adding 0.0 changes nothing (policy.release skips it too)
     local spec = tenant_spec(d.tenant)
@@ -516,21 +816,43 @@ local function give_back(d, served, now)
     end
   end
   rate_add(d.pools, d.cost, now)
+  if d.cost ~= 0 then
+    private_pools_changed(d)
+  end
 end
 
 -- ---- the queue ----
 
+local function add_ahead(d, sign)
+  if d.cost == 0 then
+    return
+  end
+  for i = 1, #d.pools do
+    local f = d.pools[i] .. SEP .. d.tier
+    if tonumber(redis.call('HINCRBY', K.ahead, f, sign * d.cost)) <= 0 then
+      redis.call('HDEL', K.ahead, f)
+    end
+  end
+end
+
 -- policy.enqueue
 local function enqueue(d, now, owner, lease_id)
-  if redis.call('HEXISTS', K.twait, d.tenant) == 0 then
+  local backlog = tonumber(redis.call('HGET', K.twait, d.tenant) or '0')
+  if backlog == 0 then
     lift(d.tenant)
   end
   local seq = redis.call('INCR', K.seq)
   redis.call('HSET', K.tickets, seq, pack_demand(d) .. SEP .. fmt(now) .. SEP .. owner .. SEP .. lease_id)
   redis.call('HINCRBY', K.twait, d.tenant, 1)
+  if backlog == 0 then
+    redis.call('ZREM', K.idle, d.tenant)
+    redis.call('ZADD', K.vb, fmt(vtc(d.tenant)), d.tenant)
+  end
   redis.call('HINCRBY', K.tierq, d.tier, 1)
-  redis.call('RPUSH', qkey(d.tier, d.tenant), seq)
-  redis.call('SADD', qtkey(d.tier), d.tenant)
+  add_ahead(d, 1)
+  if redis.call('RPUSH', qkey(d.tier, d.tenant), seq) == 1 then
+    add_head({ seq = seq, d = d, enq = now }, pass_clock(), false)
+  end
   redis.call('SADD', rtkey(owner), seq)
   return seq
 end
@@ -538,80 +860,46 @@ end
 local function decr_or_drop(key, field)
   if tonumber(redis.call('HINCRBY', key, field, -1)) <= 0 then
     redis.call('HDEL', key, field)
+    return true
   end
+  return false
 end
 
 -- policy._forget
-local function forget(tk)
+local function forget(tk, now)
   redis.call('HDEL', K.tickets, tk.seq)
-  decr_or_drop(K.twait, tk.d.tenant)
+  if decr_or_drop(K.twait, tk.d.tenant) then
+    redis.call('ZREM', K.vb, tk.d.tenant)
+    if not leased(tk.d.tenant) then
+      mark_idle(tk.d.tenant, now)
+    end
+  end
   decr_or_drop(K.tierq, tk.d.tier)
+  add_ahead(tk.d, -1)
   redis.call('SREM', rtkey(tk.owner), tk.seq)
 end
 
 -- policy.withdraw
-local function withdraw(seq)
+local function withdraw(seq, now)
   local tk = load_ticket(seq)
   if tk == nil then
     return nil
   end
   local qk = qkey(tk.d.tier, tk.d.tenant)
-  redis.call('LREM', qk, 1, tk.seq)
-  if redis.call('LLEN', qk) == 0 then
-    redis.call('SREM', qtkey(tk.d.tier), tk.d.tenant)
+  if tonumber(redis.call('LINDEX', qk, 0)) == tk.seq then
+    redis.call('LPOP', qk)
+    remove_head(load_head(head_key(tk.d.tier, tk.d.tenant)))
+    local nxt = redis.call('LINDEX', qk, 0)
+    if nxt then
+      add_head(load_ticket(nxt), pass_clock(), false)
+    end
+  else
+    redis.call('LREM', qk, 1, tk.seq)
   end
-  forget(tk)
+  forget(tk, now)
   return tk
 end
 
--- Min-heap of {counter, seq, tenant}, ordered like Python's tuples.
-local function before(a, b)
-  if a[1] ~= b[1] then
-    return a[1] < b[1]
-  end
-  if a[2] ~= b[2] then
-    return a[2] < b[2]
-  end
-  return a[3] < b[3]
-end
-
-local function heap_push(h, item)
-  h[#h + 1] = item
-  local i = #h
-  while i > 1 do
-    local parent = math.floor(i / 2)
-    if before(h[i], h[parent]) then
-      h[i], h[parent] = h[parent], h[i]
-      i = parent
-    else
-      break
-    end
-  end
-end
-
-local function heap_pop(h)
-  local top = h[1]
-  local n = #h
-  h[1] = h[n]
-  h[n] = nil
-  n = n - 1
-  local i = 1
-  while true do
-    local l, r, m = 2 * i, 2 * i + 1, i
-    if l <= n and before(h[l], h[m]) then
-      m = l
-    end
-    if r <= n and before(h[r], h[m]) then
-      m = r
-    end
-    if m == i then
-      break
-    end
-    h[i], h[m] = h[m], h[i]
-    i = m
-  end
-  return top
-end
 
 -- A granted ticket becomes a lease under the id its owner chose; the owner is told by pub/sub
 -- (except ``own``: the caller learns it from the reply).
@@ -634,118 +922,194 @@ local function grant_ticket(tk, now, own)
   return queued
 end
 
+-- A group of the pass: its keys and shared pools.
+local function group_of(tier, gid)
+  return {
+    gid = gid,
+    pools = split(gid, LSEP),
+    y = gkey('y', tier, gid),
+    c = gkey('c', tier, gid),
+    o = gkey('o', tier, gid),
+  }
+end
+
+local function held_by(g, held)
+  for i = 1, #g.pools do
+    if held[g.pools[i]] then
+      return true
+    end
+  end
+  return false
+end
+
+-- policy._room: the least limit - in flight over the group's shared pools.
+local function room_of(g, t)
+  prefetch_used(g.pools)
+  local room = math.huge
+  for i = 1, #g.pools do
+    local left = pool_limit(pool_spec(g.pools[i]), t) - used(g.pools[i])
+    if left < room then
+      room = left
+    end
+  end
+  return room
+end
+
+local function hold(set, g)
+  for i = 1, #g.pools do
+    set[g.pools[i]] = true
+  end
+end
+
+-- The lowest eligible candidate of one tier (see policy.grant_pass): returns it with its group,
+-- room and whether it is old; also adds to held_lower the groups whose young heads it passes.
+local function next_candidate(live, t, cursor, held_lower, contributed)
+  local best, best_g, best_room, best_old = nil, nil, 0, false
+  local passing = {}
+  for i = 1, #live do
+    local g = live[i]
+    local room = room_of(g, t)
+    local cand = redis.call('ZRANGE', g.o, 0, 0)[1]
+    local cand_old = cand ~= nil
+    local succ
+    if cursor == nil then
+      succ = redis.call('ZRANGE', g.y, 0, 0)[1]
+    else
+      succ = redis.call('ZRANGEBYLEX', g.y, '(' .. cursor, '+', 'LIMIT', 0, 1)[1]
+    end
+    if succ then
+      if tonumber(redis.call('ZRANGE', g.c, 0, 0, 'WITHSCORES')[2]) <= room then
+        if cand == nil or ranked_before(succ, cand) then
+          cand, cand_old = succ, false
+        end
+      elseif not contributed[g.gid] then
+        passing[#passing + 1] = { g, succ }
+      end
+    end
+    if cand ~= nil and (best == nil or ranked_before(cand, best)) then
+      best, best_g, best_room, best_old = cand, g, room, cand_old
+    end
+  end
+  for i = 1, #passing do
+    local g, succ = passing[i][1], passing[i][2]
+    if best == nil or ranked_before(succ, best) then -- passed over: blocked, none of its group fits
+      hold(held_lower, g)
+      contributed[g.gid] = true
+    end
+  end
+  return best, best_g, best_room, best_old
+end
+
+-- Grant the head ``h`` (ticket ``tk``) in a pass; its tenant's next ticket becomes head, and joins
+-- ``live`` if its group is new to the pass and not held.
+local function grant_head(h, tk, now, own, live, held_all)
+  local qk = qkey(h.tier, h.tenant)
+  redis.call('LPOP', qk)
+  remove_head(h)
+  forget(tk, now)
+  charge(tk.d)
+  local queued = grant_ticket(tk, now, own)
+  local nxt = redis.call('LINDEX', qk, 0)
+  if nxt then
+    local nh = add_head(load_ticket(nxt), now, false)
+    if not nh.parked then
+      local known = false
+      for i = 1, #live do
+        if live[i].gid == nh.gid then
+          known = true
+        end
+      end
+      local g = group_of(h.tier, nh.gid)
+      if not known and not held_by(g, held_all) then
+        live[#live + 1] = g
+      end
+    end
+  end
+  return queued
+end
+
 -- policy.grant_pass. Returns the queued seconds of ``own`` when that ticket was granted.
 local function grant_pass(now, own)
   if redis.call('HLEN', K.tickets) == 0 then
     return nil
   end
+  if now > pass_clock() then
+    clock_c = now
+    redis.call('SET', K.clock, fmt(now))
+  end
+  local budget = P.max_scan
+  promote(now, budget)
   local mine = nil
   local held_all = {}
-  local scanned = 0
   for ti = 1, #P.tier_order do
     local tier_name = P.tier_order[ti]
-    local tenants = redis.call('SMEMBERS', qtkey(tier_name))
-    if #tenants > 0 then
+    local gids = redis.call('SMEMBERS', gtkey(tier_name))
+    if #gids > 0 then
       local t = tier_spec(tier_name)
-      local held_lower = {}
-      local heap = {}
-      for i = 1, #tenants do
-        local head = redis.call('LINDEX', qkey(tier_name, tenants[i]), 0)
-        heap_push(heap, { vtc(tenants[i]) or 0.0, tonumber(head), tenants[i] })
-      end
-      while #heap > 0 and scanned < P.max_scan do
-        local top = heap_pop(heap)
-        local tenant = top[3]
-        local qk = qkey(tier_name, tenant)
-        local tk = load_ticket(top[2])
-        scanned = scanned + 1
-        local d = tk.d
-        local private_ok, shared_full, held = true, false, false
-        for i = 1, #d.pools do
-          local name = d.pools[i]
-          local p = pool_spec(name)
-          local u = used(name)
-          if not p.shared then
-            if u + d.cost > p.cap then
-              private_ok = false
-            end
-          else
-            if u + d.cost > pool_limit(p, t) then
-              shared_full = true
-            end
-            if held_all[name] then
-              held = true
-            end
-          end
+      local live = {}
+      for i = 1, #gids do
+        local g = group_of(tier_name, gids[i])
+        if not held_by(g, held_all) then
+          live[#live + 1] = g
         end
-        if private_ok and not shared_full and not held then
-          redis.call('LPOP', qk)
-          forget(tk)
-          charge(d)
-          local queued = grant_ticket(tk, now, own)
+      end
+      local held_lower, contributed = {}, {}
+      local cursor = nil
+      while true do
+        if budget <= 0 then
+          return mine
+        end
+        local best, g, room, old = next_candidate(live, t, cursor, held_lower, contributed)
+        if best == nil then
+          break
+        end
+        budget = budget - 1
+        cursor = best
+        local h = load_head(head_key(tier_name, string.sub(best, 17)))
+        if h.cost <= room then
+          local tk = load_ticket(h.seq)
+          local queued = grant_head(h, tk, now, own, live, held_all)
           if tk.seq == own then
             mine = queued
           end
-          local nxt = redis.call('LINDEX', qk, 0)
-          if nxt then
-            heap_push(heap, { vtc(tenant) or 0.0, tonumber(nxt), tenant })
-          else
-            redis.call('SREM', qtkey(tier_name), tenant)
-          end
-        elseif private_ok and shared_full then
-          local old = now - tk.enq >= P.backfill
-          for i = 1, #d.pools do
-            local name = d.pools[i]
-            if pool_spec(name).shared then
-              held_lower[name] = true
-              if old then
-                held_all[name] = true
-              end
+        elseif old then
+          hold(held_lower, g)
+          hold(held_all, g)
+          local still = {}
+          for i = 1, #live do
+            if not held_by(live[i], held_all) then
+              still[#still + 1] = live[i]
             end
           end
+          live = still
+        else
+          hold(held_lower, g)
+          contributed[g.gid] = true
         end
       end
       for name in pairs(held_lower) do
         held_all[name] = true
-      end
-      if scanned >= P.max_scan then
-        break
       end
     end
   end
   return mine
 end
 
--- budgets.retry.retry_after (tokens_ahead included)
+-- budgets.retry.retry_after (tokens_ahead from T:ahead)
 local function retry_after(d, now)
   local t = tier_spec(d.tier)
   local upper = math.max(MIN_RETRY, t.maxwait)
   local worst = 0.0
-  local waiting = nil
   for i = 1, #d.pools do
     local name = d.pools[i]
     local p = pool_spec(name)
     if p then
       local free = pool_limit(p, t) - used(name)
-      if waiting == nil then
-        waiting = {}
-        local all = redis.call('HVALS', K.tickets)
-        for j = 1, #all do
-          local f = split(all[j], SEP)
-          waiting[#waiting + 1] = demand(f[1], f[2], f[3], f[4], f[5])
-        end
-      end
       local ahead = 0
-      for j = 1, #waiting do
-        local w = waiting[j]
-        local wt = tier_spec(w.tier)
-        if wt and wt.rank <= t.rank then
-          for k = 1, #w.pools do
-            if w.pools[k] == name then
-              ahead = ahead + w.cost
-              break
-            end
-          end
+      for j = 1, #P.tier_order do
+        local other = tier_spec(P.tier_order[j])
+        if other and other.rank <= t.rank then
+          ahead = ahead + tonumber(redis.call('HGET', K.ahead, name .. SEP .. other.name) or '0')
         end
       end
       local needed = ahead + d.cost - free
@@ -762,6 +1126,94 @@ local function retry_after(d, now)
   return math.min(math.max(worst, MIN_RETRY), upper)
 end
 
+
 local function beat(replica, now)
   redis.call('ZADD', K.replicas, fmt(now + P.ttl), replica)
+end
+
+
+-- policy.reindex: the index built again from the FIFOs (after a layout change). A head keeps its
+-- age class; a ticket that only now becomes head is classed as usual. O(waiting tickets).
+local function reindex()
+  local was_old = {}
+  local recs = redis.call('HGETALL', K.heads)
+  local doomed = { K.heads, K.age }
+  for i = 1, #recs, 2 do
+    local h = load_head(recs[i])
+    was_old[h.seq] = h.old
+    for j = 1, #h.private do
+      doomed[#doomed + 1] = pvkey(h.private[j])
+    end
+  end
+  local tiers = redis.call('SMEMBERS', K.gtiers)
+  for i = 1, #tiers do
+    local gids = redis.call('SMEMBERS', gtkey(tiers[i]))
+    for j = 1, #gids do
+      doomed[#doomed + 1] = gkey('y', tiers[i], gids[j])
+      doomed[#doomed + 1] = gkey('c', tiers[i], gids[j])
+      doomed[#doomed + 1] = gkey('o', tiers[i], gids[j])
+    end
+    doomed[#doomed + 1] = gtkey(tiers[i])
+  end
+  doomed[#doomed + 1] = K.gtiers
+  for i = 1, #doomed, 1000 do
+    redis.call('DEL', unpack(doomed, i, math.min(i + 999, #doomed)))
+  end
+  local seqs = redis.call('HKEYS', K.tickets)
+  local seen = {}
+  for i = 1, #seqs do
+    local tk = load_ticket(seqs[i])
+    local qk = qkey(tk.d.tier, tk.d.tenant)
+    if not seen[qk] then
+      seen[qk] = true
+      local head = load_ticket(redis.call('LINDEX', qk, 0))
+      local old = was_old[head.seq]
+      if old == nil then
+        add_head(head, pass_clock(), false)
+      else
+        add_head(head, -math.huge, old)
+      end
+    end
+  end
+end
+
+-- Derived state written by an older version of these scripts (counters in a hash, no index):
+-- rebuilt once from the base records. O(tenants + waiting tickets).
+local INDEX_FORMAT = '2'
+local function upgrade(now)
+  if redis.call('HGET', K.layout, 'index') == INDEX_FORMAT then
+    return
+  end
+  if redis.call('TYPE', K.vtc).ok == 'hash' then
+    local kv = redis.call('HGETALL', K.vtc)
+    redis.call('DEL', K.vtc)
+    for i = 1, #kv, 2 do
+      redis.call('ZADD', K.vtc, kv[i + 1], kv[i])
+    end
+  end
+  redis.call('DEL', K.vb, K.vl, K.idle, K.ahead)
+  local counters = redis.call('ZRANGE', K.vtc, 0, -1, 'WITHSCORES')
+  for i = 1, #counters, 2 do
+    local tenant, c = counters[i], counters[i + 1]
+    local b, l = backlogged(tenant), leased(tenant)
+    if b then
+      redis.call('ZADD', K.vb, c, tenant)
+    end
+    if l then
+      redis.call('ZADD', K.vl, c, tenant)
+    end
+    if not b and not l then
+      mark_idle(tenant, now)
+    end
+  end
+  local all = redis.call('HVALS', K.tickets)
+  for i = 1, #all do
+    local f = split(all[i], SEP)
+    add_ahead(demand(f[1], f[2], f[3], f[4], f[5]), 1)
+  end
+  for i = 1, #P.tier_order do
+    redis.call('DEL', T .. ':qt:' .. P.tier_order[i]) -- the old per-tier tenant sets
+  end
+  reindex()
+  redis.call('HSET', K.layout, 'index', INDEX_FORMAT)
 end

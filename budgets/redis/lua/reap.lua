@@ -1,9 +1,10 @@
 -- reap.lua: return expired leases' tokens (MemoryStore._reap), withdraw the waiting tickets of
--- replicas whose liveness expired, drop old tombstones; one grant pass if anything changed.
+-- replicas whose liveness expired, drop old tombstones; one grant pass if anything changed; then
+-- forget tenants idle for idle_forget_s (policy.forget_idle), at most ``limit`` per call.
 -- Reaped ids are remembered for a while (T:reaped) so a late release can tell "reaped" (False)
 -- from "lost in a restart" and a late heartbeat can still re-register a request that is running.
 -- A (ARGV after now-override and the caller, alive by definition): max leases per call
--- Reply: {leases reaped, tickets withdrawn, more leases left (0/1)}
+-- Reply: {leases reaped, tickets withdrawn, more left (0/1: leases or idle tenants)}
 local function reap_main(A)
   local now = script_now()
   if not load_policy() then
@@ -29,7 +30,7 @@ local function reap_main(A)
     if r ~= me then
       local seqs = redis.call('SMEMBERS', rtkey(r))
       for j = 1, #seqs do
-        if withdraw(seqs[j]) ~= nil then
+        if withdraw(seqs[j], now) ~= nil then
           withdrawn = withdrawn + 1
         end
       end
@@ -42,8 +43,9 @@ local function reap_main(A)
   if #expired > 0 or withdrawn > 0 then
     grant_pass(now, nil)
   end
+  local forgotten = forget_idle(now, limit)
   local more = 0
-  if #expired == limit then
+  if #expired == limit or forgotten == limit then
     more = 1
   end
   return { #expired, withdrawn, more }

@@ -7,7 +7,7 @@ local function withdraw_main(A)
   if not load_policy() then
     return { 'U' }
   end
-  local tk = withdraw(A[1])
+  local tk = withdraw(A[1], now)
   if tk ~= nil then
     -- A withdrawn ticket may have been holding pools for itself: others may now be granted.
     grant_pass(now, nil)

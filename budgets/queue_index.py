@@ -1,0 +1,340 @@
+"""What makes a grant pass cheap: the waiting heads indexed so that the pass touches only what can change.
+
+Derived state only: everything here is a function of the waiting tickets, the counters, the
+tokens in flight and the highest ``now`` a pass has seen, kept in step by budgets/policy.py at every
+change of those. It never decides anything by itself; the spec of the pass is the policy's docstring.
+
+- Each ``(tier, tenant)`` FIFO's head is a :class:`Head`. A head blocked by a private pool (its
+  tenant's own budget) is *parked*: it is in no group, and it is checked again only when a private
+  pool it names changes (``private_changed``). Every other head is *active* in exactly one
+  :class:`Group`: the heads of one tier that name the same shared pools.
+- A head is *young* or *old* (policy docstring: old once it has waited ``backfill_limit_s``, made
+  so when it becomes head or by ``promote`` at the start of a pass). In its group an active head is
+  young or old too. Young
+  heads are in a sorted list by ``(counter, seq, tenant)`` (the pass walks them from its cursor) and
+  in a heap by cost (the pass asks "can any young head of this group fit?" in O(log n)); old heads
+  are in a heap by ``(counter, seq, tenant)`` (the lowest one either fits or holds the group's
+  pools, so nothing but the minimum is ever needed). Young heads, parked or not, are also in a heap
+  by enqueue time for ``promote``.
+- Heaps are lazy: an entry whose head left, moved or changed rank stays until it reaches the top
+  and is dropped there; a heap is rebuilt when stale entries outnumber live ones three to one.
+- Lift needs the lowest counter among backlogged tenants, among tenants with live leases, and among
+  all tenants: :class:`LazyMin` keeps each (entries go stale instead of being removed).
+
+Redis keeps the same structures in sorted sets (budgets/redis/lua/lib.lua).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from sortedcontainers import SortedList
+
+from budgets.types import BudgetLayout, Demand
+
+Key = tuple[float, int, str]  # (counter, seq, tenant): the rank of a head inside its tier
+
+
+@dataclass(slots=True)
+class Ticket:
+    seq: int
+    demand: Demand
+    enqueued_at: float
+
+
+class Group:
+    """Active heads of one tier whose demands name the same shared pools (``pools``, sorted)."""
+
+    __slots__ = ("cost", "heads", "n_old", "old", "pools", "tier", "young")
+
+    def __init__(self, tier: str, pools: tuple[str, ...], heads: dict[tuple[str, str], Head]) -> None:
+        self.tier = tier
+        self.pools = pools
+        self.heads = heads  # the index's, to tell live heap entries from stale ones
+        self.young: SortedList = SortedList()  # Key of each young head
+        self.cost: list[tuple[int, int, str]] = []  # heap of (cost, seq, tenant) of young heads, lazy
+        self.old: list[Key] = []  # heap of Key of old heads, lazy
+        self.n_old = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.young) or self.n_old > 0
+
+    def lowest_old(self) -> Key | None:
+        """The lowest-ranked old head's key (stale entries dropped on the way)."""
+        old, heads, tier = self.old, self.heads, self.tier
+        while old:
+            key = old[0]
+            head = heads.get((tier, key[2]))
+            if head is not None and head.group is self and head.old and head.key == key:
+                return key
+            heapq.heappop(old)
+        return None
+
+    def lowest_young_cost(self) -> int | None:
+        cost, heads, tier = self.cost, self.heads, self.tier
+        while cost:
+            c, seq, tenant = cost[0]
+            head = heads.get((tier, tenant))
+            if head is not None and head.group is self and not head.old and head.ticket.seq == seq:
+                return c
+            heapq.heappop(cost)
+        return None
+
+    def push_old(self, key: Key) -> None:
+        old = self.old
+        heapq.heappush(old, key)
+        if len(old) > 64 and len(old) > 3 * self.n_old:
+            self.old = [k for k in old if self._is_old(k)]
+            heapq.heapify(self.old)
+
+    def push_cost(self, entry: tuple[int, int, str]) -> None:
+        cost = self.cost
+        heapq.heappush(cost, entry)
+        if len(cost) > 64 and len(cost) > 3 * len(self.young):
+            young = {(k[1], k[2]) for k in self.young}
+            self.cost = [e for e in cost if (e[1], e[2]) in young]
+            heapq.heapify(self.cost)
+
+    def _is_old(self, key: Key) -> bool:
+        head = self.heads.get((self.tier, key[2]))
+        return head is not None and head.group is self and head.old and head.key == key
+
+
+@dataclass(slots=True, eq=False)
+class Head:
+    tier: str
+    tenant: str
+    ticket: Ticket
+    shared: tuple[str, ...]  # the demand's shared pools, sorted: its group
+    private: tuple[str, ...]  # the demand's private pools
+    group: Group | None = None  # None while parked (or after removal)
+    key: Key | None = None
+    old: bool = False
+
+
+class LazyMin:
+    """The lowest current value among the members of a set (lift's bases), without a push per change.
+
+    Entries are ``(value, name)`` with ``value`` at most the member's current value: values only go
+    up, so the owner pushes only when a name becomes a member or its value goes *down*
+    (``set_counter``). ``lowest`` brings outdated entries at the top up to date and drops those of
+    names that are no longer members. ``add`` says when stale entries have piled up (more than three
+    per member): the owner then calls ``rebuild``.
+    """
+
+    __slots__ = ("heap",)
+
+    def __init__(self) -> None:
+        self.heap: list[tuple[float, str]] = []
+
+    def add(self, value: float, name: str, members: int) -> bool:
+        heap = self.heap
+        heapq.heappush(heap, (value, name))
+        return len(heap) > 64 and len(heap) > 3 * members
+
+    def rebuild(self, entries: Iterable[tuple[float, str]]) -> None:
+        self.heap = list(entries)
+        heapq.heapify(self.heap)
+
+    def lowest(self, current: Callable[[str], float | None], skip: str | None = None) -> float | None:
+        """The lowest current value of a member other than ``skip``; ``current(name)`` is a member's
+        value now, None for a name that is not a member. None when there is no such member."""
+        heap = self.heap
+        while heap:
+            value, name = heap[0]
+            now = current(name)
+            if now is None:
+                heapq.heappop(heap)
+            elif now != value:
+                heapq.heapreplace(heap, (now, name))
+            elif name != skip:
+                return value
+            else:  # the lowest is ``skip`` itself: look beneath it, then put it back
+                top = heapq.heappop(heap)
+                try:
+                    return self.lowest(current, skip)
+                finally:
+                    heapq.heappush(heap, top)
+        return None
+
+
+class QueueIndex:
+    """Heads of every ``(tier, tenant)`` FIFO, grouped for the grant pass (module docstring)."""
+
+    __slots__ = ("age", "by_tenant", "groups", "heads", "private", "split")
+
+    def __init__(self) -> None:
+        self.heads: dict[tuple[str, str], Head] = {}
+        self.by_tenant: dict[str, list[Head]] = {}
+        self.groups: dict[str, dict[tuple[str, ...], Group]] = {}  # tier -> shared pools -> group
+        self.private: dict[str, set[Head]] = {}  # private pool -> heads naming it
+        self.age: list[tuple[float, int, Head]] = []  # young heads by enqueue time (lazy)
+        # demand pools -> (shared pools sorted, private pools) under the indexed layout
+        self.split: dict[tuple[str, ...], tuple[tuple[str, ...], tuple[str, ...]]] = {}
+
+    # ---- heads ----
+
+    def add(
+        self,
+        tier: str,
+        tenant: str,
+        ticket: Ticket,
+        layout: BudgetLayout,
+        counter: float,
+        in_flight: Mapping[str, int],
+        now: float,
+        old: bool = False,
+    ) -> Head:
+        """Index the new head of a FIFO: old if ``old`` or if it has waited ``backfill_limit_s`` by ``now``."""
+        names = ticket.demand.pools
+        split = self.split.get(names)
+        if split is None:
+            pools = layout.pools
+            shared = tuple(sorted(n for n in names if pools[n].shared))
+            split = self.split[names] = (shared, tuple(n for n in names if not pools[n].shared))
+        head = Head(tier, tenant, ticket, split[0], split[1])
+        head.old = old or now - ticket.enqueued_at >= layout.policy.backfill_limit_s
+        if not head.old:
+            age = self.age
+            heapq.heappush(age, (ticket.enqueued_at, ticket.seq, head))
+            if len(age) > 64 and len(age) > 3 * len(self.heads):
+                self._rebuild_age()
+        self.heads[(tier, tenant)] = head
+        mine = self.by_tenant.get(tenant)
+        if mine is None:
+            self.by_tenant[tenant] = [head]
+        else:
+            mine.append(head)
+        private = split[1]
+        if private:
+            for name in private:
+                self.private.setdefault(name, set()).add(head)
+            if not private_ok(head, layout, in_flight):
+                return head
+        self._activate(head, counter)
+        return head
+
+    def remove(self, head: Head) -> None:
+        if head.group is not None:
+            self._deactivate(head)
+        del self.heads[(head.tier, head.tenant)]
+        mine = self.by_tenant[head.tenant]
+        if len(mine) == 1:
+            del self.by_tenant[head.tenant]
+        else:
+            mine.remove(head)
+        for name in head.private:
+            heads = self.private[name]
+            heads.discard(head)
+            if not heads:
+                del self.private[name]
+
+    def reposition(self, tenant: str, counter: float) -> None:
+        """The tenant's counter changed: move its active heads to their new rank."""
+        for head in self.by_tenant.get(tenant, ()):
+            group, key = head.group, head.key
+            if group is None or key is None:
+                continue
+            new = (counter, key[1], key[2])
+            head.key = new
+            if head.old:
+                group.push_old(new)  # the old entry is stale now
+            else:
+                group.young.remove(key)
+                group.young.add(new)
+
+    def private_changed(
+        self,
+        pool: str,
+        layout: BudgetLayout,
+        counters: Mapping[str, float],
+        in_flight: Mapping[str, int],
+        now: float,
+    ) -> None:
+        """Tokens in flight on private ``pool`` changed: park or wake the heads that name it."""
+        heads = self.private.get(pool)
+        if not heads:
+            return
+        for head in list(heads):
+            ok = private_ok(head, layout, in_flight)
+            if head.group is not None and not ok:
+                self._deactivate(head)
+            elif head.group is None and ok:
+                self._activate(head, counters[head.tenant])
+
+    def promote(self, now: float, backfill: float, limit: int) -> None:
+        """Young heads that have waited ``backfill`` by ``now`` become old, oldest first (by enqueue
+        time, then seq), at most ``limit`` of them."""
+        age, heads = self.age, self.heads
+        while age and limit > 0:
+            enq, _, head = age[0]
+            if head.old or heads.get((head.tier, head.tenant)) is not head:
+                heapq.heappop(age)  # stale: granted, withdrawn, or already old
+                continue
+            if not now - enq >= backfill:
+                return
+            heapq.heappop(age)
+            limit -= 1
+            head.old = True
+            group, key = head.group, head.key
+            if group is not None and key is not None:  # active (a parked head only keeps the flag)
+                group.young.remove(key)
+                group.n_old += 1
+                group.push_old(key)
+
+    def clear(self) -> None:
+        self.heads.clear()
+        self.by_tenant.clear()
+        self.groups.clear()
+        self.private.clear()
+        self.age.clear()
+        self.split.clear()
+
+    # ---- internals ----
+
+    def _activate(self, head: Head, counter: float) -> None:
+        by_pools = self.groups.get(head.tier)
+        if by_pools is None:
+            by_pools = self.groups[head.tier] = {}
+        group = by_pools.get(head.shared)
+        if group is None:
+            group = by_pools[head.shared] = Group(head.tier, head.shared, self.heads)
+        ticket = head.ticket
+        key = (counter, ticket.seq, head.tenant)
+        head.group, head.key = group, key
+        if head.old:
+            group.n_old += 1
+            group.push_old(key)
+        else:
+            group.young.add(key)
+            group.push_cost((ticket.demand.cost, ticket.seq, head.tenant))
+
+    def _deactivate(self, head: Head) -> None:
+        group, key = head.group, head.key
+        assert group is not None and key is not None
+        if head.old:
+            group.n_old -= 1  # its heap entry goes stale
+        else:
+            group.young.remove(key)  # its cost entry goes stale
+        head.group = head.key = None
+        if not group:
+            by_pools = self.groups[group.tier]
+            if by_pools.get(group.pools) is group:
+                del by_pools[group.pools]
+                if not by_pools:
+                    del self.groups[group.tier]
+
+    def _rebuild_age(self) -> None:
+        self.age = [(h.ticket.enqueued_at, h.ticket.seq, h) for h in self.heads.values() if not h.old]
+        heapq.heapify(self.age)
+
+
+def private_ok(head: Head, layout: BudgetLayout, in_flight: Mapping[str, int]) -> bool:
+    cost = head.ticket.demand.cost
+    pools = layout.pools
+    for name in head.private:
+        if in_flight.get(name, 0) + cost > pools[name].capacity:
+            return False
+    return True

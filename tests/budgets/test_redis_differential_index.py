@@ -1,0 +1,83 @@
+"""The differential test (test_redis_differential.py) again, on a layout that works the index harder.
+
+Twelve tenants instead of three, a class pool shared with the backend pools (groups that overlap),
+``max_scan`` 3 (passes and promotions cut short), a short backfill limit (heads age while they
+wait, many at once) and ``idle_forget_s`` of 4 s (tenants forgotten between bursts): the Redis
+store's sorted sets must still make the memory store's decisions, step by step. The same driver
+(``run_scenario``) runs with this layout in place of the default one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from budgets.types import BudgetLayout, PolicySpec, PoolSpec, TenantSpec
+from tests.budgets import test_redis_differential as differential
+from tests.budgets.redis_fixtures import session_redis
+from tests.budgets.support import TIERS
+
+P, Q, R = differential.P, differential.Q, "class:r"
+TENANTS = tuple(f"t{i}" for i in range(12))
+TTL = differential.TTL
+
+
+def busy_layout() -> BudgetLayout:
+    pools = {P: PoolSpec(P, 80), Q: PoolSpec(Q, 50), R: PoolSpec(R, 60)}
+    for i, t in enumerate(TENANTS):
+        pools[f"tenant:{t}"] = PoolSpec(f"tenant:{t}", (30, 60, 200)[i % 3], shared=False)
+    return BudgetLayout(
+        pools=pools,
+        tiers=dict(TIERS),
+        tenants={
+            t: TenantSpec(t, weight=(1.0, 2.0, 0.3)[i % 3], max_queue_len=5) for i, t in enumerate(TENANTS)
+        },
+        policy=PolicySpec(backfill_limit_s=1.0, lease_ttl_s=TTL, max_scan=3, idle_forget_s=4.0),
+    )
+
+
+acquire = st.tuples(
+    st.just("acq"),
+    st.sampled_from(TENANTS),
+    st.sampled_from(differential.TIER_NAMES),
+    st.sampled_from([1, 5, 10, 20, 35]),
+    st.sampled_from([0, 0, 5, 15]),
+    st.sampled_from([(P,), (Q,), (P, R), (Q, R), (R,), ()]),
+)
+operation = st.one_of(
+    acquire,
+    acquire,
+    acquire,
+    acquire,
+    differential.release,
+    differential.release,
+    st.tuples(st.just("adv"), st.sampled_from([0.3, 0.8, 1.2, 4.5])),
+    differential.reap,
+    differential.cancel,
+    differential.heartbeat,
+)
+
+
+@pytest.mark.slow  # hypothesis against a real Redis
+@settings(
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(ops=st.lists(operation, min_size=10, max_size=80))
+def test_redis_store_makes_the_memory_stores_decisions_with_many_tenants(ops: list[tuple[Any, ...]]) -> None:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(differential, "base_layout", busy_layout)
+        asyncio.run(differential.run_scenario(session_redis(), ops))
+
+
+def test_tenants_idle_for_idle_forget_s_are_forgotten_alike() -> None:
+    ops: list[tuple[Any, ...]] = [("acq", t, "critical", 10, 5, (P,)) for t in TENANTS[:6]]
+    ops += [("rel", 0, 3)] * 6 + [("adv", 4.5), ("reap",), ("acq", "t7", "critical", 10, 0, (P,)), ("reap",)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(differential, "base_layout", busy_layout)
+        asyncio.run(differential.run_scenario(session_redis(), ops))  # asserts identical counters
