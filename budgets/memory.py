@@ -19,7 +19,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from budgets import policy
 from budgets.background import BackgroundTask
@@ -204,6 +204,14 @@ class MemoryStore:
         self._return(live.lease.demand, actual_decode, now)
         self._grant(now)
         return True
+
+    async def extend(self, lease_id: str, tokens: int) -> int | None:
+        live = self._leases.get(lease_id)
+        if live is None or tokens <= 0:
+            return None if live is None else 0
+        demand, over = policy.extend(self._state, live.lease.demand, tokens)
+        live.lease = replace(live.lease, demand=demand)
+        return over
 
     async def heartbeat(self, lease_ids: Sequence[str]) -> None:
         expires_at = self._clock() + self._state.layout.policy.lease_ttl_s

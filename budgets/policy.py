@@ -181,7 +181,7 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from budgets.queue_index import Group, LazyMin, QueueIndex, Ticket
 from budgets.types import (
@@ -407,6 +407,24 @@ def release(state: PolicyState, demand: Demand, actual_decode: int | None, now: 
             )
     if cost:
         _private_changed(state, demand)
+
+
+def extend(state: PolicyState, demand: Demand, tokens: int) -> tuple[Demand, int]:
+    """Grow a live lease's output reservation by ``tokens`` in every pool it holds; never queues.
+
+    Returns the grown demand and the overdraft: how far the fullest of its pools now is above its
+    capacity (0 when the growth fit). An overdrawn pool grants nothing new until releases bring it
+    back under its limit, which the grant pass does by itself (a demand fits only under the limit).
+    A reservation is not service: no fair-share counter moves.
+    """
+    over = 0
+    for name in demand.pools:
+        used = state.in_flight.get(name, 0) + tokens
+        state.in_flight[name] = used
+        spec = state.layout.pools.get(name)
+        if spec is not None:
+            over = max(over, min(tokens, used - spec.capacity))
+    return replace(demand, decode=demand.decode + tokens), over
 
 
 def _private_changed(state: PolicyState, demand: Demand) -> None:

@@ -176,6 +176,12 @@ class BudgetStore(Protocol):
       or not a whole number charges the whole reservation, as does reaping (budgets/policy.py).
     - ``heartbeat`` extends live leases; leases not renewed within ``lease_ttl_s`` are reaped
       (by ``reap_expired`` and by the store's own background task) and their tokens returned.
+    - ``extend`` grows a live lease's output reservation by ``tokens`` in every pool it holds, at
+      once and never queued (a stream that outgrew its reservation is already running): the
+      overdraft is returned (how far its fullest pool is now above capacity; 0 when it fit), and
+      an overdrawn pool grants nothing new until it is back under its limit. None when the lease
+      is not live here (released, reaped, or the store cannot reach its state right now); the
+      release then returns the grown cost.
     """
 
     async def start(self) -> None: ...
@@ -187,6 +193,8 @@ class BudgetStore(Protocol):
     async def acquire(self, demand: Demand, max_wait_s: float) -> Lease: ...
 
     async def release(self, lease_id: str, actual_decode: int | None = None) -> bool: ...
+
+    async def extend(self, lease_id: str, tokens: int) -> int | None: ...
 
     async def heartbeat(self, lease_ids: Sequence[str]) -> None: ...
 

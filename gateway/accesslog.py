@@ -55,6 +55,8 @@ class Record:
     backend_s: float | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    extended: int = 0  # output tokens a stream's lease grew by (its reservation was outgrown)
+    overdraft: int = 0  # of those, tokens beyond what its pools had room for
     error: str | None = None
 
     def emit(self, end: float) -> None:
@@ -97,6 +99,8 @@ class Record:
             "total_ms": _ms(end - self.start),
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
+            "extended": self.extended or None,
+            "overdraft": self.overdraft or None,
             "error": None if self.error is None else self.error[:_ERROR_LIMIT],
         }
 

@@ -97,6 +97,7 @@ class Exchange:
     completion_tokens: int | None = None
     streamed_tokens: int = 0  # output events relayed so far (a stream's tokens, about one an event)
     extended_tokens: int = 0  # what lease growth added to the reservation
+    grow_at: float = float("inf")  # streamed tokens at which the lease grows next (inf: never)
 
     def cancel(self, reason: CancelReason) -> None:
         if not self.done and self.cancel_reason is None:

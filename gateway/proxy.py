@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from time import perf_counter
@@ -30,7 +31,7 @@ from gateway.auth import bearer_key
 from gateway.errors import ApiError, from_admission
 from gateway.exchange import CancelReason, Exchange, Phase, Placement, Receive, RouteKind, Scope, Send
 from gateway.passthrough import PassthroughRoute
-from gateway.relay import UPSTREAM_ERRORS, relay_raw, relay_sse, relay_whole, upstream_failed
+from gateway.relay import UPSTREAM_ERRORS, Grow, relay_raw, relay_sse, relay_whole, upstream_failed
 from gateway.requestid import from_client, new_id
 from gateway.reservations import with_decode
 from gateway.sse import usage_counts
@@ -43,6 +44,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("tokengate.proxy")
 
 _DRAINING = "The gateway is shutting down; retry on another replica"
+# A stream's lease grows once its output reaches this share of what the lease holds.
+_GROW_AT = 0.9
 
 
 class ClientGone(Exception):
@@ -549,7 +552,7 @@ class Proxy:
                     and status == 200
                     and resp.content_type == "text/event-stream"
                 ):
-                    usage = await relay_sse(x, resp, t_up)
+                    usage = await relay_sse(x, resp, t_up, self._growth(x))
                 else:
                     usage = await relay_whole(x, resp, backend, t_up)
             except UPSTREAM_ERRORS as exc:
@@ -566,6 +569,40 @@ class Proxy:
         rec.prompt_tokens, rec.completion_tokens = usage_counts(usage)
         if rec.completion_tokens is not None:
             x.completion_tokens = rec.completion_tokens
+
+    def _growth(self, x: Exchange) -> Grow | None:
+        """The lease-growth hook for a stream that reserved less than its limit (else None)."""
+        r = x.reserved
+        if r is None or not r.reduced or not self.reservations.default.grow or x.lease is None:
+            return None
+        x.grow_at = _GROW_AT * r.decode
+        return self._grow
+
+    async def _grow(self, x: Exchange) -> None:
+        """Extend the lease before the stream outgrows it: by ``grow_factor``, up to the limit. Never
+        waits for room: past the pools' capacity it is an overdraft (counted), not a queue."""
+        r, lease, rec = x.reserved, x.lease, x.record
+        assert r is not None and lease is not None
+        held = r.decode + x.extended_tokens
+        target = min(r.limit, math.ceil(held * self.reservations.default.grow_factor))
+        extra = target - held
+        if extra <= 0:
+            x.grow_at = float("inf")
+            return
+        over = await self.store.extend(lease.id, extra)
+        if over is None:  # the store cannot grow it now (Redis down): the whole growth is unbacked
+            over = extra
+        else:
+            x.extended_tokens += extra
+            rec.extended = x.extended_tokens
+        rec.overdraft += over
+        b = x.bound
+        if b is not None:
+            b.extensions.inc()
+            if over:
+                b.overdrafts.inc()
+                b.overdraft_tokens.inc(over)
+        x.grow_at = _GROW_AT * target if target < r.limit else float("inf")
 
     def _payload(self, x: Exchange, backend: Backend) -> bytes:
         """The bytes to send; re-serialized only when something must change. Sets whether the client

@@ -9,6 +9,7 @@ a stable code; backend addresses and exception text go to the operator's log onl
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from time import perf_counter
 from typing import Any
 
@@ -89,7 +90,10 @@ async def relay_whole(x: Exchange, resp: aiohttp.ClientResponse, backend: Backen
     return usage
 
 
-async def relay_sse(x: Exchange, resp: aiohttp.ClientResponse, t_up: float) -> Any:
+Grow = Callable[[Exchange], Awaitable[None]]
+
+
+async def relay_sse(x: Exchange, resp: aiohttp.ClientResponse, t_up: float, grow: Grow | None = None) -> Any:
     """A stream, event by event as it arrives; the usage event is cut out when the client did not ask."""
     rec = x.record
     relay = UsageRelay(drop_usage=not x.client_wants_usage)
@@ -109,6 +113,8 @@ async def relay_sse(x: Exchange, resp: aiohttp.ClientResponse, t_up: float) -> A
                 first = False
             # About one output token per event: count events (a C-level scan, no parsing).
             x.streamed_tokens += chunk.count(b"data:")
+            if x.streamed_tokens >= x.grow_at and grow is not None:
+                await grow(x)  # before the output outgrows what the lease holds
             out = relay.feed(chunk)
             if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})

@@ -93,6 +93,15 @@ class Fallback:
         self._local.pop(lease_id, None)
         await self._store.release(lease_id, actual_decode)
 
+    async def extend(self, lease_id: str, tokens: int) -> int | None:
+        over = await self._store.extend(lease_id, tokens)
+        lease = self._local.get(lease_id)
+        if over is not None and lease is not None:  # its move into Redis carries the grown cost
+            self._local[lease_id] = replace(
+                lease, demand=replace(lease.demand, decode=lease.demand.decode + tokens)
+            )
+        return over
+
     async def heartbeat(self, lease_ids: Sequence[str]) -> None:
         await self._store.heartbeat(lease_ids)
 

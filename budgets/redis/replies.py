@@ -185,6 +185,12 @@ def release(reply: Any) -> Release:
     return Release(int(reply))
 
 
+def extend(reply: Any) -> int | None:
+    """extend.lua's answer: the overdraft (>= 0), or None when the lease is not live."""
+    over = int(reply)
+    return None if over < 0 else over
+
+
 def heartbeat(reply: Sequence[Any]) -> list[str] | NoLayout:
     """The ids Redis does not know, or NO_LAYOUT."""
     if reply[:1] == [NO_LAYOUT]:

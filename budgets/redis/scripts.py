@@ -34,6 +34,7 @@ ENTRY_SCRIPTS: dict[str, tuple[str, ...]] = {
     "withdraw": ("withdraw",),
     "status": ("status",),
     "heartbeat": ("heartbeat",),
+    "extend": ("extend",),
     "restore": ("restore",),
     "reap": ("reap",),
     "apply_layout": ("apply_layout",),

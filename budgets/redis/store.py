@@ -35,7 +35,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn
 
 from redis.asyncio import Redis
@@ -560,6 +560,22 @@ class RedisStore:
             self._failover.defer_release(lease_id, actual_decode)  # applied by the recovery
         elif err is not None:
             _log.error("write-behind release of %s failed", lease_id, exc_info=err)
+
+    async def extend(self, lease_id: str, tokens: int) -> int | None:
+        if self._fallback is not None and self._fallback.holds(lease_id):
+            return await self._fallback.extend(lease_id, tokens)
+        held = self._held.get(lease_id)
+        if held is None or lease_id in self._releasing or self._failover.down:
+            return None  # not live here, or Redis cannot be told: the caller counts an overdraft
+        try:
+            over = replies.extend(await self._transport.eval("extend", [lease_id, str(int(tokens))]))
+        except Down:
+            return None
+        if over is not None:
+            # A re-registration after a restart must carry the grown cost.
+            demand = held.lease.demand
+            held.lease = replace(held.lease, demand=replace(demand, decode=demand.decode + int(tokens)))
+        return over
 
     async def heartbeat(self, lease_ids: Sequence[str]) -> None:
         remote = lease_ids

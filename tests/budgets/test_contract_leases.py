@@ -16,6 +16,7 @@ from tests.budgets.support import (
     eventually,
     in_flight,
     layout,
+    private,
     shared,
     wait_queued,
     waiting,
@@ -141,3 +142,62 @@ async def test_removed_pool_keeps_its_leases_until_released(store_factory: Store
     assert await in_flight(store, Q) == 30
     assert await store.release(lease.id)
     await assert_idle(store)
+
+
+# ---- growing a lease while its stream runs ----
+
+
+async def test_a_lease_grows_in_every_pool_it_holds_and_releases_what_it_grew_to(
+    store_factory: StoreFactory, clock: FakeClock
+) -> None:
+    store = await store_factory(layout([shared(P, 1000), private("tenant:a", 500)], ["a"]))
+    lease = await store.acquire(demand("a", 150, P, "tenant:a", decode=100), 1)
+    assert await store.extend(lease.id, 200) == 0  # it fits: no overdraft
+    assert (await in_flight(store, P), await in_flight(store, "tenant:a")) == (350, 350)
+    assert await store.extend(lease.id, 0) == 0
+    assert await store.release(lease.id, 250) is True
+    await assert_idle(store)
+
+
+async def test_growth_past_capacity_is_an_overdraft_and_the_pool_admits_nothing_until_paid_back(
+    store_factory: StoreFactory, clock: FakeClock
+) -> None:
+    store = await store_factory(layout([shared(P, 100)], ["a", "b"]))
+    lease = await store.acquire(demand("a", 90, P, decode=80), 1)
+    assert await store.extend(lease.id, 40) == 30  # 130 in flight against 100
+    assert await in_flight(store, P) == 130
+    small = asyncio.create_task(store.acquire(demand("b", 5, P), 10))
+    await wait_queued(store, 1)  # even 5 tokens wait: the pool is over its limit
+    assert not small.done()
+    assert await store.release(lease.id, 100) is True
+    (await small)  # granted once the overdraft is paid back
+    assert await in_flight(store, P) == 5
+
+
+async def test_an_unknown_lease_cannot_grow_and_a_grown_reaped_lease_returns_all_of_it(
+    store_factory: StoreFactory, clock: FakeClock
+) -> None:
+    store = await store_factory(layout([shared(P, 100)], ["a"], lease_ttl_s=5.0))
+    assert await store.extend("no-such-lease", 10) is None
+    lease = await store.acquire(demand("a", 20, P, decode=10), 1)
+    await store.extend(lease.id, 30)
+    assert await in_flight(store, P) == 50
+    clock.advance(5.1)
+    assert await store.reap_expired() == 1
+    assert await store.extend(lease.id, 10) is None  # reaped: gone
+    await assert_idle(store)
+
+
+async def test_growth_is_not_service_but_the_grown_output_is_when_served(
+    store_factory: StoreFactory, clock: FakeClock
+) -> None:
+    store = await store_factory(layout([shared(P, 10_000)], ["a", "b"]))
+    busy = await store.acquire(demand("b", 10, P), 1)  # keeps b in flight: no idle-tenant lift
+    lease = await store.acquire(demand("a", 110, P, decode=100), 1)
+    before = (await store.snapshot()).virtual_service["a"]
+    await store.extend(lease.id, 300)
+    assert (await store.snapshot()).virtual_service["a"] == before  # a reservation is not service
+    await store.release(lease.id, 350)  # served 350: more than the first reservation, within the grown one
+    after = (await store.snapshot()).virtual_service["a"]
+    assert after - before == 2 * 350  # the default decode weight
+    await store.release(busy.id)

@@ -88,6 +88,7 @@ advance = st.tuples(st.just("adv"), st.sampled_from([0.1, 0.7, 1.5, 2.5, 6.0]))
 cancel = st.tuples(st.just("cancel"), st.integers(0, 50))
 heartbeat = st.tuples(st.just("hb"), st.integers(0, 50))
 reap = st.tuples(st.just("reap"))
+grow = st.tuples(st.just("grow"), st.integers(0, 50), st.sampled_from([1, 8, 30, 120]))
 relayout = st.tuples(st.just("layout"), st.integers(0, 2))
 # Acquires dominate so that pools fill up and the queue, holds and backfill come into play.
 operation = st.one_of(
@@ -105,6 +106,7 @@ operation = st.one_of(
     heartbeat,
     cancel,
     relayout,
+    grow,
 )
 
 
@@ -187,6 +189,10 @@ async def run_scenario(server: RedisServer, ops: Sequence[tuple[Any, ...]]) -> N
                 assert await mem.release(m_lease.id) is False and await red.release(r_lease.id) is False, (
                     where
                 )
+            elif kind == "grow" and live:  # a stream outgrew its reservation: same overdraft on both
+                idx = sorted(live)[op[1] % len(live)]
+                m_lease, r_lease = tasks[idx][0].result(), tasks[idx][1].result()
+                assert await mem.extend(m_lease.id, op[2]) == await red.extend(r_lease.id, op[2]), where
             elif kind == "adv":
                 clock.advance(op[1])
             elif kind == "reap":

@@ -12,6 +12,7 @@ from classifiers.reservation import ReservationSettings
 from gateway.reservations import ReservationConfig, Reservations
 from tests.conftest import GatewayFactory, RunningGateway, StubBackend, stub_pools
 from tests.gateway.gw_support import chat
+from tests.support import eventually
 
 
 async def post(gw: RunningGateway, **extra: Any) -> httpx.Response:
@@ -20,6 +21,10 @@ async def post(gw: RunningGateway, **extra: Any) -> httpx.Response:
         r = await c.post("/v1/chat/completions", json=chat(max_tokens=4000, **extra), headers=headers)
         assert r.status_code == 200
         return r
+
+
+async def flight_at_least(gw: RunningGateway, tokens: int) -> bool:
+    return (await gw.in_flight())["backend:default"] >= tokens
 
 
 def reserved(r: httpx.Response, prefill: int) -> int:
@@ -118,3 +123,100 @@ def test_kv_feedback_reserves_the_limit_from_the_high_watermark_until_the_low_on
     assert held() == 1000
     usage["p"] = 0.6
     assert held() == 100 and res.tight_pools() == []
+
+
+async def learned_gateway(
+    gateway_factory: GatewayFactory, url: str, capacity: int = 100_000
+) -> RunningGateway:
+    gw = await gateway_factory(
+        {
+            "pools": stub_pools(url, capacity=capacity),
+            "reservation": {"mode": "learned", "min_samples": 3, "grow_factor": 2},
+        }
+    )
+    for _ in range(4):  # teach it that answers are 3 tokens long (weight decays: one more than needed)
+        await post(gw)
+    return gw
+
+
+async def test_a_stream_that_outgrows_its_reservation_grows_its_lease_and_the_books_still_close(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory, caplog: Any
+) -> None:
+    import logging
+
+    _, url = stub_backend
+    gw = await learned_gateway(gateway_factory, url)
+    caplog.set_level(logging.INFO, logger="tokengate.access")
+    async with httpx.AsyncClient(base_url=gw.url) as c:
+        r = await c.post(
+            "/v1/chat/completions",
+            json=chat(max_tokens=4000, stream=True),
+            headers={"x-stub-chunks": "40", "x-stub-interval": "0.005"},
+        )
+    assert r.status_code == 200 and r.text.count("tok") >= 40
+    line = [rec.getMessage() for rec in caplog.records if rec.name == "tokengate.access"][-1]
+    assert '"extended":null' not in line and '"overdraft":null' in line  # grew in steps, always within room
+    assert await gw.wait_idle() == {name: 0 for name in await gw.in_flight()}
+    async with httpx.AsyncClient() as c:
+        metrics = (await c.get(gw.ops_url + "/metrics")).text
+    assert 'tokengate_lease_extensions_total{class="default"}' in metrics
+
+
+async def test_growth_past_the_pool_is_an_overdraft_and_new_requests_wait_until_it_is_paid_back(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory, caplog: Any
+) -> None:
+    import asyncio
+    import logging
+
+    _, url = stub_backend
+    gw = await gateway_factory(
+        {
+            "pools": stub_pools(url, capacity=4500),  # the standard tier may fill 90 %: 4050
+            "reservation": {"mode": "learned", "min_samples": 3},
+            "classes": [
+                {
+                    "name": "holder",
+                    "when": {"user": ["holder"]},
+                    "pool": "default",
+                    "reservation": {"mode": "max_tokens"},
+                },
+                {"name": "chat", "pool": "default"},
+            ],
+        }
+    )
+    for _ in range(4):
+        await post(gw)  # chat answers are 3 tokens long
+    caplog.set_level(logging.INFO, logger="tokengate.access")
+    async with httpx.AsyncClient(base_url=gw.url, timeout=30) as c:
+        holder = asyncio.create_task(
+            c.post(
+                "/v1/chat/completions",
+                json=chat(max_tokens=3900, user="holder"),
+                headers={"x-stub-delay": "2"},
+            )
+        )
+        await eventually(lambda: flight_at_least(gw, 3900), timeout_s=5)
+        long = asyncio.create_task(
+            c.post(
+                "/v1/chat/completions",
+                json=chat(max_tokens=4000, stream=True),
+                headers={"x-stub-chunks": "800", "x-stub-interval": "0.004"},
+            )
+        )
+        await eventually(lambda: flight_at_least(gw, 4501), timeout_s=5)  # grown past the pool's capacity
+        small = asyncio.create_task(post(gw))  # 11 tokens: it fitted before the overdraft
+
+        async def queued() -> bool:
+            return (await gw.store.snapshot()).queue_depth["standard"] == 1
+
+        await eventually(queued)  # it waits: the pool is overdrawn
+        assert not small.done()
+        assert (await long).status_code == 200 and (await holder).status_code == 200
+        assert (await small).status_code == 200  # admitted once the overdraft was paid back
+    line = next(
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "tokengate.access" and '"stream":true' in r.getMessage()
+    )
+    assert '"overdraft":null' not in line
+    assert await gw.wait_idle() == {name: 0 for name in await gw.in_flight()}

@@ -1,0 +1,31 @@
+-- extend.lua: grow a live lease's output reservation in every pool it holds (policy.extend).
+-- Never queues: the stream that outgrew its reservation is already running. An overdrawn pool
+-- grants nothing new until releases bring it back under its limit (no grant pass is needed: more
+-- in flight can only block grants). A reservation is not service: no counter moves.
+-- A (ARGV after now-override and replica): lease id, tokens
+-- Reply: the overdraft (>= 0: how far the fullest pool is now above its capacity, at most tokens),
+-- or -1 when the lease is not live (released, reaped, or lost in a restart).
+local function extend_main(A)
+  local id = A[1]
+  local tokens = tonumber(A[2])
+  local lease = load_lease(id)
+  if lease == nil or not load_policy(lease.d) then
+    return -1
+  end
+  local d = lease.d
+  if tokens <= 0 then
+    return 0
+  end
+  add_used(d.pools, tokens)
+  local over = 0
+  for i = 1, #d.pools do
+    local p = pool_spec(d.pools[i])
+    if p then
+      over = math.max(over, math.min(tokens, used(d.pools[i]) - p.cap))
+    end
+  end
+  d.decode = d.decode + tokens
+  d.cost = d.cost + tokens
+  redis.call('HSET', K.leases, id, pack_demand(d) .. SEP .. lease.owner .. SEP .. lease.granted_at .. SEP .. lease.queued_s)
+  return over
+end
