@@ -170,6 +170,7 @@ class Gateway:
             self.observer,
             snapshot=self.store.snapshot,
             config_view=lambda: config_view(self.config.classes, self.config.pools),
+            backends=lambda: self.router.backends,
         )
         self.draining = False
         self._drained = False

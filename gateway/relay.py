@@ -106,6 +106,8 @@ async def relay_sse(x: Exchange, resp: aiohttp.ClientResponse, t_up: float) -> A
             if first:
                 rec.ttft_s = perf_counter() - rec.start
                 first = False
+                if x.gate is not None:
+                    x.gate.release()  # the prompt is prefilled: the next one may go
             out = relay.feed(chunk)
             if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})

@@ -9,7 +9,7 @@ pools in config-file shape (for the split YAML). Either may be absent; the JSON 
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
@@ -25,7 +25,7 @@ from gateway.observe.diagnose import diagnose
 from gateway.observe.observer import Observer
 from gateway.observe.shape import split_plan
 from gateway.observe.windows import Quantiles
-from gateway.upstream.pools import BackendPoolSpec
+from gateway.upstream.pools import Backend, BackendPoolSpec
 
 STATS_VERSION = 1
 
@@ -56,7 +56,11 @@ def config_view(classes: Sequence[ClassRule], pools: Sequence[BackendPoolSpec]) 
             if b.name:
                 d["name"] = b.name
             backends.append(d)
-        out[p.name] = {"backends": backends}
+        pool: dict[str, Any] = {"backends": backends}
+        if p.prefill_gate_tokens is not None:
+            pool["prefill_gate_tokens"] = p.prefill_gate_tokens
+            pool["prefill_gate_hold_s"] = p.prefill_gate_hold_s
+        out[p.name] = pool
     return ConfigView(classes=[c.to_config() for c in classes], pools=out)
 
 
@@ -65,6 +69,7 @@ class StatsSources:
     observer: Observer
     snapshot: Callable[[], Awaitable[StoreSnapshot]] | None = None
     config_view: Callable[[], ConfigView] | None = None
+    backends: Callable[[], Iterable[Backend]] | None = None  # the router's, for the prefill gates
     wall: Callable[[], float] = time.time
 
 
@@ -149,6 +154,12 @@ def _store(snap: StoreSnapshot | None) -> dict[str, Any]:
     return {"pools": pools, "queues": dict(snap.queue_depth), "tenants": tenant_rows, "leases": snap.leases}
 
 
+def _gates(src: StatsSources) -> list[dict[str, Any]]:
+    if src.backends is None:
+        return []
+    return [{"pool": b.pool, "backend": b.name, **b.gate.as_dict()} for b in src.backends() if b.gate]
+
+
 def _shape(src: StatsSources) -> list[dict[str, Any]]:
     obs = src.observer
     view = src.config_view() if src.config_view is not None else None
@@ -183,6 +194,7 @@ async def build_stats(src: StatsSources) -> dict[str, Any]:
         **_store(snap),
         "store_error": store_error,
         "backends": [ld.as_dict() for ld in obs.loads],
+        "prefill_gates": _gates(src),
         "hol": {
             "threshold": s.hol.threshold,
             "lookback_windows": s.hol.lookback_windows,
@@ -252,7 +264,14 @@ def observe_routes(src: StatsSources) -> list[BaseRoute]:
         if want_yaml:
             return Response(text, media_type="application/yaml", headers={"cache-control": "no-store"})
         st = await build_stats(src)
-        return _json({"shape": st["shape"], "hol": st["hol"], "findings": st["findings"], "yaml": text})
+        return _json(
+            {
+                "shape": st["shape"],
+                "hol": st["hol"],
+                "findings": st["findings"],
+                "yaml": text,
+            }
+        )
 
     async def page(request: Request) -> Response:
         name = request.path_params.get("name", "index.html")
