@@ -1,8 +1,8 @@
 """``tokengate doctor URL``: read a running gateway's ``/stats`` and say what is wrong, in words.
 
 Prints the per-class latency table (p50/p99 TTFT, queue wait, time on the backend), the
-head-of-line diagnosis, KV pressure per backend, prefill gates, pools and queues, and the split
-advice.
+head-of-line diagnosis (with the one-server recipe for a pool that cannot be split), KV pressure
+per backend, prefill gates, pools and queues, and the split advice.
 Exit status: 0 all fine, 1 warnings, 2 something critical, 3 the gateway could not be read.
 """
 

@@ -23,6 +23,7 @@ from budgets.types import StoreSnapshot
 from classifiers import ClassRule
 from gateway.observe.diagnose import diagnose
 from gateway.observe.observer import Observer
+from gateway.observe.oneserver import OneServerPlan, one_server_plans
 from gateway.observe.shape import split_plan
 from gateway.observe.windows import Quantiles
 from gateway.upstream.pools import Backend, BackendPoolSpec
@@ -174,6 +175,20 @@ def _shape(src: StatsSources) -> list[dict[str, Any]]:
     return out
 
 
+def _one_server(src: StatsSources) -> list[OneServerPlan]:
+    obs = src.observer
+    view = src.config_view() if src.config_view is not None else ConfigView()
+    h = obs.settings.hol
+    return one_server_plans(
+        obs.hol(),
+        threshold=h.threshold,
+        min_windows=h.min_windows,
+        shape=obs.shape,
+        pools=view.pools,
+        loads=obs.loads,
+    )
+
+
 async def build_stats(src: StatsSources) -> dict[str, Any]:
     obs = src.observer
     obs.refresh()
@@ -202,6 +217,7 @@ async def build_stats(src: StatsSources) -> dict[str, Any]:
             "pairs": [p.as_dict() for p in obs.hol()],
         },
         "shape": _shape(src),
+        "one_server": [p.as_dict() for p in _one_server(src)],
         "shape_thresholds": {"split_at": s.shape.split_at, "two_services_at": s.shape.two_services_at},
     }
     stats["findings"] = [f.as_dict() for f in diagnose(stats)]
@@ -209,11 +225,12 @@ async def build_stats(src: StatsSources) -> dict[str, Any]:
 
 
 def insights_yaml(src: StatsSources) -> str:
-    """Every pool's split advice as YAML comments + the config edit, one document per pool."""
+    """Every pool's split advice as YAML comments + the config edit, one document per pool; then,
+    for a pool with head-of-line blocking and one backend, the one-server recipe."""
     obs = src.observer
     obs.refresh()
     view = src.config_view() if src.config_view is not None else ConfigView()
-    docs = []
+    docs = [p.to_yaml(view.pools) for p in _one_server(src)]
     for r in obs.shape_readings():
         if r.advice == 0:
             continue
@@ -268,6 +285,7 @@ def observe_routes(src: StatsSources) -> list[BaseRoute]:
             {
                 "shape": st["shape"],
                 "hol": st["hol"],
+                "one_server": st["one_server"],
                 "findings": st["findings"],
                 "yaml": text,
             }
