@@ -14,7 +14,10 @@ Order within a step:
   prefill already running still takes a step's budget before a high-priority short prompt.
 - ``priority`` with ``priority_scope="step"`` (the default; vLLM has no such mode): running and
   waiting requests are served in one priority order, so higher-priority decodes and short
-  prefills take the step first and a lower-priority long prefill gets only the budget left over.
+  prefills take the step first and a lower-priority long prefill gets only what is left over: it
+  sits out every step in which a higher-priority request prefills (long = more than
+  ``long_prefill_token_threshold`` tokens left, or 4 % of ``max_model_len`` without a threshold),
+  so those prefill steps stay as short as if it were not there; it runs in the steps between.
   Starvation is bounded by aging: a request's effective priority improves by one level for every
   ``priority_aging_s`` seconds since it arrived (0 = no aging). A waiting request may preempt
   running requests of strictly lower (static) priority to get the KV blocks it needs, so a
@@ -268,6 +271,11 @@ class Scheduler:
         self._requests: dict[str, EngineRequest] = {}
         self._arrivals = 0
         self.num_preemptions_total = 0
+        # Step scope: a prefill with more than this many tokens left is long, and yields steps to
+        # higher-priority prefills (the chunk cap, else vLLM's 4 % of the context).
+        self._yield_threshold = config.long_prefill_token_threshold or max(
+            1, int(config.max_model_len * _DEFAULT_LONG_PREFILL_SHARE)
+        )
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -367,15 +375,29 @@ class Scheduler:
             self.waiting.push_front(req)
 
     def _schedule_by_priority(self, st: _Step, now: float) -> None:
-        """Running and waiting requests in one (aged) priority order."""
+        """Running and waiting requests in one (aged) priority order; a long prefill yields the step
+        to any prefill of higher priority (it runs in the steps they leave)."""
         key = self._aged_key(now)
         running = sorted(((key(r), r) for r in self.running), key=lambda e: e[0])
         waiting = sorted(((key(r), r) for r in self.waiting), key=lambda e: e[0])
+        long_above = self._yield_threshold
+        top_prefill: float | None = None  # the (aged) priority of this step's first prefill
         i = j = 0
         while st.budget > 0 and (i < len(running) or (st.admit and j < len(waiting))):
-            if i < len(running) and not (st.admit and j < len(waiting) and waiting[j][0] < running[i][0]):
-                req = running[i][1]
+            from_running = i < len(running) and not (
+                st.admit and j < len(waiting) and waiting[j][0] < running[i][0]
+            )
+            if from_running:
+                prio, req = running[i]
                 i += 1
+            else:
+                prio, req = waiting[j]
+                j += 1
+            remaining = _remaining(req)
+            prefill = remaining > 1 or req.num_computed_tokens == 0
+            if prefill and top_prefill is not None and remaining > long_above and prio[0] > top_prefill:
+                continue  # a long prefill of lower priority: not in a step a higher one prefills in
+            if from_running:
                 if req.status is not RequestStatus.RUNNING:
                     continue  # preempted earlier in this step
                 n = self._num_new_tokens(req, st)
@@ -384,15 +406,17 @@ class Scheduler:
                     self._grow(req, n, st)
                     if len(st.out.preempted) > preempted:
                         st.admit = False  # a running request had to preempt: admitting would thrash
+                    elif prefill and top_prefill is None:
+                        top_prefill = prio[0]
                 continue
-            req = waiting[j][1]
-            j += 1
             if len(self.running) >= self.config.max_num_seqs:
                 st.admit = False
-            elif st.slots is not None and not st.slots.allows(_remaining(req)):
+            elif st.slots is not None and not st.slots.allows(remaining):
                 continue  # no prefill slot of its kind left: others may still pass
             elif not self._admit(req, st, now, head=False):
                 st.admit = False  # it waits for KV blocks; smaller ones must not overtake it
+            elif top_prefill is None:
+                top_prefill = prio[0]
 
     # ---- internals ---------------------------------------------------------------------------
 

@@ -166,8 +166,35 @@ def test_a_high_priority_short_prompt_goes_before_a_running_low_priority_long_pr
     rig = sim_rig(max_num_batched_tokens=512, max_model_len=2048, policy="priority")
     _long_prefill_running(rig)
     rig.engine.add_request(req("short", 100, 4, priority=0))
-    # The short prompt is prefilled whole; the long prefill takes only what is left of the step.
-    assert run_step(rig) == {"short": 100, "long": 412}
+    # The short prompt is prefilled whole, in a step of its own: the long prefill yields it.
+    assert run_step(rig) == {"short": 100}
+    # Steps without a higher-priority prefill are the long one's again (the decode goes first).
+    assert run_step(rig) == {"short": 1, "long": 511}
+
+
+def test_a_low_priority_short_prefill_still_shares_the_step(sim_rig: RigFactory) -> None:
+    rig = sim_rig(max_num_batched_tokens=512, max_model_len=2048, policy="priority")
+    rig.engine.add_request(req("urgent", 300, 4, priority=0))
+    rig.engine.add_request(req("small", 60, 4, priority=2))  # below the long threshold (81 tokens)
+    rig.engine.add_request(req("long", 1500, 4, priority=2))
+    assert chunks(rig) == {"urgent": 300, "small": 60}
+
+
+def test_a_long_prefill_uses_the_chunk_cap_as_its_threshold_to_yield(sim_rig: RigFactory) -> None:
+    rig = sim_rig(
+        max_num_batched_tokens=4096,
+        max_model_len=8192,
+        num_blocks=1024,
+        policy="priority",
+        long_prefill_token_threshold=512,
+    )
+    rig.engine.add_request(req("long", 6000, 4, priority=2))
+    assert run_step(rig) == {"long": 512}
+    rig.engine.add_request(req("chat", 1200, 4, priority=1))
+    assert run_step(rig) == {"chat": 512}  # the chat prompt's chunks run without the long one's
+    assert run_step(rig) == {"chat": 512}
+    assert run_step(rig) == {"chat": 176}
+    assert run_step(rig) == {"chat": 1, "long": 512}
 
 
 def test_vllms_queue_scope_lets_a_running_long_prefill_take_the_step_first(sim_rig: RigFactory) -> None:
