@@ -32,7 +32,7 @@ from gateway.observe.scrape import BackendLoads
 from gateway.observe.shape import ShapeTracker
 
 CHUNK_CAP = 512  # tokens of one request's prefill per step: measured ~1.8x solo p99 on one server
-_SHORT_ROOM = 4  # the gate leaves room for this many median requests beside the largest one
+_SHORT_ROOM = 16  # the gate leaves room for a burst of this many median requests beside the largest one
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,12 +141,15 @@ class OneServerPlan:
 
 
 def suggested_gate_tokens(max_cost: int | None, median_cost: float | None) -> int:
-    """The largest request seen plus room for a few median ones, rounded up to a thousand: the
-    long prompt fits beside short ones (which keep flowing) but not beside a second long one."""
+    """Room for the largest request seen plus a burst of median ones (the short prompts that arrive
+    while it prefills must not wait at the gate), but less than two of the largest: a second long
+    prompt never prefills beside the first. Rounded up to a thousand."""
     if not max_cost:
         return 32_000
     room = _SHORT_ROOM * (median_cost or 0.0)
-    return int(math.ceil((max_cost + room) / 1000.0) * 1000)
+    gate = int(math.ceil((max_cost + room) / 1000.0) * 1000)
+    below_two = (2 * max_cost - 1) // 1000 * 1000
+    return max(min(gate, below_two), max_cost)
 
 
 def _engine_settings(engine: str, sched: Mapping[str, str] | None) -> tuple[list[Setting], list[str]]:

@@ -117,7 +117,7 @@ async def test_a_blocked_one_backend_pool_gets_the_recipe_for_vllm() -> None:
     gateway = {s["name"]: s for s in plan["gateway_settings"]}
     assert gateway["pools.shared.prefill_gate_tokens:"]["in_effect"] is False
     assert gateway[f"accepts_priority: true on backend {URL}"]["in_effect"] is False
-    assert plan["prefill_gate_tokens"] == suggested_gate_tokens(28_600, 1_200) == 34_000
+    assert plan["prefill_gate_tokens"] == suggested_gate_tokens(28_600, 1_200) == 48_000
     assert any("v0 engine" in n for n in plan["notes"])
     findings = {f.topic: f for f in diagnose(st)}
     assert findings["one_server"].level == "crit"
@@ -186,7 +186,7 @@ async def test_insights_yaml_carries_the_gateway_edit_and_the_engine_flags() -> 
     assert "--long-prefill-token-threshold 512 --scheduling-policy priority" in first
     doc = yaml.safe_load(first)
     shared = doc["pools"]["shared"]
-    assert shared["prefill_gate_tokens"] == 34_000
+    assert shared["prefill_gate_tokens"] == 48_000
     assert shared["backends"] == [{"url": URL, "capacity_tokens": 200_000, "accepts_priority": True}]
     assert body["one_server"][0]["pool"] == "shared"
     assert any(f["topic"] == "one_server" for f in body["findings"])
@@ -203,6 +203,8 @@ async def test_doctor_prints_the_recipe() -> None:
 
 
 def test_the_suggested_gate_fits_the_largest_request_and_a_few_median_ones() -> None:
-    assert suggested_gate_tokens(28_600, 1_200) == 34_000
+    assert suggested_gate_tokens(28_600, 1_200) == 48_000  # 28,600 + 16 x 1,200, rounded up
     assert suggested_gate_tokens(None, None) == 32_000
-    assert suggested_gate_tokens(9_000, 100.0) == 10_000
+    assert suggested_gate_tokens(9_000, 100.0) == 11_000
+    # Never room for two of the largest: 8,000 + 16 x 2,000 would let a second 8,000 in.
+    assert suggested_gate_tokens(8_000, 2_000.0) == 15_000
