@@ -1,23 +1,21 @@
 """The one_server scenario's engine side on a virtual clock: deterministic, no CPU noise, ~1 minute.
 
-Replays the same workload as ``loadtest/scenarios/one_server.yaml`` — the Azure conversation trace
-from t = 600 s (real arrival times and sizes) plus a 28,000-token prompt every 4 s from 2 s to 50 s —
-straight into the reference engine (simulated executor, default cost model, no HTTP, no gateway), once
+Replays the same seeded plan as ``tokengate loadtest one_server`` — the Azure conversation trace from
+t = 600 s (real arrival times and sizes) plus the agent's 28,000-token prompts — straight into the
+reference engine (simulated executor, default cost model, no HTTP, no gateway), once
 with and once without the 28k prompts, for each engine setting; prints victim TTFT p50/p99 and ITL p99
 against the victim alone on the same setting. It measures what the engine settings do by themselves;
 the gateway's budgets and prefill gate need the real stack (``tokengate loadtest one_server --spawn``).
 
-    .venv/bin/python scripts/one_server_replay.py [--duration 60] [--traces DIR]
+    .venv/bin/python scripts/one_server_replay.py [--duration 60] [--synthetic]
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import random
-import sys
 from collections.abc import Sequence
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
 from backends.engine.clock import VirtualClock
@@ -26,7 +24,8 @@ from backends.engine.kv_cache import BlockManager
 from backends.engine.request import EngineRequest
 from backends.engine.scheduler import Scheduler, SchedulerConfig
 from backends.engine.sim_executor import SimExecutor
-from loadtest.traces import default_traces_dir, load_trace
+from loadtest.scenario import load_scenario
+from loadtest.schedule import build_schedule
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "vLLM defaults (fcfs, no cap)": {},
@@ -97,23 +96,21 @@ def replay(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    ap.add_argument("--duration", type=float, default=60.0, help="seconds of the trace (default 60)")
-    ap.add_argument("--traces", type=Path, default=None, help="folder of the Azure traces")
+    ap.add_argument(
+        "--duration", type=float, default=None, help="seconds of arrivals (default: the scenario's)"
+    )
+    ap.add_argument(
+        "--synthetic", action="store_true", help="the trace's fitted stand-in instead of the file"
+    )
     args = ap.parse_args(argv)
-    path = (args.traces or default_traces_dir()) / "azure_llm_2023_conv.csv"
-    if not path.is_file():
-        print(f"trace not found: {path}", file=sys.stderr)
-        return 2
-    records = load_trace(path)
-    victims = [
-        (r.at_s - 600, r.prompt_tokens, min(r.output_tokens, 32768 - r.prompt_tokens))
-        for r in records
-        if 600 <= r.at_s < 600 + args.duration
-    ]
-    rng = random.Random(1)
-    last = min(args.duration, 50.0)
-    noisy = [(2.0 + 4 * k, 28_000, rng.randint(400, 700)) for k in range(int((last - 2.0) / 4) + 1)]
-    print(f"{len(victims)} chat requests over {args.duration:g} s, {len(noisy)} prompts of 28,000 tokens")
+    scenario = load_scenario("one_server", synthetic=args.synthetic)
+    spec = scenario.workload
+    if args.duration is not None:
+        spec = replace(spec, duration_s=args.duration)
+    plan = [r for r in build_schedule(spec) if r.at_s < spec.duration_s]
+    victims = [(r.at_s, r.prompt_tokens, r.output_tokens) for r in plan if r.group == "victim"]
+    noisy = [(r.at_s, r.prompt_tokens, r.output_tokens) for r in plan if r.group == "noisy"]
+    print(f"{len(victims)} chat requests over {spec.duration_s:g} s, {len(noisy)} prompts of ~28,000 tokens")
     print()
     print("| engine setting | victim TTFT p50 / p99 alone (ms) | beside 28k (ms) | p99 ÷ alone | ITL p99 ÷ alone "
           "| 28k TTFT p50 (s) |")  # fmt: skip

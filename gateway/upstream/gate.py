@@ -9,8 +9,10 @@ answer ends (non-streaming, errors). So:
 - several long prompts are never prefilled at once: with ``limit`` below two long prompts, the
   second waits for the first one's first token;
 - a long prompt is held back briefly while short ones are prefilling: a request that does not fit
-  waits, and smaller ones that fit may pass it — for at most ``hold_s``; after that it holds the line
-  and nobody passes it until it is in (it cannot starve);
+  waits, and smaller ones that fit may pass it. After ``hold_s``, if only smaller requests keep it out
+  (it would fit once they leave), it holds the line: nobody passes it until it is in, so a stream of
+  short prompts cannot starve it. A prompt waiting for another long one does not hold the line: short
+  ones keep passing (it would gain nothing from stopping them);
 - a prompt larger than ``limit`` enters only an empty gate (it runs, alone).
 
 Size ``limit`` at the largest prompt plus room for the short prompts that arrive while it prefills;
@@ -60,7 +62,17 @@ class GatePass:
 
 
 class PrefillGate:
-    __slots__ = ("_waiters", "clock", "held_total", "hold_s", "limit", "requests", "tokens", "wait_s_total")
+    __slots__ = (
+        "_sizes",
+        "_waiters",
+        "clock",
+        "held_total",
+        "hold_s",
+        "limit",
+        "requests",
+        "tokens",
+        "wait_s_total",
+    )
 
     def __init__(self, limit: int, hold_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.limit = limit
@@ -71,6 +83,7 @@ class PrefillGate:
         self.held_total = 0  # requests that had to wait
         self.wait_s_total = 0.0
         self._waiters: deque[_Waiter] = deque()
+        self._sizes: dict[int, int] = {}  # prompt size -> requests of that size inside
 
     @property
     def waiting(self) -> int:
@@ -83,10 +96,19 @@ class PrefillGate:
     def _fits(self, tokens: int) -> bool:
         return self.tokens + tokens <= self.limit or self.requests == 0
 
+    def _only_smaller_in_the_way(self, tokens: int) -> bool:
+        """Would ``tokens`` fit if every request inside smaller than it left?"""
+        larger = sum(size * n for size, n in self._sizes.items() if size >= tokens)
+        if tokens > self.limit:
+            return larger == 0
+        return larger + tokens <= self.limit
+
+    def _holds_line(self, w: _Waiter, now: float) -> bool:
+        return now - w.since >= self.hold_s and self._only_smaller_in_the_way(w.tokens)
+
     def _line_held(self, now: float) -> bool:
-        """A waiter has been passed for ``hold_s``: newcomers queue behind it."""
-        hold = self.hold_s
-        return any(now - w.since >= hold for w in self._waiters)
+        """A waiter has been passed for ``hold_s`` by smaller ones: newcomers queue behind it."""
+        return any(self._holds_line(w, now) for w in self._waiters)
 
     async def enter(self, tokens: int) -> GatePass:
         """Wait until ``tokens`` may be prefilled on this backend; the pass must be released."""
@@ -112,11 +134,17 @@ class PrefillGate:
     def leave(self, tokens: int) -> None:
         self.tokens -= tokens
         self.requests -= 1
+        left = self._sizes[tokens] - 1
+        if left:
+            self._sizes[tokens] = left
+        else:
+            del self._sizes[tokens]
         self._wake()
 
     def _take(self, tokens: int) -> None:
         self.tokens += tokens
         self.requests += 1
+        self._sizes[tokens] = self._sizes.get(tokens, 0) + 1
 
     def _drop(self, waiter: _Waiter) -> None:
         try:
@@ -127,7 +155,7 @@ class PrefillGate:
 
     def _wake(self) -> None:
         """Let in, in arrival order, every waiter that fits; one that does not fit may be passed by
-        those behind it until it has waited ``hold_s``, then nobody behind it goes first."""
+        those behind it, unless it holds the line (waited ``hold_s``, kept out only by smaller ones)."""
         if not self._waiters:
             return
         now = self.clock()
@@ -143,7 +171,7 @@ class PrefillGate:
                 w.future.set_result(None)
                 continue
             kept.append(w)
-            if now - w.since >= self.hold_s:
+            if self._holds_line(w, now):
                 blocked = True
         self._waiters = kept
 

@@ -83,6 +83,21 @@ async def test_short_prompts_pass_a_waiting_long_one_until_it_has_waited_hold_s(
     assert (g.tokens, g.requests, g.waiting) == (0, 0, 0)
 
 
+async def test_a_prompt_waiting_for_another_long_one_never_holds_short_ones_back() -> None:
+    g, clock = gate(48_000, hold_s=1.0)
+    first = await g.enter(28_000)  # prefilling
+    second = asyncio.create_task(g.enter(28_000))  # waits for the first one's first token
+    assert not await entered(second)
+    clock.t = 5.0  # long past hold_s: still, stopping short prompts would not let it in sooner
+    shorts = [await g.enter(2_000) for _ in range(5)]
+    assert g.tokens == 38_000 and g.waiting == 1
+    first.release()
+    assert await entered(second)  # beside the short ones, as soon as the first long one is out
+    for p in [second.result(), *shorts]:
+        p.release()
+    assert (g.tokens, g.requests, g.waiting) == (0, 0, 0)
+
+
 async def test_a_prompt_larger_than_the_limit_enters_only_an_empty_gate() -> None:
     g, _ = gate(10_000)
     short = await g.enter(500)
