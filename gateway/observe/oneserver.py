@@ -178,7 +178,7 @@ def _engine_settings(engine: str, sched: Mapping[str, str] | None) -> tuple[list
         "priority",
         "serves the forwarded priority first"
         + (
-            " inside every step"
+            " inside every step; a long low-priority prefill sits out the steps a higher one prefills in"
             if where == "reference"
             else " when it admits waiting requests (vLLM v1 still runs a started long prefill first: "
             "the chunk cap is what bounds that)"
