@@ -177,6 +177,7 @@ class Gateway:
             backend_health=lambda: [
                 BackendHealth(b.pool, b.name, b.state, b.consecutive_failures) for b in self.router.backends
             ],
+            backends=lambda: self.router.backends,
         )
         self.draining = False
         self._drained = False

@@ -302,7 +302,11 @@ def _pools(v: Any) -> tuple[PoolConfig, ...]:
     seen_urls: dict[str, str] = {}
     for name, body in m.items():
         where = f"pools.{valid_name(name, 'pools')}"
-        p = section(body, where, ("backends", "budget_tokens", "reservation"))
+        p = section(
+            body,
+            where,
+            ("backends", "budget_tokens", "reservation", "prefill_gate_tokens", "prefill_gate_hold_s"),
+        )
         raw = p.get("backends")
         if not isinstance(raw, list) or not raw:
             raise ConfigError(f"{where}.backends: expected a non-empty list of backends, got {show(raw)}")
@@ -320,6 +324,8 @@ def _pools(v: Any) -> tuple[PoolConfig, ...]:
                 name=name,
                 backends=tuple(backends),
                 budget_tokens=opt_integer(p, "budget_tokens", where, minimum=1),
+                prefill_gate_tokens=opt_integer(p, "prefill_gate_tokens", where, minimum=1),
+                prefill_gate_hold_s=number(p, "prefill_gate_hold_s", where, 1.0, minimum=0.0),
             )
         )
     return tuple(out)

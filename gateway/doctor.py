@@ -1,7 +1,8 @@
 """``tokengate doctor URL``: read a running gateway's ``/stats`` and say what is wrong, in words.
 
 Prints the per-class latency table (p50/p99 TTFT, queue wait, time on the backend), the
-head-of-line diagnosis, KV pressure per backend, pools and queues, and the split advice.
+head-of-line diagnosis (with the one-server recipe for a pool that cannot be split), KV pressure
+per backend, prefill gates, pools and queues, and the split advice.
 Exit status: 0 all fine, 1 warnings, 2 something critical, 3 the gateway could not be read.
 """
 
@@ -137,6 +138,24 @@ def report(stats: Mapping[str, Any], findings: list[Finding], url: str, out: Tex
                     f"{b.get('preemptions_per_s') or 0:.2f}",
                     f"{b.get('penalty') or 0:.2f}",
                     str(b.get("reason")),
+                ]
+            )
+        _table(rows, out)
+
+    gates = stats.get("prefill_gates") or []
+    if gates:
+        out.write("\nPrefill gates (prompt tokens sent whose first token has not come back)\n")
+        rows = [["backend", "pool", "in gate", "limit", "requests", "waiting", "held so far"]]
+        for g in gates:
+            rows.append(
+                [
+                    str(g["backend"]),
+                    str(g["pool"]),
+                    str(g.get("tokens")),
+                    str(g.get("limit")),
+                    str(g.get("requests")),
+                    str(g.get("waiting")),
+                    str(g.get("held_total")),
                 ]
             )
         _table(rows, out)

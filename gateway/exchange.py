@@ -21,6 +21,7 @@ from gateway.config import TenantConfig, TierConfig
 from gateway.metrics import Bound
 from gateway.passthrough import PassthroughRoute
 from gateway.reservations import Reserved
+from gateway.upstream.gate import GatePass
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -92,6 +93,7 @@ class Exchange:
     lease: Lease | None = None
     # forward
     client_wants_usage: bool = True
+    gate: GatePass | None = None  # in the backend's prefill gate: released at the first token or the end
     # Served output for fair share: as reported; 0 when nothing reached a backend or it answered an
     # error; None when unknown (the store then charges the whole reservation).
     completion_tokens: int | None = None

@@ -8,10 +8,13 @@ name, every other tenant is ``other``. Time histograms carry class and tier, not
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from budgets.types import StoreSnapshot
 from gateway.upstream.pools import Backend
@@ -31,6 +34,54 @@ OUTCOMES = (
     "shutdown",  # cancelled by the drain deadline
     "internal_error",
 )
+
+
+class PrefillGateCollector(Collector):
+    """``tokengate_prefill_gate_*{pool,backend}`` for every backend whose pool has a prefill gate
+    (nothing at all when no pool has one). The backends are handed over at scrape time."""
+
+    def __init__(self) -> None:
+        self.backends: list[Backend] = []
+
+    def describe(self) -> Sequence[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        gated = [b for b in self.backends if b.gate is not None]
+        if not gated:
+            return
+        labels = ["pool", "backend"]
+        tokens = GaugeMetricFamily(
+            "tokengate_prefill_gate_tokens",
+            "Prompt tokens sent to the backend whose first token has not come back yet",
+            labels=labels,
+        )
+        limit = GaugeMetricFamily(
+            "tokengate_prefill_gate_limit_tokens", "The pool's prefill_gate_tokens", labels=labels
+        )
+        inside = GaugeMetricFamily(
+            "tokengate_prefill_gate_requests", "Requests inside the prefill gate", labels=labels
+        )
+        waiting = GaugeMetricFamily(
+            "tokengate_prefill_gate_waiting", "Requests waiting at the prefill gate", labels=labels
+        )
+        held = CounterMetricFamily(
+            "tokengate_prefill_gate_held", "Requests that had to wait at the prefill gate", labels=labels
+        )
+        waited = CounterMetricFamily(
+            "tokengate_prefill_gate_wait_seconds", "Time requests spent waiting at the gate", labels=labels
+        )
+        for b in gated:
+            gate = b.gate
+            assert gate is not None
+            lv = [b.pool, b.name]
+            tokens.add_metric(lv, gate.tokens)
+            limit.add_metric(lv, gate.limit)
+            inside.add_metric(lv, gate.requests)
+            waiting.add_metric(lv, gate.waiting)
+            held.add_metric(lv, gate.held_total)
+            waited.add_metric(lv, gate.wait_s_total)
+        yield from (tokens, limit, inside, waiting, held, waited)
 
 
 @dataclass(slots=True)
@@ -169,6 +220,8 @@ class GatewayMetrics:
             "tokengate_requests_in_flight", "Requests inside the gateway now", registry=r
         )
         self.draining = Gauge("tokengate_draining", "1 while the gateway is draining", registry=r)
+        self.prefill_gates = PrefillGateCollector()
+        r.register(self.prefill_gates)
 
     def set_tenants(self, tenants: Sequence[str]) -> None:
         """The tenants that get their own label from now on (after a reconfiguration)."""
@@ -245,6 +298,8 @@ class GatewayMetrics:
         for tier in tiers:
             self.queue_depth.labels(tier).set(snapshot.queue_depth.get(tier, 0))
         self.leases.set(snapshot.leases)
+        backends = list(backends)
+        self.prefill_gates.backends = backends
         for b in backends:
             self.backend_in_flight.labels(b.pool, b.name).set(b.in_flight_tokens)
             self.backend_capacity.labels(b.pool, b.name).set(b.spec.capacity_tokens)

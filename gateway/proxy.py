@@ -501,6 +501,8 @@ class Proxy:
             x.record.backend = backend.name
             with backend.occupy(cost.total):
                 try:
+                    if backend.gate is not None:
+                        await self._enter_gate(x, backend)
                     await self._exchange_with(x, backend)
                     return
                 except _ConnectFailed as exc:
@@ -512,7 +514,20 @@ class Proxy:
                     log.warning(
                         "upstream connect failed, retrying on the next backend: %s", exc.failure.detail
                     )
+                finally:
+                    if x.gate is not None:
+                        x.gate.release()  # no first token (non-streaming, error, retry): now
+                        x.gate = None
             backend = nxt
+
+    async def _enter_gate(self, x: Exchange, backend: Backend) -> None:
+        """Wait at the backend's prefill gate; the wait counts as queue wait at the gateway."""
+        gate, cost = backend.gate, x.cost
+        assert gate is not None and cost is not None
+        x.gate = gate_pass = await gate.enter(cost.prefill)
+        if gate_pass.waited_s:
+            rec = x.record
+            rec.queue_s = (rec.queue_s or 0.0) + gate_pass.waited_s
 
     async def _exchange_with(self, x: Exchange, backend: Backend) -> None:
         rec = x.record

@@ -111,6 +111,8 @@ async def relay_sse(x: Exchange, resp: aiohttp.ClientResponse, t_up: float, grow
             if first:
                 rec.ttft_s = perf_counter() - rec.start
                 first = False
+                if x.gate is not None:
+                    x.gate.release()  # the prompt is prefilled: the next one may go
             # About one output token per event: count events (a C-level scan, no parsing).
             x.streamed_tokens += chunk.count(b"data:")
             if x.streamed_tokens >= x.grow_at and grow is not None:

@@ -10,6 +10,11 @@ A ratio check compares one number to a baseline number::
       baseline: {target: direct}  # defaults to the same target and phase
       max_ratio: 0.2              # and/or min_ratio
 
+A value check bounds one number itself (no baseline)::
+
+    - {name: noisy queue wait, kind: value, metric: queue_p99_ms, group: noisy, target: all, max: 10000}
+    - {name: every request completed, kind: value, metric: failed, target: all, max: 0}
+
 A fairness check compares each fairness tenant's share of served tokens with its weight's share::
 
     - {name: fair shares, kind: fairness, target: tokengate, tolerance: 0.10}
@@ -27,13 +32,13 @@ from loadtest.spec import WorkloadSpec
 from loadtest.stats import GroupStats, fair_shares, group_stats, totals
 
 _GROUP_METRICS = {f for f in GroupStats.__dataclass_fields__ if f not in ("group", "errors")}
-_TOTAL_METRICS = {"tokens_per_s", "completion_tokens", "ok", "requests"}
+_TOTAL_METRICS = {"tokens_per_s", "completion_tokens", "ok", "requests", "failed"}
 
 
 @dataclass(frozen=True)
 class CheckSpec:
     name: str
-    kind: str  # "ratio" or "fairness"
+    kind: str  # "ratio", "value" or "fairness"
     target: str
     metric: str = ""
     group: str | None = None
@@ -43,6 +48,8 @@ class CheckSpec:
     min_ratio: float | None = None
     max_ratio: float | None = None
     tolerance: float = 0.10
+    min_value: float | None = None  # value checks
+    max_value: float | None = None
 
 
 @dataclass(frozen=True)
@@ -84,8 +91,33 @@ def parse_checks(raw: Any, spec: WorkloadSpec) -> tuple[CheckSpec, ...]:
                 )
             )
             continue
+        if kind == "value":
+            check_keys(item, ["name", "kind", "metric", "group", "target", "phase", "min", "max"], where)
+            metric, group = item.get("metric"), item.get("group")
+            allowed = _GROUP_METRICS if group is not None else _TOTAL_METRICS
+            if metric not in allowed:
+                raise SpecError(f"{where}.metric: expected one of {sorted(allowed)}, got {metric!r}")
+            if group is not None and group not in spec.groups:
+                raise SpecError(f"{where}.group: {group!r} is not a request group ({spec.groups})")
+            if item.get("phase") is not None and item["phase"] not in phases:
+                raise SpecError(f"{where}: unknown phase {item['phase']!r} ({sorted(phases)})")
+            if item.get("min") is None and item.get("max") is None:
+                raise SpecError(f"{where}: give min and/or max")
+            out.append(
+                CheckSpec(
+                    name=str(item.get("name", f"{metric} {group or 'total'}")),
+                    kind="value",
+                    target=str(item.get("target", "")),
+                    metric=str(metric),
+                    group=group,
+                    phase=item.get("phase"),
+                    min_value=None if item.get("min") is None else float(item["min"]),
+                    max_value=None if item.get("max") is None else float(item["max"]),
+                )
+            )
+            continue
         if kind != "ratio":
-            raise SpecError(f"{where}.kind: expected ratio or fairness, got {kind!r}")
+            raise SpecError(f"{where}.kind: expected ratio, value or fairness, got {kind!r}")
         check_keys(
             item,
             ["name", "kind", "metric", "group", "target", "phase", "baseline", "min_ratio", "max_ratio"],
@@ -139,6 +171,12 @@ def _fmt(metric: str, value: float) -> str:
     return f"{value:,.1f}"
 
 
+def _fmt_value(metric: str, value: float) -> str:
+    if metric.endswith("_ms"):
+        return f"{value / 1000:.1f} s" if value >= 10_000 else f"{value:,.0f} ms"
+    return _fmt(metric, value)
+
+
 def _where(target: str, phase: str | None) -> str:
     return f"{target}" + (f" ({phase})" if phase else "")
 
@@ -158,6 +196,23 @@ def evaluate(check: CheckSpec, runs: Sequence[RunResult], spec: WorkloadSpec) ->
             for s in shares
         ]
         return CheckResult(check.name, met, "; ".join(parts) + f"; tolerance {check.tolerance:.0%}")
+    if check.kind == "value":
+        value = _value(run, spec, check.metric, check.group, check.phase)
+        if value is None:
+            return CheckResult(check.name, None, f"no samples for {check.metric}")
+        met = (check.min_value is None or value >= check.min_value) and (
+            check.max_value is None or value <= check.max_value
+        )
+        bounds = []
+        if check.min_value is not None:
+            bounds.append(f">= {_fmt_value(check.metric, check.min_value)}")
+        if check.max_value is not None:
+            bounds.append(f"<= {_fmt_value(check.metric, check.max_value)}")
+        return CheckResult(
+            check.name,
+            met,
+            f"{_fmt_value(check.metric, value)} [{_where(check.target, check.phase)}] (want {' and '.join(bounds)})",
+        )
     base_target = check.baseline_target or check.target
     base_phase = check.baseline_phase if check.baseline_phase is not None else check.phase
     base_run = by_name.get(base_target)

@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 
 from loadtest.checks import CheckResult
+from loadtest.isolation import isolation_markdown, isolation_rows
 from loadtest.records import RunResult
 from loadtest.spec import WorkloadSpec
 from loadtest.stats import GroupStats, fair_shares, group_stats, p99_over_time, totals
@@ -47,6 +48,7 @@ def results_json(
         "groups": groups,
         "phases": {p.name: [list(w) for w in p.windows] for p in spec.phases},
         "targets": targets,
+        "isolation": [r.to_json() for r in isolation_rows(spec, runs)],
         "checks": [c.to_json() for c in checks],
     }
 
@@ -116,6 +118,9 @@ def markdown(spec: WorkloadSpec, runs: Sequence[RunResult], checks: Sequence[Che
                     f"| {run.target} | {s.tenant} | {s.weight:g} | {s.served_tokens:,.0f} | {s.share:.1%} | "
                     f"{s.weight_share:.1%} | {s.relative_error:.1%} |\n"
                 )
+    table = isolation_markdown(spec, runs)
+    if table:
+        out.append("\n" + table)
     if checks:
         out.append("\n## Checks\n\n")
         for c in checks:

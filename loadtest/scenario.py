@@ -5,6 +5,8 @@
 
     setup:
       backends: {count: 2, args: [--no-chunked-prefill, --max-num-batched-tokens, "32768"]}
+      # or one backend per entry of 'variants', each with the common args plus its own:
+      # backends: {args: [--max-model-len, "32768"], variants: [[], [--scheduling-policy, priority]]}
       gateway: {tiers: {...}}               # shared by every gateway target (merged under each one's)
       targets:
         - {name: direct, direct: true}      # round-robin over the backends (all, or 'backends: [0, 1]')
@@ -51,6 +53,12 @@ class SetupSpec:
     backend_args: tuple[str, ...]
     gateway_base: Mapping[str, Any]
     targets: tuple[TargetSetup, ...]
+    backend_variants: tuple[tuple[str, ...], ...] = ()  # per-backend args after the common ones
+
+    def args_of(self, index: int) -> tuple[str, ...]:
+        """Backend ``index``'s command-line arguments."""
+        own = self.backend_variants[index] if self.backend_variants else ()
+        return (*self.backend_args, *own)
 
 
 @dataclass(frozen=True)
@@ -71,13 +79,19 @@ def _parse_setup(raw: Any) -> SetupSpec:
     backends = raw.get("backends", {}) or {}
     if not isinstance(backends, Mapping):
         raise SpecError("setup.backends: expected {count, args}")
-    check_keys(backends, ["count", "args"], "setup.backends")
-    count = backends.get("count", 1)
-    if not isinstance(count, int) or count < 1:
-        raise SpecError(f"setup.backends.count: expected a positive integer, got {count!r}")
+    check_keys(backends, ["count", "args", "variants"], "setup.backends")
     args = backends.get("args", []) or []
     if not isinstance(args, list):
         raise SpecError("setup.backends.args: expected a list of command-line arguments")
+    variants_raw = backends.get("variants", []) or []
+    if not isinstance(variants_raw, list) or not all(isinstance(v, list) for v in variants_raw):
+        raise SpecError("setup.backends.variants: expected a list of argument lists, one per backend")
+    variants = tuple(tuple(str(a) for a in v) for v in variants_raw)
+    count = backends.get("count", len(variants) or 1)
+    if not isinstance(count, int) or count < 1:
+        raise SpecError(f"setup.backends.count: expected a positive integer, got {count!r}")
+    if variants and count != len(variants):
+        raise SpecError(f"setup.backends: count {count} but {len(variants)} variants (one per backend)")
     base = raw.get("gateway", {}) or {}
     if not isinstance(base, Mapping):
         raise SpecError("setup.gateway: expected a mapping (a partial gateway config)")
@@ -134,7 +148,7 @@ def _parse_setup(raw: Any) -> SetupSpec:
                 raise SpecError(
                     f"setup.targets[{i}].same_as: {t.same_as!r} is not a direct or gateway target"
                 )
-    return SetupSpec(count, tuple(str(a) for a in args), dict(base), tuple(targets))
+    return SetupSpec(count, tuple(str(a) for a in args), dict(base), tuple(targets), variants)
 
 
 def parse_scenario(raw: Mapping[str, Any], *, path: Path | None = None, synthetic: bool = False) -> Scenario:
@@ -156,6 +170,11 @@ def parse_scenario(raw: Mapping[str, Any], *, path: Path | None = None, syntheti
                 )
     if setup is not None:
         names = {t.name for t in setup.targets}
+        iso = workload.isolation
+        if iso is not None:
+            named = {*iso.solo, *iso.solo.values(), *([iso.direct] if iso.direct else [])}
+            if named - names:
+                raise SpecError(f"isolation: unknown target(s) {sorted(named - names)} (setup.targets)")
         for c in checks:
             for name in (c.target, c.baseline_target):
                 if name is not None and name not in names:

@@ -133,6 +133,22 @@ class FairnessSpec:
 
 
 @dataclass(frozen=True)
+class IsolationSpec:
+    """How well each target shields a victim group from a noisy one (report table, no effect on load).
+
+    ``solo`` maps a target to the run of the victim alone on the same engine settings; ``direct`` is
+    the target whose generated tokens/s is the throughput baseline; ``phase`` limits the victim's
+    statistics to requests sent in that phase (default: the whole run).
+    """
+
+    victim: str
+    noisy: str
+    solo: Mapping[str, str]
+    direct: str | None = None
+    phase: str | None = None
+
+
+@dataclass(frozen=True)
 class WorkloadSpec:
     name: str
     seed: int
@@ -149,6 +165,7 @@ class WorkloadSpec:
     chat_overhead_tokens: int = 7
     phases: tuple[Phase, ...] = ()
     fairness: FairnessSpec | None = None
+    isolation: IsolationSpec | None = None
     description: str = ""
 
     @property
@@ -196,6 +213,7 @@ _WORKLOAD_KEYS = [
     "classes",
     "phases",
     "fairness",
+    "isolation",
 ]
 
 
@@ -394,6 +412,7 @@ def parse_workload(
         if phase is not None and phase not in {p.name for p in phases}:
             raise SpecError(f"fairness.phase: {phase!r} is not a phase ({[p.name for p in phases]})")
         fairness = FairnessSpec(tuple(names), phase)
+    isolation = _parse_isolation(raw["isolation"], classes, phases) if "isolation" in raw else None
     return WorkloadSpec(
         name=str(raw.get("name", "workload")),
         description=str(raw.get("description", "")),
@@ -409,6 +428,30 @@ def parse_workload(
         chat_overhead_tokens=int(_number(raw, "chat_overhead_tokens", "workload", 7)),
         phases=phases,
         fairness=fairness,
+        isolation=isolation,
+    )
+
+
+def _parse_isolation(raw: Any, classes: tuple[ClassSpec, ...], phases: tuple[Phase, ...]) -> IsolationSpec:
+    d = mapping(raw, "isolation")
+    check_keys(d, ["victim", "noisy", "solo", "direct", "phase"], "isolation")
+    groups = list(dict.fromkeys(c.group for c in classes))
+    for key in ("victim", "noisy"):
+        if d.get(key) not in groups:
+            raise SpecError(f"isolation.{key}: expected a request group ({groups}), got {d.get(key)!r}")
+    solo = mapping(d.get("solo", {}), "isolation.solo")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in solo.items()):
+        raise SpecError("isolation.solo: expected {target: solo target} names")
+    phase = d.get("phase")
+    if phase is not None and phase not in {p.name for p in phases}:
+        raise SpecError(f"isolation.phase: {phase!r} is not a phase ({[p.name for p in phases]})")
+    direct = d.get("direct")
+    return IsolationSpec(
+        victim=str(d["victim"]),
+        noisy=str(d["noisy"]),
+        solo=dict(solo),
+        direct=None if direct is None else str(direct),
+        phase=None if phase is None else str(phase),
     )
 
 

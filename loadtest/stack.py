@@ -62,7 +62,7 @@ def spawned_stack(
         backends = [
             group.start(
                 f"backend{i}",
-                backend_command(p, [*setup.backend_args, *extra_backend_args]),
+                backend_command(p, [*setup.args_of(i), *extra_backend_args]),
                 logs / f"backend{i}.log",
             )
             for i, p in enumerate(ports)

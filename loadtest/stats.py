@@ -69,6 +69,7 @@ def group_stats(run: RunResult, groups: Iterable[str], phase: Phase | None = Non
 class Totals:
     requests: int
     ok: int
+    failed: int  # requests - ok: errors, timeouts, requests cut off at the drain deadline
     errors: dict[str, int]
     completion_tokens: int
     tokens_per_s: float
@@ -86,6 +87,7 @@ def totals(run: RunResult) -> Totals:
     return Totals(
         requests=len(run.records),
         ok=len(ok),
+        failed=len(run.records) - len(ok),
         errors=dict(sorted(Counter(str(r.error) for r in run.records if r.error is not None).items())),
         completion_tokens=tokens,
         tokens_per_s=tokens / run.elapsed_s if run.elapsed_s > 0 else 0.0,

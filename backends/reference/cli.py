@@ -32,9 +32,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--long-prefill-token-threshold", type=int, default=d.long_prefill_token_threshold,
-        help="cap on one request's prefill chunk per step (0 = no cap)",
+        help="cap on one request's prefill chunk per step, and the size above which a prompt is long "
+        "(0 = no cap; 4%% of --max-model-len when --max-num-partial-prefills > 1)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-num-partial-prefills", type=int, default=d.max_num_partial_prefills,
+        help="at most this many requests get a prefill chunk per step (1 = no limit, vLLM's default)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-long-partial-prefills", type=int, default=d.max_long_partial_prefills,
+        help="of those, at most this many long prompts; below --max-num-partial-prefills, short prompts "
+        "jump ahead of long ones",
     )  # fmt: skip
     parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=d.scheduling_policy)
+    parser.add_argument(
+        "--priority-scope", choices=["step", "queue"], default=d.priority_scope,
+        help="priority policy: 'step' orders every step by priority (a low-priority long prefill gets the "
+        "budget left over); 'queue' orders only the waiting queue, as vLLM v1 does",
+    )  # fmt: skip
+    parser.add_argument(
+        "--priority-aging-s", type=float, default=d.priority_aging_s,
+        help="step scope: a request gains one priority level per this many seconds since it arrived, so "
+        "none starves (0 = no aging)",
+    )  # fmt: skip
     parser.add_argument("--block-size", type=int, default=d.block_size)
     parser.add_argument(
         "--num-blocks",
@@ -69,7 +89,11 @@ def settings_from_args(args: argparse.Namespace) -> BackendSettings:
         max_num_seqs=args.max_num_seqs,
         enable_chunked_prefill=args.chunked_prefill,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_num_partial_prefills=args.max_num_partial_prefills,
+        max_long_partial_prefills=args.max_long_partial_prefills,
         scheduling_policy=args.scheduling_policy,
+        priority_scope=args.priority_scope,
+        priority_aging_s=args.priority_aging_s,
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         cost_model=args.cost_model,

@@ -11,12 +11,31 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from backends.engine.kv_cache import BlockManager
 from backends.engine.request import EngineRequest
-from backends.engine.scheduler import Scheduler
+from backends.engine.scheduler import Scheduler, SchedulerConfig
+
+# The engine's settings as info gauges (value 1, settings in the labels). The cache one is vLLM's
+# own name and labels; vLLM exports no scheduler settings, so that one carries tokengate's prefix
+# (the gateway reads it to tell which head-of-line controls are in effect).
+CACHE_CONFIG_INFO = "vllm:cache_config_info"
+SCHEDULER_CONFIG_INFO = "tokengate:scheduler_config_info"
+SCHEDULER_CONFIG_LABELS = (
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "max_model_len",
+    "enable_chunked_prefill",
+    "long_prefill_token_threshold",
+    "max_num_partial_prefills",
+    "max_long_partial_prefills",
+    "scheduling_policy",
+    "priority_scope",
+    "priority_aging_s",
+)
 
 _LABELS = ("model_name", "engine")
 _TTFT_BUCKETS = (
@@ -97,6 +116,31 @@ class EngineMetrics:
 
     def bind_scheduler(self, scheduler: Scheduler) -> None:
         self.registry.register(_SchedulerGauges(scheduler, self._label_values))
+
+    def publish_config(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+        """The settings in effect, as vLLM publishes ``cache_config_info`` (str() of each value)."""
+        cache = {"block_size": blocks.block_size, "num_gpu_blocks": blocks.num_blocks}
+        Gauge(
+            CACHE_CONFIG_INFO, "Information of the LLMEngine CacheConfig", list(cache), registry=self.registry
+        ).labels(**{k: str(v) for k, v in cache.items()}).set(1)
+        sched = {
+            "max_num_batched_tokens": config.max_num_batched_tokens,
+            "max_num_seqs": config.max_num_seqs,
+            "max_model_len": config.max_model_len,
+            "enable_chunked_prefill": config.enable_chunked_prefill,
+            "long_prefill_token_threshold": config.long_prefill_token_threshold,
+            "max_num_partial_prefills": config.max_num_partial_prefills,
+            "max_long_partial_prefills": config.max_long_partial_prefills,
+            "scheduling_policy": config.policy,
+            "priority_scope": config.priority_scope,
+            "priority_aging_s": config.priority_aging_s,
+        }
+        Gauge(
+            SCHEDULER_CONFIG_INFO,
+            "The reference engine's scheduler settings (the head-of-line controls in effect)",
+            list(SCHEDULER_CONFIG_LABELS),
+            registry=self.registry,
+        ).labels(**{k: str(v) for k, v in sched.items()}).set(1)
 
     # ---- EngineObserver ------------------------------------------------------------------
 

@@ -62,7 +62,11 @@ class BackendSettings:
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # per-request prefill chunk cap, 0 = none (vLLM's default)
+    max_num_partial_prefills: int = 1  # vLLM's: prefills per step (1 = no limit)
+    max_long_partial_prefills: int = 1  # vLLM's: of those, long ones (> long_prefill_token_threshold)
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    priority_scope: Literal["step", "queue"] = "step"  # "queue": exactly vLLM v1's priority policy
+    priority_aging_s: float = 10.0  # step scope: a waiting/starved request gains a level per this
     block_size: int = 16
     num_blocks: int | None = None  # None: sim ~450k tokens of KV; torch sizes it from memory
     cost_model: str | None = None  # JSON/YAML file of CostModel fields (sim)
@@ -100,7 +104,11 @@ class BackendSettings:
             max_model_len=self.max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_num_partial_prefills=self.max_num_partial_prefills,
+            max_long_partial_prefills=self.max_long_partial_prefills,
             policy=self.scheduling_policy,
+            priority_scope=self.priority_scope,
+            priority_aging_s=self.priority_aging_s,
         )
 
 
@@ -169,6 +177,7 @@ class ReferenceBackend:
             self.scheduler, executor, RealClock(), decoder=self.tokenizer, observer=self.metrics
         )
         self.metrics.bind_scheduler(self.scheduler)
+        self.metrics.publish_config(self.scheduler.config, self.scheduler.blocks)
         sim = settings.executor == "sim"
         self.async_engine = AsyncEngine(
             self.engine, simulate_time=sim, time_scale=settings.time_scale, offload=not sim

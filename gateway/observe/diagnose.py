@@ -16,7 +16,7 @@ LEVELS = ("ok", "info", "warn", "crit")
 @dataclass(frozen=True, slots=True)
 class Finding:
     level: str  # ok | info | warn | crit
-    topic: str  # slo | hol | backend | kv | split | queue | store
+    topic: str  # slo | hol | backend | one_server | kv | split | queue | store
     text: str
 
     def as_dict(self) -> dict[str, str]:
@@ -36,6 +36,7 @@ def diagnose(stats: Mapping[str, Any]) -> list[Finding]:
     out += _store(stats)
     out += _slos(stats)
     out += _hol(stats)
+    out += _one_server(stats)
     out += _backends(stats)
     out += _pools(stats)
     out += _split(stats)
@@ -97,8 +98,18 @@ def _hol(stats: Mapping[str, Any]) -> list[Finding]:
         if p.get("windows", 0) >= need and (p.get("r_p99") is not None or p.get("r_inflight") is not None)
     ]
     hot = [p for p in scored if float(p.get("correlation", 0.0)) >= thr]
+    one_server = {(o["victim"], o["aggressor"]): o["pool"] for o in stats.get("one_server") or []}
     out = []
     for p in hot:
+        pool = one_server.get((p["victim"], p["aggressor"]))
+        cure = (
+            f"Pool {pool} has one backend and cannot be split: apply the one-server recipe (engine chunk "
+            "cap and priority, tier priority forwarded, prefill gate)."
+            if pool is not None
+            else f"Long prefills of {p['aggressor']} stall {p['victim']}'s decodes on a shared backend: route "
+            f"class {p['aggressor']} to its own pool (GET /insights?format=yaml has the edit) or turn on "
+            "chunked prefill on the backends."
+        )
         out.append(
             Finding(
                 "crit",
@@ -110,9 +121,7 @@ def _hol(stats: Mapping[str, Any]) -> list[Finding]:
                     if p.get("victim_p99_ttft_s") is not None
                     else "). "
                 )
-                + f"Long prefills of {p['aggressor']} stall {p['victim']}'s decodes on a shared backend: route "
-                f"class {p['aggressor']} to its own pool (GET /insights?format=yaml has the edit) or turn on "
-                "chunked prefill on the backends.",
+                + cure,
             )
         )
     if not hot:
@@ -135,6 +144,18 @@ def _hol(stats: Mapping[str, Any]) -> list[Finding]:
                     "a short and a longer class).",
                 )
             )
+    return out
+
+
+def _one_server(stats: Mapping[str, Any]) -> list[Finding]:
+    """A one-backend pool with head-of-line blocking: the settings that make one server safe."""
+    out = []
+    for o in stats.get("one_server") or []:
+        level = "warn" if o.get("all_in_effect") else "crit"
+        text = str(o.get("text", ""))
+        if o.get("all_in_effect"):
+            text += " Every one of these is in effect: lower the chunk cap or the gate to tighten further."
+        out.append(Finding(level, "one_server", text))
     return out
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -56,6 +57,12 @@ _NAMES: dict[str, tuple[str, str]] = {
 }
 
 
+# An engine's scheduler settings, as an info gauge (value 1, settings in the labels). Only the
+# reference backend exports one; vLLM, SGLang and TGI keep theirs out of /metrics.
+SCHEDULER_INFO = "tokengate:scheduler_config_info"
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
 @dataclass(frozen=True, slots=True)
 class EngineSample:
     """One scrape, normalised. ``None`` = the engine does not export it."""
@@ -66,6 +73,7 @@ class EngineSample:
     waiting: float | None
     preemptions_total: float | None  # monotonic counter (resets on engine restart)
     batch_tokens: float | None = None  # TGI only: tokens of the current batch
+    scheduler: Mapping[str, str] | None = None  # the scheduler settings in effect, where exported
 
 
 def parse_engine_metrics(text: str) -> EngineSample:
@@ -77,12 +85,16 @@ def parse_engine_metrics(text: str) -> EngineSample:
     """
     acc: dict[str, float] = {}
     flavors: dict[str, int] = {}
+    scheduler: dict[str, str] | None = None
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
         brace = line.find("{")
         if brace >= 0:
             name = line[:brace]
+            if name == SCHEDULER_INFO:
+                scheduler = dict(_LABEL.findall(line[brace : line.rfind("}")]))
+                continue
             rest = line[line.rfind("}") + 1 :].split()
         else:
             parts = line.split()
@@ -113,6 +125,7 @@ def parse_engine_metrics(text: str) -> EngineSample:
         waiting=acc.get("waiting"),
         preemptions_total=acc.get("preempt"),
         batch_tokens=acc.get("batch_tokens"),
+        scheduler=scheduler,
     )
 
 
@@ -290,6 +303,7 @@ class BackendLoad:
             "penalty": round(self.penalty(), 4),
             "age_s": None if self.age_s is None else round(self.age_s, 3),
             "reason": self.reason,
+            "scheduler": dict(s.scheduler) if s is not None and s.scheduler is not None else None,
         }
 
 

@@ -9,7 +9,7 @@ pools in config-file shape (for the split YAML). Either may be absent; the JSON 
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
@@ -23,9 +23,10 @@ from budgets.types import StoreSnapshot
 from classifiers import ClassRule
 from gateway.observe.diagnose import diagnose
 from gateway.observe.observer import Observer
+from gateway.observe.oneserver import OneServerPlan, one_server_plans
 from gateway.observe.shape import split_plan
 from gateway.observe.windows import Quantiles
-from gateway.upstream.pools import BackendPoolSpec
+from gateway.upstream.pools import Backend, BackendPoolSpec
 
 STATS_VERSION = 1
 
@@ -56,7 +57,11 @@ def config_view(classes: Sequence[ClassRule], pools: Sequence[BackendPoolSpec]) 
             if b.name:
                 d["name"] = b.name
             backends.append(d)
-        out[p.name] = {"backends": backends}
+        pool: dict[str, Any] = {"backends": backends}
+        if p.prefill_gate_tokens is not None:
+            pool["prefill_gate_tokens"] = p.prefill_gate_tokens
+            pool["prefill_gate_hold_s"] = p.prefill_gate_hold_s
+        out[p.name] = pool
     return ConfigView(classes=[c.to_config() for c in classes], pools=out)
 
 
@@ -75,6 +80,7 @@ class StatsSources:
     observer: Observer
     snapshot: Callable[[], Awaitable[StoreSnapshot]] | None = None
     config_view: Callable[[], ConfigView] | None = None
+    backends: Callable[[], Iterable[Backend]] | None = None  # the router's, for the prefill gates
     wall: Callable[[], float] = time.time
     backend_health: Callable[[], Sequence[BackendHealth]] | None = None
 
@@ -190,6 +196,12 @@ def _backends(src: StatsSources) -> list[dict[str, Any]]:
     return out
 
 
+def _gates(src: StatsSources) -> list[dict[str, Any]]:
+    if src.backends is None:
+        return []
+    return [{"pool": b.pool, "backend": b.name, **b.gate.as_dict()} for b in src.backends() if b.gate]
+
+
 def _shape(src: StatsSources) -> list[dict[str, Any]]:
     obs = src.observer
     view = src.config_view() if src.config_view is not None else None
@@ -202,6 +214,20 @@ def _shape(src: StatsSources) -> list[dict[str, Any]]:
             d["plan"] = plan.as_dict() if plan is not None else None
         out.append(d)
     return out
+
+
+def _one_server(src: StatsSources) -> list[OneServerPlan]:
+    obs = src.observer
+    view = src.config_view() if src.config_view is not None else ConfigView()
+    h = obs.settings.hol
+    return one_server_plans(
+        obs.hol(),
+        threshold=h.threshold,
+        min_windows=h.min_windows,
+        shape=obs.shape,
+        pools=view.pools,
+        loads=obs.loads,
+    )
 
 
 async def build_stats(src: StatsSources) -> dict[str, Any]:
@@ -224,6 +250,7 @@ async def build_stats(src: StatsSources) -> dict[str, Any]:
         **_store(snap),
         "store_error": store_error,
         "backends": _backends(src),
+        "prefill_gates": _gates(src),
         "hol": {
             "threshold": s.hol.threshold,
             "lookback_windows": s.hol.lookback_windows,
@@ -231,6 +258,7 @@ async def build_stats(src: StatsSources) -> dict[str, Any]:
             "pairs": [p.as_dict() for p in obs.hol()],
         },
         "shape": _shape(src),
+        "one_server": [p.as_dict() for p in _one_server(src)],
         "shape_thresholds": {"split_at": s.shape.split_at, "two_services_at": s.shape.two_services_at},
     }
     stats["findings"] = [f.as_dict() for f in diagnose(stats)]
@@ -238,11 +266,12 @@ async def build_stats(src: StatsSources) -> dict[str, Any]:
 
 
 def insights_yaml(src: StatsSources) -> str:
-    """Every pool's split advice as YAML comments + the config edit, one document per pool."""
+    """Every pool's split advice as YAML comments + the config edit, one document per pool; then,
+    for a pool with head-of-line blocking and one backend, the one-server recipe."""
     obs = src.observer
     obs.refresh()
     view = src.config_view() if src.config_view is not None else ConfigView()
-    docs = []
+    docs = [p.to_yaml(view.pools) for p in _one_server(src)]
     for r in obs.shape_readings():
         if r.advice == 0:
             continue
@@ -293,7 +322,15 @@ def observe_routes(src: StatsSources) -> list[BaseRoute]:
         if want_yaml:
             return Response(text, media_type="application/yaml", headers={"cache-control": "no-store"})
         st = await build_stats(src)
-        return _json({"shape": st["shape"], "hol": st["hol"], "findings": st["findings"], "yaml": text})
+        return _json(
+            {
+                "shape": st["shape"],
+                "hol": st["hol"],
+                "one_server": st["one_server"],
+                "findings": st["findings"],
+                "yaml": text,
+            }
+        )
 
     async def page(request: Request) -> Response:
         name = request.path_params.get("name", "index.html")

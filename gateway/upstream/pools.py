@@ -16,6 +16,8 @@ from typing import Protocol
 
 import aiohttp
 
+from gateway.upstream.gate import PrefillGate
+
 
 @dataclass(frozen=True, slots=True)
 class Timeouts:
@@ -42,6 +44,10 @@ class BackendPoolSpec:
     name: str
     backends: tuple[BackendSpec, ...]
     budget_tokens: int | None = None  # the pool's budget; default: its backends' capacities summed
+    # Per backend of the pool: prompt tokens sent but not yet prefilled (None: no gate). See
+    # gateway.upstream.gate: several long prompts never prefill at once on one server.
+    prefill_gate_tokens: int | None = None
+    prefill_gate_hold_s: float = 1.0  # a prompt that does not fit may be passed this long
 
     @property
     def capacity_tokens(self) -> int:
@@ -93,6 +99,7 @@ class Backend:
     down_since: float = 0.0
     discovered_models: tuple[str, ...] = ()
     load: LoadSignal | None = None  # optional, from scraping the backend's /metrics
+    gate: PrefillGate | None = None  # the pool's prefill gate, one per backend (None: off)
     # Derived from the spec once (the proxy uses them per request).
     request_timeout: aiohttp.ClientTimeout = field(default_factory=aiohttp.ClientTimeout)
     auth_header: tuple[str, str] | None = None
@@ -142,6 +149,15 @@ class Backend:
         if not self.healthy:
             return "down"
         return "up" if self.confirmed else "unknown"
+
+    def set_gate(self, limit: int | None, hold_s: float) -> None:
+        """Turn the prefill gate on, off, or change it; requests inside keep the gate they entered."""
+        if limit is None:
+            self.gate = None
+        elif self.gate is None:
+            self.gate = PrefillGate(limit, hold_s)
+        else:
+            self.gate.reconfigure(limit, hold_s)
 
     def record_success(self) -> None:
         self.consecutive_failures = 0
@@ -253,6 +269,7 @@ class Router:
                 else:
                     b.respec(spec, breaker)
                     kept.add(id(b))
+                b.set_gate(p.prefill_gate_tokens, p.prefill_gate_hold_s)
                 members.append(b)
             new_pools[p.name] = BackendPool(p.name, members)
         removed = tuple(b for b in old.values() if id(b) not in kept)

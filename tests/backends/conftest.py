@@ -74,7 +74,11 @@ def make_sim_rig(
     max_model_len: int = 1024,
     enable_chunked_prefill: bool = True,
     long_prefill_token_threshold: int = 0,
+    max_num_partial_prefills: int = 1,
+    max_long_partial_prefills: int = 1,
     policy: str = "fcfs",
+    priority_scope: str = "step",
+    priority_aging_s: float = 10.0,
     block_size: int = 16,
     num_blocks: int = 256,
     cost_model: CostModel | None = None,
@@ -87,7 +91,11 @@ def make_sim_rig(
         max_model_len=max_model_len,
         enable_chunked_prefill=enable_chunked_prefill,
         long_prefill_token_threshold=long_prefill_token_threshold,
+        max_num_partial_prefills=max_num_partial_prefills,
+        max_long_partial_prefills=max_long_partial_prefills,
         policy=policy,  # type: ignore[arg-type]
+        priority_scope=priority_scope,  # type: ignore[arg-type]
+        priority_aging_s=priority_aging_s,
     )
     executor = SimExecutor(cost_model, block_size=block_size, num_blocks=num_blocks, eos_after=eos_after)
     scheduler = Scheduler(config, BlockManager(num_blocks, block_size), executor.eos_token_id)

@@ -283,7 +283,9 @@ _request = st.tuples(
     block_size=st.sampled_from([4, 8, 16]),
     chunked=st.booleans(),
     threshold=st.sampled_from([0, 8, 32]),
-    policy=st.sampled_from(["fcfs", "priority"]),
+    partial=st.sampled_from([(1, 1), (2, 1), (3, 1), (3, 2)]),
+    policy=st.sampled_from(["fcfs", "priority", "priority-queue"]),
+    aging=st.sampled_from([0.0, 0.01, 10.0]),
 )
 def test_invariants_hold_under_random_workloads(
     requests: list[tuple[int, int, int, int, int | None]],
@@ -293,20 +295,29 @@ def test_invariants_hold_under_random_workloads(
     block_size: int,
     chunked: bool,
     threshold: int,
+    partial: tuple[int, int],
     policy: str,
+    aging: float,
 ) -> None:
     max_model_len = 160
     if num_blocks * block_size < max_model_len:
         num_blocks = -(-max_model_len // block_size)
     if not chunked:
         budget = max(budget, max_model_len)
+        partial = (1, 1)  # concurrent partial prefills need chunked prefill
+    max_partial, max_long = partial
+    policy, _, scope = policy.partition("-")
     rig = make_sim_rig(
         max_num_batched_tokens=budget,
         max_num_seqs=max_seqs,
         max_model_len=max_model_len,
         enable_chunked_prefill=chunked,
         long_prefill_token_threshold=threshold,
+        max_num_partial_prefills=max_partial,
+        max_long_partial_prefills=max_long,
         policy=policy,
+        priority_scope=scope or "step",
+        priority_aging_s=aging,
         block_size=block_size,
         num_blocks=num_blocks,
         with_text=False,
@@ -338,13 +349,20 @@ def test_invariants_hold_under_random_workloads(
             assert not table & seen_blocks, "a block is owned twice"
             seen_blocks |= table
         assert len(seen_blocks) == rig.blocks.num_used_blocks <= num_blocks
+        long_threshold = rig.scheduler.config.long_prefill_token_threshold
+        prefills = longs = 0
         for seq in plan.seqs:
             r = rig.scheduler.get(seq.request_id)
             assert r is not None and r.status == RequestStatus.RUNNING
             assert len(seq.block_table) * block_size >= seq.start_pos + len(seq.token_ids)
             assert list(seq.token_ids) == r.all_token_ids[seq.start_pos : seq.start_pos + len(seq.token_ids)]
-            if chunked and threshold:
-                assert len(seq.token_ids) <= threshold
+            if chunked and long_threshold:
+                assert len(seq.token_ids) <= long_threshold
+            if seq.start_pos == 0 or len(seq.token_ids) > 1:  # prefill work
+                prefills += 1
+                longs += r.num_tokens - seq.start_pos > long_threshold
+        if max_partial > 1:
+            assert prefills <= max_partial and longs <= max_long
             if not chunked and seq.start_pos == 0:
                 assert seq.sample, "an unchunked prefill must cover the whole sequence"
         result = rig.executor.execute(plan)

@@ -48,6 +48,22 @@ def test_all_options_reach_the_settings() -> None:
     )  # fmt: skip
 
 
+def test_vllms_partial_prefill_flags_and_the_priority_controls_reach_the_scheduler() -> None:
+    cfg = settings_from_args(
+        parse(
+            "--max-num-partial-prefills", "4", "--max-long-partial-prefills", "1",
+            "--scheduling-policy", "priority", "--priority-scope", "queue", "--priority-aging-s", "2.5",
+        )
+    ).scheduler_config()  # fmt: skip
+    assert (cfg.max_num_partial_prefills, cfg.max_long_partial_prefills) == (4, 1)
+    assert cfg.long_prefill_token_threshold == int(32768 * 0.04)  # vLLM's default once N > 1
+    assert (cfg.policy, cfg.priority_scope, cfg.priority_aging_s) == ("priority", "queue", 2.5)
+    defaults = settings_from_args(parse()).scheduler_config()
+    assert (defaults.max_num_partial_prefills, defaults.priority_scope) == (1, "step")
+    with pytest.raises(ValueError, match="max_long_partial_prefills"):
+        settings_from_args(parse("--max-long-partial-prefills", "2")).scheduler_config()
+
+
 def test_unchunked_default_budget_covers_the_context() -> None:
     cfg = settings_from_args(parse("--no-chunked-prefill")).scheduler_config()
     assert cfg.max_num_batched_tokens == 32768

@@ -371,6 +371,28 @@ async def test_metrics_have_vllm_names_types_and_labels(reference_server: Start)
     assert values["vllm:prompt_tokens_total"] > 0
 
 
+async def test_metrics_publish_the_scheduler_settings_in_effect(reference_server: Start) -> None:
+    srv = await reference_server(
+        long_prefill_token_threshold=512, scheduling_policy="priority", max_num_partial_prefills=2
+    )
+    async with httpx.AsyncClient(base_url=srv.url) as client:
+        text = (await client.get("/metrics")).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    (sched,) = families["tokengate:scheduler_config_info"].samples
+    assert sched.value == 1
+    assert sched.labels["long_prefill_token_threshold"] == "512"
+    assert sched.labels["max_num_partial_prefills"] == "2"
+    assert sched.labels["max_long_partial_prefills"] == "1"
+    assert (sched.labels["scheduling_policy"], sched.labels["priority_scope"]) == ("priority", "step")
+    assert sched.labels["enable_chunked_prefill"] == "True"
+    (cache,) = families["vllm:cache_config_info"].samples
+    blocks = srv.backend.scheduler.blocks
+    assert (cache.labels["block_size"], cache.labels["num_gpu_blocks"]) == (
+        str(blocks.block_size),
+        str(blocks.num_blocks),
+    )
+
+
 async def test_openai_sdk_against_the_backend(reference_server: Start) -> None:
     openai = pytest.importorskip("openai")
     srv = await reference_server()

@@ -109,3 +109,42 @@ def test_unknown_scenario_lists_the_shipped_ones(tmp_path: Path) -> None:
     with pytest.raises(SpecError) as err:
         load_scenario(str(tmp_path / "nope.yaml"))
     assert "noisy_neighbour" in str(err.value)
+
+
+def _with_backends(backends: dict[str, object]) -> dict[str, object]:
+    return {
+        "duration_s": 5,
+        "tenants": {"a": {"key": "sk-a"}},
+        "classes": {"c": {"tenant": "a", "rate": 1, "prompt_tokens": 10, "output_tokens": 5}},
+        "setup": {"backends": backends, "targets": [{"name": "d", "direct": True}]},
+    }
+
+
+def test_backend_variants_give_each_backend_the_common_args_and_its_own() -> None:
+    scenario = parse_scenario(_with_backends({"args": ["--x", "1"], "variants": [[], ["--y", "2"]]}))
+    assert scenario.setup is not None
+    assert scenario.setup.backend_count == 2
+    assert scenario.setup.args_of(0) == ("--x", "1")
+    assert scenario.setup.args_of(1) == ("--x", "1", "--y", "2")
+    plain = parse_scenario(_with_backends({"count": 2, "args": ["--x", "1"]}))
+    assert plain.setup is not None and plain.setup.args_of(1) == ("--x", "1")
+    with pytest.raises(SpecError, match="one per backend"):
+        parse_scenario(_with_backends({"count": 3, "variants": [[], []]}))
+    with pytest.raises(SpecError, match="variants"):
+        parse_scenario(_with_backends({"variants": ["--y"]}))
+
+
+def test_one_server_scenario_compares_each_arm_with_the_victim_alone_on_its_engine() -> None:
+    scenario = load_scenario("one_server", synthetic=True)
+    assert scenario.setup is not None and scenario.workload.isolation is not None
+    iso = scenario.workload.isolation
+    backends_of = {t.name: t.backends for t in scenario.setup.targets if t.direct}
+    engine_of = {
+        t.name: t.gateway["pools"]["one"]["backends"][0]["backend"]
+        for t in scenario.setup.targets
+        if not t.direct
+    }
+    for arm, solo in iso.solo.items():
+        engine = backends_of[arm][0] if backends_of.get(arm) else engine_of[arm]
+        assert backends_of[solo] == (engine,), (arm, solo)
+    assert {"--long-prefill-token-threshold"} <= set(scenario.setup.args_of(3))

@@ -114,3 +114,37 @@ def test_demo_entry_point_on_tiny_scenarios(
     fair_json = json.loads((tmp_path / "out" / "fairness" / "results.json").read_text())
     assert [t["name"] for t in fair_json["targets"]] == ["gw"]  # the demo runs only the checked target
     assert (tmp_path / "out" / "noisy-neighbour" / "fingerprint_p99_ttft.png").is_file()
+
+
+def test_each_backend_variant_starts_with_its_own_engine_settings(tmp_path: Path) -> None:
+    raw = _tiny("variants")
+    raw["setup"]["backends"] = {
+        "args": ["--max-model-len", "16384"],
+        "variants": [[], ["--scheduling-policy", "priority", "--long-prefill-token-threshold", "512"]],
+    }
+    raw["setup"]["targets"] = [{"name": "plain", "direct": True, "backends": [0]}]
+    raw.pop("checks")
+    scenario = parse_scenario(raw)
+
+    async def settings(url: str) -> dict[str, str]:
+        import httpx
+
+        from gateway.observe.scrape import parse_engine_metrics
+
+        async with httpx.AsyncClient() as c:
+            sample = parse_engine_metrics((await c.get(url + "/metrics")).text)
+        assert sample.scheduler is not None
+        return dict(sample.scheduler)
+
+    with spawned_stack(scenario, tmp_path) as stack:
+        plain, tuned = (asyncio.run(settings(u)) for u in stack.backend_urls)
+    assert (plain["scheduling_policy"], plain["long_prefill_token_threshold"], plain["max_model_len"]) == (
+        "fcfs",
+        "0",
+        "16384",
+    )
+    assert (tuned["scheduling_policy"], tuned["long_prefill_token_threshold"], tuned["max_model_len"]) == (
+        "priority",
+        "512",
+        "16384",
+    )
