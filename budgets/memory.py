@@ -202,7 +202,10 @@ class MemoryStore:
             return False
         now = self._clock()
         self._return(live.lease.demand, actual_decode, now)
-        self._grant(now)
+        if len(self._expiry) > 64 and len(self._expiry) > 3 * len(self._leases):
+            self._trim_expiry()
+        if self._state.waiting:
+            self._grant(now)
         return True
 
     async def extend(self, lease_id: str, tokens: int) -> int | None:
@@ -259,15 +262,13 @@ class MemoryStore:
         )
         expires_at = now + self._state.layout.policy.lease_ttl_s
         self._leases[lease.id] = _Live(lease, expires_at, next(self._grants))
-        self._expire_at(expires_at, lease.id)
+        heapq.heappush(self._expiry, (expires_at, lease.id))
         return lease
 
     def _expire_at(self, expires_at: float, lease_id: str) -> None:
-        heap = self._expiry
-        heapq.heappush(heap, (expires_at, lease_id))
-        if len(heap) > 64 and len(heap) > 3 * len(self._leases):
-            self._expiry = [(live.expires_at, i) for i, live in self._leases.items()]
-            heapq.heapify(self._expiry)
+        heapq.heappush(self._expiry, (expires_at, lease_id))
+        if len(self._expiry) > 64 and len(self._expiry) > 3 * len(self._leases):
+            self._trim_expiry()
 
     def _grant(self, now: float, own: int | None = None) -> Lease | None:
         """Run a grant pass and hand each grant to its waiter; returns ``own``'s lease if granted."""
@@ -296,6 +297,12 @@ class MemoryStore:
         live = self._leases.pop(lease_id, None)
         if live is not None:
             self._return(live.lease.demand, actual_decode, now)
+
+    def _trim_expiry(self) -> None:
+        """Released leases leave their expiry entries behind: dropped once they outnumber the live
+        leases three to one (memory stays bounded by the leases in flight)."""
+        self._expiry = [(live.expires_at, i) for i, live in self._leases.items()]
+        heapq.heapify(self._expiry)
 
     def _return(self, demand: Demand, actual_decode: int | None, now: float) -> None:
         policy.release(self._state, demand, actual_decode, now)

@@ -347,8 +347,10 @@ def lift(state: PolicyState, tenant: str) -> None:
     """Apply the lift rule for ``tenant``; the caller guarantees the tenant is not backlogged."""
     counters = state.counters
     backlogged, leased = state.tenant_waiting, state.leases_by_tenant
-    base = state.backlog_min.lowest(lambda t: counters[t] if t in backlogged else None, skip=tenant)
-    if base is None:
+    base = None
+    if state.backlog_min.heap:
+        base = state.backlog_min.lowest(lambda t: counters[t] if t in backlogged else None, skip=tenant)
+    if base is None and state.lease_min.heap:
         base = state.lease_min.lowest(lambda t: counters[t] if t in leased else None, skip=tenant)
     own = counters.get(tenant)
     if own is None:
@@ -374,7 +376,7 @@ def _charge(state: PolicyState, demand: Demand) -> None:
     if not n:
         state.idle_since.pop(tenant, None)
         _join(state.lease_min, state.counters, value, tenant, leased)
-    if cost:
+    if cost and state.index.private:
         _private_changed(state, demand)
 
 
@@ -405,7 +407,7 @@ def release(state: PolicyState, demand: Demand, actual_decode: int | None, now: 
                 tenant,
                 state.counters[tenant] + state.layout.policy.decode_weight * served / spec.weight,
             )
-    if cost:
+    if cost and state.index.private:
         _private_changed(state, demand)
 
 
@@ -429,8 +431,6 @@ def extend(state: PolicyState, demand: Demand, tokens: int) -> tuple[Demand, int
 
 def _private_changed(state: PolicyState, demand: Demand) -> None:
     private = state.index.private
-    if not private:
-        return
     for name in demand.pools:
         if name in private:
             state.index.private_changed(name, state.layout, state.counters, state.in_flight, state.clock)
@@ -465,6 +465,9 @@ def forget_idle(state: PolicyState, now: float, limit: int | None = None) -> int
         del since_of[tenant]
         counters.pop(tenant, None)
         n += 1
+    base = state.all_min
+    if n and len(base.heap) > 64 and len(base.heap) > 3 * len(counters):  # drop what forgotten tenants left
+        base.rebuild((v, t) for t, v in counters.items())
     return n
 
 

@@ -191,6 +191,8 @@ class QueueIndex:
         names = ticket.demand.pools
         split = self.split.get(names)
         if split is None:
+            if len(self.split) > 4096:  # one entry per tenant and class at most: keep it small
+                self.split.clear()
             pools = layout.pools
             shared = tuple(sorted(n for n in names if pools[n].shared))
             split = self.split[names] = (shared, tuple(n for n in names if not pools[n].shared))

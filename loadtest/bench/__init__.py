@@ -6,6 +6,9 @@ produced them: docs/benchmarks.md):
 * ``python -m loadtest.bench.redis``: the Redis budget store's grant+release latency and throughput
   against the memory store;
 * ``python -m loadtest.bench.pricing``: the time to price a ~28k-token chat prompt.
+* ``python -m loadtest.bench.scale``: admission at scale: one saturated pool, 10 to 100,000
+  waiting tenants and up to 1,000,000 waiting tickets, both stores (cycles/s, grant-pass and
+  script-call p99, memory per tenant, ticket and lease).
 
 ``servers`` holds the stub backend and the bare proxy the overhead benchmark measures against.
 Unlike the rest of ``loadtest``, which talks to tokengate only over HTTP, the store and pricing

@@ -294,12 +294,35 @@ local function vtc(tenant) -- nil when the tenant has no counter
   return c
 end
 
+-- Waiting tickets (T:twait) and live leases (T:tleases) per tenant, cached per script call and
+-- written through by ``count_add``.
+local counts_c = { [K.twait] = {}, [K.tleases] = {} }
+local function count(key, tenant)
+  local c = counts_c[key]
+  local n = c[tenant]
+  if n == nil then
+    n = tonumber(redis.call('HGET', key, tenant) or '0')
+    c[tenant] = n
+  end
+  return n
+end
+
+local function count_add(key, tenant, delta)
+  local n = tonumber(redis.call('HINCRBY', key, tenant, delta))
+  if n <= 0 then
+    redis.call('HDEL', key, tenant)
+    n = 0
+  end
+  counts_c[key][tenant] = n
+  return n
+end
+
 local function backlogged(tenant)
-  return redis.call('HEXISTS', K.twait, tenant) == 1
+  return count(K.twait, tenant) > 0
 end
 
 local function leased(tenant)
-  return redis.call('HEXISTS', K.tleases, tenant) == 1
+  return count(K.tleases, tenant) > 0
 end
 
 -- The lowest score of a sorted set whose member is not ``skip``; nil when there is none.
@@ -383,11 +406,7 @@ local function pass_clock()
   return clock_c
 end
 
-local function load_head(hk)
-  local v = redis.call('HGET', K.heads, hk)
-  if not v then
-    return nil
-  end
+local function parse_head(hk, v)
   local f = split(v, SEP)
   local tier, tenant = string.match(hk, '^(.-)\31(.*)$')
   return {
@@ -404,6 +423,14 @@ local function load_head(hk)
     private = split(f[7], LSEP),
     private_raw = f[7],
   }
+end
+
+local function load_head(hk)
+  local v = redis.call('HGET', K.heads, hk)
+  if not v then
+    return nil
+  end
+  return parse_head(hk, v)
 end
 
 local function store_head(h)
@@ -435,10 +462,7 @@ local function deactivate(h)
     redis.call('ZREM', gkey('y', h.tier, h.gid), m)
     redis.call('ZREM', gkey('c', h.tier, h.gid), h.tenant)
   end
-  h.parked = true
-  if redis.call('EXISTS', gkey('o', h.tier, h.gid), gkey('y', h.tier, h.gid)) == 0 then
-    redis.call('SREM', gtkey(h.tier), h.gid)
-  end
+  h.parked = true -- an emptied group leaves T:gt:<tier> when a pass finds it empty
 end
 
 -- queue_index.private_ok: every private pool of the head has room for its cost.
@@ -514,7 +538,7 @@ local function reposition(tenant, counter)
   local recs = redis.call('HMGET', K.heads, unpack(hks))
   for i = 1, #hks do
     if recs[i] then
-      local h = load_head(hks[i])
+      local h = parse_head(hks[i], recs[i])
       if not h.parked then
         local kind = h.old and 'o' or 'y'
         redis.call('ZREM', gkey(kind, h.tier, h.gid), rank_member(h.counter, h.seq, tenant))
@@ -760,7 +784,7 @@ end
 -- policy._charge
 local function charge(d)
   add_used(d.pools, d.cost)
-  local n = tonumber(redis.call('HINCRBY', K.tleases, d.tenant, 1))
+  local n = count_add(K.tleases, d.tenant, 1)
   local spec = tenant_spec(d.tenant)
   local x = (vtc(d.tenant) or 0.0) + prompt_service(d, spec.weight)
   set_vtc(d.tenant, x)
@@ -801,8 +825,7 @@ end
 -- charge (served_output of the report; d.decode for a reaped lease, 0 for a grant never delivered).
 local function give_back(d, served, now)
   add_used(d.pools, -d.cost)
-  if tonumber(redis.call('HINCRBY', K.tleases, d.tenant, -1)) <= 0 then
-    redis.call('HDEL', K.tleases, d.tenant)
+  if count_add(K.tleases, d.tenant, -1) == 0 then
     redis.call('ZREM', K.vl, d.tenant)
     if not backlogged(d.tenant) then
       mark_idle(d.tenant, now)
@@ -837,13 +860,13 @@ end
 
 -- policy.enqueue
 local function enqueue(d, now, owner, lease_id)
-  local backlog = tonumber(redis.call('HGET', K.twait, d.tenant) or '0')
+  local backlog = count(K.twait, d.tenant)
   if backlog == 0 then
     lift(d.tenant)
   end
   local seq = redis.call('INCR', K.seq)
   redis.call('HSET', K.tickets, seq, pack_demand(d) .. SEP .. fmt(now) .. SEP .. owner .. SEP .. lease_id)
-  redis.call('HINCRBY', K.twait, d.tenant, 1)
+  count_add(K.twait, d.tenant, 1)
   if backlog == 0 then
     redis.call('ZREM', K.idle, d.tenant)
     redis.call('ZADD', K.vb, fmt(vtc(d.tenant)), d.tenant)
@@ -868,7 +891,7 @@ end
 -- policy._forget
 local function forget(tk, now)
   redis.call('HDEL', K.tickets, tk.seq)
-  if decr_or_drop(K.twait, tk.d.tenant) then
+  if count_add(K.twait, tk.d.tenant, -1) == 0 then
     redis.call('ZREM', K.vb, tk.d.tenant)
     if not leased(tk.d.tenant) then
       mark_idle(tk.d.tenant, now)
@@ -974,6 +997,9 @@ local function next_candidate(live, t, cursor, held_lower, contributed)
     local succ
     if cursor == nil then
       succ = redis.call('ZRANGE', g.y, 0, 0)[1]
+      if cand == nil and succ == nil then
+        redis.call('SREM', gtkey(t.name), g.gid) -- emptied since (deactivate leaves it)
+      end
     else
       succ = redis.call('ZRANGEBYLEX', g.y, '(' .. cursor, '+', 'LIMIT', 0, 1)[1]
     end

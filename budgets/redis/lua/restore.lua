@@ -17,7 +17,7 @@ local function restore_main(A)
       local d = demand(A[i + 1], A[i + 2], A[i + 3], A[i + 4], A[i + 5])
       load_policy(d)
       add_used(d.pools, d.cost)
-      if tonumber(redis.call('HINCRBY', K.tleases, d.tenant, 1)) == 1 then
+      if count_add(K.tleases, d.tenant, 1) == 1 then
         redis.call('ZREM', K.idle, d.tenant)
         local c = vtc(d.tenant)
         if c ~= nil then
