@@ -240,6 +240,8 @@ class QueueIndex:
             if group is None or key is None:
                 continue
             new = (counter, key[1], key[2])
+            if new == key:
+                continue  # same rank: a second heap entry would only be a duplicate
             head.key = new
             if head.old:
                 group.push_old(new)  # the old entry is stale now
