@@ -7,7 +7,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 WHEELS=${WHEELS:-.gpuwheels}
-STEPS=${STEPS:-"check fp32 calibrate hol gateway"}
+STEPS=${STEPS:-"check fp32 calibrate hol gateway oneserver"}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if [ -d "$WHEELS" ]; then
@@ -56,6 +56,16 @@ for step in $STEPS; do
       wait_up localhost:8180/readyz && timeout 120 python3 -m loadtest.hol_probe --url http://127.0.0.1:8180 \
         --label gateway --out "$OUT/hol_gateway.json"
       curl -s localhost:9181/metrics | grep -E '^tokengate_(pool_in_flight_tokens|requests_total)' | head -8
+      kill $gw; wait $gw 2>/dev/null; kill $BACKEND; wait $BACKEND 2>/dev/null ;;
+    oneserver)  # the engine's one-server settings (chunk cap, partial prefills, priority), then the gateway's gate
+      backend oneserver --long-prefill-token-threshold 512 --max-num-partial-prefills 2 \
+        --max-long-partial-prefills 1 --scheduling-policy priority && timeout 120 python3 -m loadtest.hol_probe \
+        --url http://127.0.0.1:8101 --label engine-oneserver --out "$OUT/hol_engine_oneserver.json"
+      python3 -m gateway.cli serve --config scripts/gpu_gateway_oneserver.yaml --port 8180 > "$OUT/gateway_oneserver.log" 2>&1 &
+      gw=$!
+      wait_up localhost:8180/readyz && timeout 120 python3 -m loadtest.hol_probe --url http://127.0.0.1:8180 \
+        --label gateway-oneserver --out "$OUT/hol_gateway_oneserver.json"
+      curl -s localhost:9181/metrics | grep -E '^tokengate_(pool_in_flight_tokens|prefill_gate_tokens|requests_total)' | head -8
       kill $gw; wait $gw 2>/dev/null; kill $BACKEND; wait $BACKEND 2>/dev/null ;;
   esac
 done
