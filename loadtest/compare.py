@@ -27,6 +27,7 @@ def run_options(spec: WorkloadSpec, *, progress: bool = False, stream: bool = Tr
         request_timeout_s=spec.request_timeout_s,
         drain_timeout_s=spec.drain_timeout_s,
         chat_overhead_tokens=spec.chat_overhead_tokens if spec.endpoint == "chat" else 0,
+        send_max_tokens=spec.send_max_tokens,
         progress=progress,
     )
 
