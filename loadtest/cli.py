@@ -108,12 +108,14 @@ def prepare_scenario(args: argparse.Namespace) -> Scenario:
 
 
 async def _run_targets(
-    scenario: Scenario, targets: list[Target], args: argparse.Namespace
+    scenario: Scenario, targets: list[Target], args: argparse.Namespace, backend_urls: list[str] | None = None
 ) -> list[RunResult]:
     options = run_options(scenario.workload, progress=not args.quiet, stream=not args.no_stream)
     if args.api_key:
         targets = [replace(t, api_key=args.api_key) for t in targets]
-    return await compare(scenario.workload, targets, options=options, pause_s=args.pause)
+    return await compare(
+        scenario.workload, targets, options=options, pause_s=args.pause, backend_urls=backend_urls or ()
+    )
 
 
 def _variant(args: argparse.Namespace) -> str:
@@ -133,12 +135,17 @@ def run(args: argparse.Namespace) -> int:
                 with spawned_stack(
                     scenario, out_dir, extra_backend_args=args.backend_arg, only_targets=args.only
                 ) as stack:
-                    runs = asyncio.run(_run_targets(scenario, stack.targets, args))
+                    runs = asyncio.run(_run_targets(scenario, stack.targets, args, stack.backend_urls))
             else:
                 targets = [parse_target(t, i) for i, t in enumerate(args.target)]
                 runs = asyncio.run(_run_targets(scenario, targets, args))
             outputs = write_outputs(
-                out_dir, scenario.workload, runs, scenario.checks, plots=not args.no_plots
+                out_dir,
+                scenario.workload,
+                runs,
+                scenario.checks,
+                plots=not args.no_plots,
+                summary=scenario.summary,
             )
     except (SpecError, StartupError) as exc:
         print(f"tokengate loadtest: error: {exc}", file=sys.stderr)

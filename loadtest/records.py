@@ -78,3 +78,6 @@ class RunResult:
     elapsed_s: float  # run start → last response finished (or was cancelled)
     planned: int  # requests in the plan (bounded by count and duration)
     started_unix: float = 0.0
+    # Preemptions the backends counted while this run went (their /metrics, read before and after;
+    # only when the load tester knows the backends, i.e. a spawned stack). None: not measured.
+    backend_preemptions: float | None = None

@@ -387,7 +387,7 @@ def parse_workload(
     raw: Mapping[str, Any], *, base_dir: Path | None = None, synthetic: bool = False
 ) -> WorkloadSpec:
     """Validates a workload mapping. ``synthetic`` ignores trace files and uses their fitted stand-ins."""
-    check_keys(raw, [*_WORKLOAD_KEYS, "setup", "checks"], "workload")
+    check_keys(raw, [*_WORKLOAD_KEYS, "setup", "checks", "summary"], "workload")
     tenants_raw = mapping(raw.get("tenants"), "tenants")
     tenants = {str(name): _parse_tenant(str(name), t) for name, t in tenants_raw.items()}
     if not tenants:
