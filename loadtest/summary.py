@@ -72,6 +72,10 @@ def parse_summary(raw: Any, spec: WorkloadSpec) -> tuple[SummaryColumn, ...]:
     return tuple(out)
 
 
+def _same_requests(a: RunResult, b: RunResult) -> bool:
+    return [r.index for r in a.records] == [r.index for r in b.records]
+
+
 def _cell(
     column: SummaryColumn, run: RunResult, by_name: Mapping[str, RunResult], spec: WorkloadSpec
 ) -> tuple[float | None, str]:
@@ -81,7 +85,9 @@ def _cell(
     if column.relative_to is None:
         return value, format_metric(column.metric, value)
     base_run = by_name.get(column.relative_to)
-    base = metric_value(base_run, spec, column.metric, column.group, None) if base_run else None
+    if base_run is None or not _same_requests(run, base_run):
+        return None, "–"  # a ratio only between runs of the same requests (not a warm-up, say)
+    base = metric_value(base_run, spec, column.metric, column.group, None)
     if not base:
         return None, "–"
     return value / base, f"{value / base:.2f}×"

@@ -40,7 +40,9 @@ def test_the_summary_shows_each_target_with_ratios_to_another() -> None:
         ],
         spec,
     )
-    runs = [_run("slow", 10, 4.0, 0), _run("fast", 10, 2.0, None)]
+    warmup = _run("warmup", 10, 1.0, 0)
+    warmup.records = warmup.records[:2]  # other requests: no ratio to the others
+    runs = [_run("slow", 10, 4.0, 0), _run("fast", 10, 2.0, None), warmup]
     md = summary_markdown(spec, runs, columns)
     assert md.splitlines()[0] == (
         "| target | generated tokens/s | generated tokens/s ÷ slow | backend preemptions / request "
@@ -48,6 +50,7 @@ def test_the_summary_shows_each_target_with_ratios_to_another() -> None:
     )
     assert md.splitlines()[2] == "| slow | 10.0 | 1.00× | 0.00% | 2500 ms |"
     assert md.splitlines()[3] == "| fast | 20.0 | 2.00× | – | 2500 ms |"  # preemptions not measured
+    assert md.splitlines()[4] == "| warmup | 20.0 | – | 0.00% | 1500 ms |"
     rows = summary_rows(spec, runs, columns)
     assert rows[1]["values"]["generated tokens/s ÷ slow"] == pytest.approx(2.0)
 
