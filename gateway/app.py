@@ -43,7 +43,7 @@ from gateway.layout import build_layout
 from gateway.leases import LeaseKeeper
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.modeltable import ModelTable
-from gateway.observe import Observer, ScrapeTarget, StatsSources, observe_routes
+from gateway.observe import Observer, ReservationSources, ScrapeTarget, StatsSources, observe_routes
 from gateway.observe.stats import BackendHealth, config_view
 from gateway.passthrough import PassthroughRoutes
 from gateway.paths import path_problem
@@ -178,6 +178,16 @@ class Gateway:
                 BackendHealth(b.pool, b.name, b.state, b.consecutive_failures) for b in self.router.backends
             ],
             backends=lambda: self.router.backends,
+            reservations=ReservationSources(
+                ratio=self.metrics.reservation_ratio,
+                overdrafts=self.metrics.overdrafts,
+                overdraft_tokens=self.metrics.overdraft_tokens,
+                extensions=self.metrics.extensions,
+                used_tokens=self._used_tokens,
+                # Through self: a reconfiguration replaces the Reservations object.
+                learned=lambda: self.reservations.learned(),
+                tight_pools=lambda: self.reservations.tight_pools(),
+            ),
         )
         self.draining = False
         self._drained = False

@@ -10,8 +10,10 @@ A ratio check compares one number to a baseline number::
       baseline: {target: direct}  # defaults to the same target and phase
       max_ratio: 0.2              # and/or min_ratio
 
-A value check bounds one number itself (no baseline)::
+A value check bounds one number (``min`` and/or ``max``)::
 
+    - {name: preemptions on at most 1 % of requests, kind: value, metric: preemptions_per_request,
+       target: learned, max: 0.01}
     - {name: noisy queue wait, kind: value, metric: queue_p99_ms, group: noisy, target: all, max: 10000}
     - {name: every request completed, kind: value, metric: failed, target: all, max: 0}
 
@@ -32,7 +34,16 @@ from loadtest.spec import WorkloadSpec
 from loadtest.stats import GroupStats, fair_shares, group_stats, totals
 
 _GROUP_METRICS = {f for f in GroupStats.__dataclass_fields__ if f not in ("group", "errors")}
-_TOTAL_METRICS = {"tokens_per_s", "completion_tokens", "ok", "requests", "failed"}
+_TOTAL_METRICS = {
+    "tokens_per_s",
+    "completion_tokens",
+    "ok",
+    "requests",
+    "failed",
+    "preemptions",
+    "preemptions_per_request",
+    "reserved_output_ratio",
+}
 
 
 @dataclass(frozen=True)
@@ -48,7 +59,7 @@ class CheckSpec:
     min_ratio: float | None = None
     max_ratio: float | None = None
     tolerance: float = 0.10
-    min_value: float | None = None  # value checks
+    min_value: float | None = None  # kind value
     max_value: float | None = None
 
 
@@ -92,29 +103,7 @@ def parse_checks(raw: Any, spec: WorkloadSpec) -> tuple[CheckSpec, ...]:
             )
             continue
         if kind == "value":
-            check_keys(item, ["name", "kind", "metric", "group", "target", "phase", "min", "max"], where)
-            metric, group = item.get("metric"), item.get("group")
-            allowed = _GROUP_METRICS if group is not None else _TOTAL_METRICS
-            if metric not in allowed:
-                raise SpecError(f"{where}.metric: expected one of {sorted(allowed)}, got {metric!r}")
-            if group is not None and group not in spec.groups:
-                raise SpecError(f"{where}.group: {group!r} is not a request group ({spec.groups})")
-            if item.get("phase") is not None and item["phase"] not in phases:
-                raise SpecError(f"{where}: unknown phase {item['phase']!r} ({sorted(phases)})")
-            if item.get("min") is None and item.get("max") is None:
-                raise SpecError(f"{where}: give min and/or max")
-            out.append(
-                CheckSpec(
-                    name=str(item.get("name", f"{metric} {group or 'total'}")),
-                    kind="value",
-                    target=str(item.get("target", "")),
-                    metric=str(metric),
-                    group=group,
-                    phase=item.get("phase"),
-                    min_value=None if item.get("min") is None else float(item["min"]),
-                    max_value=None if item.get("max") is None else float(item["max"]),
-                )
-            )
+            out.append(_parse_value_check(item, where, spec))
             continue
         if kind != "ratio":
             raise SpecError(f"{where}.kind: expected ratio, value or fairness, got {kind!r}")
@@ -123,12 +112,7 @@ def parse_checks(raw: Any, spec: WorkloadSpec) -> tuple[CheckSpec, ...]:
             ["name", "kind", "metric", "group", "target", "phase", "baseline", "min_ratio", "max_ratio"],
             where,
         )
-        metric, group = item.get("metric"), item.get("group")
-        allowed = _GROUP_METRICS if group is not None else _TOTAL_METRICS
-        if metric not in allowed:
-            raise SpecError(f"{where}.metric: expected one of {sorted(allowed)}, got {metric!r}")
-        if group is not None and group not in spec.groups:
-            raise SpecError(f"{where}.group: {group!r} is not a request group ({spec.groups})")
+        metric, group = parse_metric(item, where, spec)
         baseline = item.get("baseline", {}) or {}
         if not isinstance(baseline, Mapping):
             raise SpecError(f"{where}.baseline: expected a mapping with target and/or phase")
@@ -155,26 +139,61 @@ def parse_checks(raw: Any, spec: WorkloadSpec) -> tuple[CheckSpec, ...]:
     return tuple(out)
 
 
-def _value(
+def parse_metric(item: Mapping[str, Any], where: str, spec: WorkloadSpec) -> tuple[str, str | None]:
+    metric, group = item.get("metric"), item.get("group")
+    allowed = _GROUP_METRICS if group is not None else _TOTAL_METRICS
+    if metric not in allowed:
+        raise SpecError(f"{where}.metric: expected one of {sorted(allowed)}, got {metric!r}")
+    if group is not None and group not in spec.groups:
+        raise SpecError(f"{where}.group: {group!r} is not a request group ({spec.groups})")
+    return str(metric), group
+
+
+def _parse_value_check(item: Mapping[str, Any], where: str, spec: WorkloadSpec) -> CheckSpec:
+    check_keys(item, ["name", "kind", "metric", "group", "target", "phase", "min", "max"], where)
+    metric, group = parse_metric(item, where, spec)
+    phase = item.get("phase")
+    if phase is not None and phase not in {p.name for p in spec.phases}:
+        raise SpecError(f"{where}: unknown phase {phase!r}")
+    bounds = {}
+    for key in ("min", "max"):
+        v = item.get(key)
+        if v is not None and (not isinstance(v, int | float) or isinstance(v, bool)):
+            raise SpecError(f"{where}.{key}: expected a number, got {v!r}")
+        bounds[key] = None if v is None else float(v)
+    if bounds["min"] is None and bounds["max"] is None:
+        raise SpecError(f"{where}: give min and/or max")
+    return CheckSpec(
+        name=str(item.get("name", f"{metric} {group or 'total'}")),
+        kind="value",
+        target=str(item.get("target", "")),
+        metric=metric,
+        group=group,
+        phase=phase,
+        min_value=bounds["min"],
+        max_value=bounds["max"],
+    )
+
+
+def metric_value(
     run: RunResult, spec: WorkloadSpec, metric: str, group: str | None, phase: str | None
 ) -> float | None:
     if group is None:
-        return float(getattr(totals(run), metric))
+        total = getattr(totals(run), metric)
+        return None if total is None else float(total)
     stats = group_stats(run, [group], spec.phase(phase) if phase else None)[group]
     value = getattr(stats, metric)
     return None if value is None else float(value)
 
 
-def _fmt(metric: str, value: float) -> str:
-    if metric.endswith("_s") and not metric.endswith("per_s"):
-        return f"{value * 1000:.0f} ms" if value < 10 else f"{value:.1f} s"
-    return f"{value:,.1f}"
-
-
-def _fmt_value(metric: str, value: float) -> str:
+def format_metric(metric: str, value: float) -> str:
     if metric.endswith("_ms"):
         return f"{value / 1000:.1f} s" if value >= 10_000 else f"{value:,.0f} ms"
-    return _fmt(metric, value)
+    if metric.endswith("_s") and not metric.endswith("per_s"):
+        return f"{value * 1000:.0f} ms" if value < 10 else f"{value:.1f} s"
+    if metric.endswith("per_request"):
+        return f"{value:.2%}"
+    return f"{value:,.1f}"
 
 
 def _where(target: str, phase: str | None) -> str:
@@ -197,29 +216,28 @@ def evaluate(check: CheckSpec, runs: Sequence[RunResult], spec: WorkloadSpec) ->
         ]
         return CheckResult(check.name, met, "; ".join(parts) + f"; tolerance {check.tolerance:.0%}")
     if check.kind == "value":
-        value = _value(run, spec, check.metric, check.group, check.phase)
+        value = metric_value(run, spec, check.metric, check.group, check.phase)
         if value is None:
-            return CheckResult(check.name, None, f"no samples for {check.metric}")
+            return CheckResult(check.name, None, f"no value for {check.metric}")
         met = (check.min_value is None or value >= check.min_value) and (
             check.max_value is None or value <= check.max_value
         )
-        bounds = []
+        want = []
         if check.min_value is not None:
-            bounds.append(f">= {_fmt_value(check.metric, check.min_value)}")
+            want.append(f">= {format_metric(check.metric, check.min_value)}")
         if check.max_value is not None:
-            bounds.append(f"<= {_fmt_value(check.metric, check.max_value)}")
+            want.append(f"<= {format_metric(check.metric, check.max_value)}")
+        where = _where(check.target, check.phase)
         return CheckResult(
-            check.name,
-            met,
-            f"{_fmt_value(check.metric, value)} [{_where(check.target, check.phase)}] (want {' and '.join(bounds)})",
+            check.name, met, f"{format_metric(check.metric, value)} [{where}] (want {' and '.join(want)})"
         )
     base_target = check.baseline_target or check.target
     base_phase = check.baseline_phase if check.baseline_phase is not None else check.phase
     base_run = by_name.get(base_target)
     if base_run is None:
         return CheckResult(check.name, None, f"baseline target {base_target!r} was not run")
-    value = _value(run, spec, check.metric, check.group, check.phase)
-    base = _value(base_run, spec, check.metric, check.group, base_phase)
+    value = metric_value(run, spec, check.metric, check.group, check.phase)
+    base = metric_value(base_run, spec, check.metric, check.group, base_phase)
     if value is None or base is None or base == 0:
         return CheckResult(check.name, None, f"no samples (value {value}, baseline {base})")
     ratio = value / base
@@ -232,8 +250,8 @@ def evaluate(check: CheckSpec, runs: Sequence[RunResult], spec: WorkloadSpec) ->
     if check.max_ratio is not None:
         bounds.append(f"<= {check.max_ratio:g}")
     summary = (
-        f"{_fmt(check.metric, value)} [{_where(check.target, check.phase)}] vs "
-        f"{_fmt(check.metric, base)} [{_where(base_target, base_phase)}] = {ratio:.2f}x (want {' and '.join(bounds)})"
+        f"{format_metric(check.metric, value)} [{_where(check.target, check.phase)}] vs "
+        f"{format_metric(check.metric, base)} [{_where(base_target, base_phase)}] = {ratio:.2f}x (want {' and '.join(bounds)})"
     )
     return CheckResult(check.name, met, summary)
 

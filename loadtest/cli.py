@@ -21,6 +21,7 @@ from loadtest.processes import StartupError, sigterm_as_interrupt
 from loadtest.records import RunResult
 from loadtest.runner import Target
 from loadtest.scenario import Scenario, load_scenario
+from loadtest.spec import parse_send_max_tokens
 from loadtest.stack import spawned_stack
 from loadtest.traces import use_traces_dir
 
@@ -73,6 +74,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-key", default=None, help="send this key for every request instead of the tenants'"
     )
     parser.add_argument("--no-stream", action="store_true", help="non-streaming requests (TTFT = end-to-end)")
+    parser.add_argument(
+        "--send-max-tokens",
+        default=None,
+        metavar="N|none|planned",
+        help="what each request sends as max_tokens (overrides the scenario's send_max_tokens); with N or "
+        "none the planned output goes as the reference backend's benchmark field tokengate_stop_after",
+    )
     parser.add_argument("--pause", type=float, default=1.0, help="seconds between targets")
     parser.add_argument(
         "--backend-arg", action="append", default=[], help="with --spawn: extra backend argument"
@@ -93,35 +101,51 @@ def prepare_scenario(args: argparse.Namespace) -> Scenario:
         workload = replace(workload, max_requests=args.max_requests)
     if args.model is not None:
         workload = replace(workload, model=args.model)
+    if getattr(args, "send_max_tokens", None) is not None:
+        limit = parse_send_max_tokens(args.send_max_tokens, "--send-max-tokens")
+        workload = replace(workload, send_max_tokens=limit)
     return scenario.with_workload(workload)
 
 
 async def _run_targets(
-    scenario: Scenario, targets: list[Target], args: argparse.Namespace
+    scenario: Scenario, targets: list[Target], args: argparse.Namespace, backend_urls: list[str] | None = None
 ) -> list[RunResult]:
     options = run_options(scenario.workload, progress=not args.quiet, stream=not args.no_stream)
     if args.api_key:
         targets = [replace(t, api_key=args.api_key) for t in targets]
-    return await compare(scenario.workload, targets, options=options, pause_s=args.pause)
+    return await compare(
+        scenario.workload, targets, options=options, pause_s=args.pause, backend_urls=backend_urls or ()
+    )
+
+
+def _variant(args: argparse.Namespace) -> str:
+    """A default output folder's suffix for a run that overrides what requests send."""
+    limit = getattr(args, "send_max_tokens", None)
+    return f"-max-tokens-{limit}" if limit is not None else ""
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         with sigterm_as_interrupt():
             scenario = prepare_scenario(args)
-            out_dir = args.out or Path("results") / scenario.workload.name
+            out_dir = args.out or Path("results") / (scenario.workload.name + _variant(args))
             if args.spawn == bool(args.target):
                 raise SpecError("give either --target URL(s) or --spawn")
             if args.spawn:
                 with spawned_stack(
                     scenario, out_dir, extra_backend_args=args.backend_arg, only_targets=args.only
                 ) as stack:
-                    runs = asyncio.run(_run_targets(scenario, stack.targets, args))
+                    runs = asyncio.run(_run_targets(scenario, stack.targets, args, stack.backend_urls))
             else:
                 targets = [parse_target(t, i) for i, t in enumerate(args.target)]
                 runs = asyncio.run(_run_targets(scenario, targets, args))
             outputs = write_outputs(
-                out_dir, scenario.workload, runs, scenario.checks, plots=not args.no_plots
+                out_dir,
+                scenario.workload,
+                runs,
+                scenario.checks,
+                plots=not args.no_plots,
+                summary=scenario.summary,
             )
     except (SpecError, StartupError) as exc:
         print(f"tokengate loadtest: error: {exc}", file=sys.stderr)

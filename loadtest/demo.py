@@ -77,8 +77,12 @@ def _run_one(
             f"running {', '.join(t.name for t in stack.targets)} ({spec.duration_s:g} s of arrivals each)"
         )
         options = run_options(spec, progress=not args.quiet)
-        runs = asyncio.run(compare(spec, stack.targets, options=options, pause_s=0.5))
-    return write_outputs(out_dir, spec, runs, scenario.checks, plots=not args.no_plots)
+        runs = asyncio.run(
+            compare(spec, stack.targets, options=options, pause_s=0.5, backend_urls=stack.backend_urls)
+        )
+    return write_outputs(
+        out_dir, spec, runs, scenario.checks, plots=not args.no_plots, summary=scenario.summary
+    )
 
 
 def _table(markdown: str) -> str:

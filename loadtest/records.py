@@ -15,7 +15,7 @@ class RequestRecord:
     tenant: str
     url: str
     planned_prompt_tokens: int
-    max_tokens: int
+    max_tokens: int | None  # what the request sent as max_tokens (None: none)
     scheduled_s: float  # planned send time, seconds after the run's start
     sent_s: float = 0.0  # actual send time (lateness = sent_s - scheduled_s)
     status: int = 0  # HTTP status; 0 when no response arrived
@@ -30,6 +30,7 @@ class RequestRecord:
     gateway_class: str | None = None
     gateway_cost: int | None = None
     gateway_queue_ms: float | None = None
+    planned_output_tokens: int | None = None  # the output the plan asked for (None: unknown)
 
     @property
     def ok(self) -> bool:
@@ -52,6 +53,7 @@ class RequestRecord:
             "url": self.url,
             "planned_prompt_tokens": self.planned_prompt_tokens,
             "max_tokens": self.max_tokens,
+            "planned_output_tokens": self.planned_output_tokens,
             "scheduled_s": round(self.scheduled_s, 6),
             "sent_s": round(self.sent_s, 6),
             "status": self.status,
@@ -76,3 +78,6 @@ class RunResult:
     elapsed_s: float  # run start → last response finished (or was cancelled)
     planned: int  # requests in the plan (bounded by count and duration)
     started_unix: float = 0.0
+    # Preemptions the backends counted while this run went (their /metrics, read before and after;
+    # only when the load tester knows the backends, i.e. a spawned stack). None: not measured.
+    backend_preemptions: float | None = None

@@ -4,6 +4,10 @@ One shared aiohttp session; streaming requests measure time to first token, the 
 content chunks and end-to-end time. Requests ask for ``max_tokens`` = the planned output length with
 ``ignore_eos: true`` so the backend generates exactly that many tokens (the reference backend and vLLM
 honour ``ignore_eos``; other servers may stop early at EOS, which shows as fewer completion tokens).
+With ``send_max_tokens`` a number or ``none`` they send that instead (what real clients send) and the
+planned length as ``tokengate_stop_after`` (the reference backend's benchmark-only field: the answer
+ends there as at an EOS). Every request carries ``x-tokengate-oracle-output: <planned output>``, for a
+gateway's oracle arm (``reservation.oracle_header``); other servers ignore the header.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from loadtest.progress import Progress
 from loadtest.prompts import PromptFactory
 from loadtest.records import RequestRecord, RunResult
 from loadtest.schedule import PlannedRequest
+from loadtest.spec import SendMaxTokens
 
 
 @dataclass(frozen=True)
@@ -50,18 +55,29 @@ class RunOptions:
     connect_timeout_s: float = 10.0
     drain_timeout_s: float = 120.0  # after the last send, wait this long for in-flight requests
     chat_overhead_tokens: int = 7
+    send_max_tokens: SendMaxTokens = "planned"
     progress: bool = False
 
 
 _GATEWAY_HEADERS = ("x-tokengate-class", "x-tokengate-cost", "x-tokengate-queue-ms")
 
 
+def sent_max_tokens(req: PlannedRequest, options: RunOptions) -> int | None:
+    """What the request asks for as max_tokens (None: the field is left out)."""
+    limit = options.send_max_tokens
+    if limit == "planned":
+        return req.output_tokens
+    return None if limit == "none" else limit
+
+
 def _body(req: PlannedRequest, prompts: PromptFactory, options: RunOptions) -> tuple[str, bytes]:
-    body: dict[str, object] = {
-        "model": options.model,
-        "max_tokens": req.output_tokens,
-        "stream": options.stream,
-    }
+    body: dict[str, object] = {"model": options.model}
+    limit = sent_max_tokens(req, options)
+    if limit is not None:
+        body["max_tokens"] = limit
+    if options.send_max_tokens != "planned":
+        body["tokengate_stop_after"] = req.output_tokens
+    body["stream"] = options.stream
     if options.ignore_eos:
         body["ignore_eos"] = True
     if options.stream:
@@ -176,7 +192,11 @@ async def _send(
     options: RunOptions,
     clock: _Clock,
 ) -> None:
-    headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
+    headers = {
+        "Authorization": f"Bearer {api_key}",
+        "Content-Type": "application/json",
+        "x-tokengate-oracle-output": str(req.output_tokens),
+    }
     timeout = aiohttp.ClientTimeout(total=options.request_timeout_s, sock_connect=options.connect_timeout_s)
     rec.sent_s = clock.now()
     try:
@@ -279,7 +299,8 @@ async def run_plan(
                 tenant=req.tenant,
                 url=target.url_for(req.index, path),
                 planned_prompt_tokens=req.prompt_tokens,
-                max_tokens=req.output_tokens,
+                max_tokens=sent_max_tokens(req, options),
+                planned_output_tokens=req.output_tokens,
                 scheduled_s=req.at_s,
             )
             records.append(rec)

@@ -1,4 +1,5 @@
-"""A scenario file: a workload, optionally the stack to start for it (backends, gateway configs), and checks.
+"""A scenario file: a workload, optionally the stack to start for it (backends, gateway configs), checks
+and a summary table (``loadtest.summary``).
 
 ``setup`` describes the targets the scenario compares when the load tester starts everything itself
 (``tokengate loadtest FILE --spawn`` and ``tokengate demo``)::
@@ -32,6 +33,7 @@ import yaml
 from loadtest.checks import CheckSpec, parse_checks
 from loadtest.distributions import SpecError, check_keys
 from loadtest.spec import WorkloadSpec, parse_workload
+from loadtest.summary import SummaryColumn, parse_summary
 
 SCENARIOS_DIR = Path(__file__).resolve().parent / "scenarios"
 
@@ -67,6 +69,7 @@ class Scenario:
     setup: SetupSpec | None
     checks: tuple[CheckSpec, ...]
     path: Path | None = None
+    summary: tuple[SummaryColumn, ...] = ()  # the summary table's columns (loadtest.summary)
 
     def with_workload(self, workload: WorkloadSpec) -> Scenario:
         return replace(self, workload=workload)
@@ -156,6 +159,7 @@ def parse_scenario(raw: Mapping[str, Any], *, path: Path | None = None, syntheti
     workload = parse_workload(raw, base_dir=base_dir, synthetic=synthetic)
     setup = _parse_setup(raw["setup"]) if "setup" in raw else None
     checks = parse_checks(raw.get("checks"), workload)
+    summary = parse_summary(raw.get("summary"), workload)
     if setup is not None:
         classes = {c.name for c in workload.classes}
         phases = {p.name for p in workload.phases}
@@ -181,7 +185,13 @@ def parse_scenario(raw: Mapping[str, Any], *, path: Path | None = None, syntheti
                     raise SpecError(
                         f"checks: {c.name!r} names target {name!r}, not in setup.targets {sorted(names)}"
                     )
-    return Scenario(workload, setup, checks, path)
+        for col in summary:
+            if col.relative_to is not None and col.relative_to not in names:
+                raise SpecError(
+                    f"summary: {col.header!r} is relative to {col.relative_to!r}, not in setup.targets "
+                    f"{sorted(names)}"
+                )
+    return Scenario(workload, setup, checks, path, summary)
 
 
 def resolve_scenario_path(name: str) -> Path:

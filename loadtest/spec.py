@@ -27,6 +27,14 @@ A workload file looks like::
         trace: {file: azure_llm_2023_conv.csv, start_s: 600, time_scale: 2, sample: 0.5}
     phases: {quiet: [[0, 10]], noisy: [[10, 20]]}  # windows of send time, for per-phase statistics
     fairness: {tenants: [chat, noisy], phase: noisy}
+    send_max_tokens: planned                       # or a number (4096), or none
+
+``send_max_tokens`` says what each request asks for as ``max_tokens``: ``planned`` (the default) is
+the planned output length, which the backend then produces exactly (``ignore_eos``); a number or
+``none`` sends what real clients send (a generous limit, or nothing) and asks for the planned length
+with the reference backend's benchmark-only body field ``tokengate_stop_after`` instead (the answer
+ends there as at an EOS). Every request also carries the header ``x-tokengate-oracle-output: <planned
+output>``, which a gateway honours only with ``reservation.oracle_header`` (the oracle arm).
 
 A tenant's ``gateway`` mapping is copied into the gateway's tenant config when the load tester
 generates one (budget_tokens, default_max_tokens, ...); ``key``/``keys``, ``weight`` and ``tier`` are
@@ -40,7 +48,7 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from gateway.fields import mapping, number
 from loadtest.distributions import (
@@ -59,6 +67,22 @@ from loadtest.traces import (
     load_trace,
     resolve_trace_path,
 )
+
+# What a request sends as max_tokens: the planned output, a fixed limit, or nothing.
+SendMaxTokens = int | Literal["planned", "none"]
+
+
+def parse_send_max_tokens(raw: object, where: str = "send_max_tokens") -> SendMaxTokens:
+    """``planned``, ``none`` (or YAML null) or a positive integer (also as text, from the CLI)."""
+    if raw is None or raw == "none":
+        return "none"
+    if raw == "planned":
+        return "planned"
+    if isinstance(raw, str) and raw.isdigit():
+        raw = int(raw)
+    if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 1:
+        return raw
+    raise SpecError(f"{where}: expected planned, none or a positive integer, got {raw!r}")
 
 
 @dataclass(frozen=True)
@@ -163,6 +187,7 @@ class WorkloadSpec:
     # Tokens the chat template adds around one user message (3 per message + 3 priming, the gateway's
     # and the reference backend's convention); subtracted so the rendered prompt has the planned size.
     chat_overhead_tokens: int = 7
+    send_max_tokens: SendMaxTokens = "planned"
     phases: tuple[Phase, ...] = ()
     fairness: FairnessSpec | None = None
     isolation: IsolationSpec | None = None
@@ -209,6 +234,7 @@ _WORKLOAD_KEYS = [
     "request_timeout_s",
     "drain_timeout_s",
     "chat_overhead_tokens",
+    "send_max_tokens",
     "tenants",
     "classes",
     "phases",
@@ -379,7 +405,7 @@ def parse_workload(
     raw: Mapping[str, Any], *, base_dir: Path | None = None, synthetic: bool = False
 ) -> WorkloadSpec:
     """Validates a workload mapping. ``synthetic`` ignores trace files and uses their fitted stand-ins."""
-    check_keys(raw, [*_WORKLOAD_KEYS, "setup", "checks"], "workload")
+    check_keys(raw, [*_WORKLOAD_KEYS, "setup", "checks", "summary"], "workload")
     tenants_raw = mapping(raw.get("tenants"), "tenants")
     tenants = {str(name): _parse_tenant(str(name), t) for name, t in tenants_raw.items()}
     if not tenants:
@@ -426,6 +452,7 @@ def parse_workload(
         request_timeout_s=_number(raw, "request_timeout_s", "workload", 300.0),
         drain_timeout_s=_number(raw, "drain_timeout_s", "workload", 120.0),
         chat_overhead_tokens=int(_number(raw, "chat_overhead_tokens", "workload", 7)),
+        send_max_tokens=parse_send_max_tokens(raw.get("send_max_tokens", "planned")),
         phases=phases,
         fairness=fairness,
         isolation=isolation,

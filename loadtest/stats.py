@@ -23,6 +23,7 @@ class GroupStats:
     ttft_p99_s: float | None
     e2e_p50_s: float | None
     e2e_p99_s: float | None
+    e2e_mean_s: float | None
     itl_p50_s: float | None
     itl_p99_s: float | None
     queue_p99_ms: float | None  # the gateway's x-tokengate-queue-ms, when it sent one
@@ -51,6 +52,7 @@ def _group_stats(group: str, records: Sequence[RequestRecord], elapsed_s: float)
         ttft_p99_s=percentile(ttft, 99),
         e2e_p50_s=percentile(e2e, 50),
         e2e_p99_s=percentile(e2e, 99),
+        e2e_mean_s=sum(e2e) / len(e2e) if e2e else None,
         itl_p50_s=percentile(gaps, 50),
         itl_p99_s=percentile(gaps, 99),
         queue_p99_ms=percentile(queue, 99),
@@ -75,6 +77,11 @@ class Totals:
     tokens_per_s: float
     elapsed_s: float
     max_send_lateness_s: float  # how far behind schedule the generator fell (should stay small)
+    preemptions: float | None  # counted by the backends during the run (None: not measured)
+    preemptions_per_request: float | None  # preemptions / requests: >= the share of requests preempted
+    # Output tokens a gateway reserved at admission (x-tokengate-cost less the prompt's tokens) per
+    # token generated, over the successful requests that say both; None without a gateway.
+    reserved_output_ratio: float | None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -84,6 +91,7 @@ def totals(run: RunResult) -> Totals:
     ok = [r for r in run.records if r.ok]
     tokens = sum(r.completion_tokens for r in ok)
     lateness = max((r.sent_s - r.scheduled_s for r in run.records), default=0.0)
+    preempted = run.backend_preemptions
     return Totals(
         requests=len(run.records),
         ok=len(ok),
@@ -93,7 +101,21 @@ def totals(run: RunResult) -> Totals:
         tokens_per_s=tokens / run.elapsed_s if run.elapsed_s > 0 else 0.0,
         elapsed_s=run.elapsed_s,
         max_send_lateness_s=lateness,
+        preemptions=preempted,
+        preemptions_per_request=preempted / len(run.records)
+        if preempted is not None and run.records
+        else None,
+        reserved_output_ratio=_reserved_output_ratio(ok),
     )
+
+
+def _reserved_output_ratio(ok: Sequence[RequestRecord]) -> float | None:
+    reserved = generated = 0
+    for r in ok:
+        if r.gateway_cost is not None and r.prompt_tokens is not None:
+            reserved += max(0, r.gateway_cost - r.prompt_tokens)
+            generated += r.completion_tokens
+    return reserved / generated if generated else None
 
 
 def fingerprint_window(horizon_s: float) -> tuple[float, float]:

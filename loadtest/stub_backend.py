@@ -1,6 +1,7 @@
 """A tiny OpenAI-compatible stub server with known delays, for testing the load tester itself.
 
-It streams ``max_tokens`` one-word chunks: the first after ``first_token_delay_s``, the rest every
+It streams ``max_tokens`` one-word chunks (fewer with the benchmark field ``tokengate_stop_after``,
+as the reference backend does): the first after ``first_token_delay_s``, the rest every
 ``inter_token_delay_s``, then the usage chunk (when asked) and ``data: [DONE]``. API keys listed in
 ``fail_keys`` get that HTTP status instead. Prompt tokens are counted as whitespace-separated words,
 which is exact for the load tester's own prompt text.
@@ -45,6 +46,8 @@ class StubBackend:
         self.config = config
         self.requests = 0
         self.by_key: Counter[str] = Counter()
+        # Per request: (max_tokens, tokengate_stop_after, x-tokengate-oracle-output) as received.
+        self.limits: list[tuple[object, object, str | None]] = []
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -79,9 +82,12 @@ class StubBackend:
                 status=status, body=orjson.dumps(err), content_type="application/json", headers=headers
             )
         body = orjson.loads(await request.read())
-        requested = body.get("max_tokens")
+        requested, stop_after = body.get("max_tokens"), body.get("tokengate_stop_after")
+        self.limits.append((requested, stop_after, request.headers.get("x-tokengate-oracle-output")))
         # A real engine refuses what its context cannot hold; the stub just stops at max_output.
         n_out = min(requested if type(requested) is int and requested > 0 else 16, self.config.max_output)
+        if type(stop_after) is int and stop_after > 0:
+            n_out = min(n_out if type(requested) is int else self.config.max_output, stop_after)
         chat = "messages" in body
         usage = {"prompt_tokens": _prompt_words(body), "completion_tokens": n_out, "total_tokens": 0}
         usage["total_tokens"] = usage["prompt_tokens"] + n_out

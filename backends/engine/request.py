@@ -48,6 +48,9 @@ class EngineRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # Benchmarks only: end the answer after this many output tokens as if the model had emitted EOS
+    # (finish "stop"), whatever max_tokens says: a replayed trace's real output length.
+    stop_after: int | None = None
     priority: int = 0  # lower runs earlier (vLLM's convention); only used by the priority policy
     arrival_time: float = 0.0
 

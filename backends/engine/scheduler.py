@@ -566,6 +566,8 @@ class Scheduler:
             status: RequestStatus | None = None
             if eos is not None and token == eos and not req.ignore_eos:
                 status = RequestStatus.FINISHED_STOPPED
+            elif req.stop_after is not None and req.num_output_tokens >= req.stop_after:
+                status = RequestStatus.FINISHED_STOPPED  # the benchmark's stand-in for an EOS
             elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= max_len:
                 status = RequestStatus.FINISHED_LENGTH
             if status is not None:

@@ -5,6 +5,12 @@ n (only 1: several choices are not supported and get a 400), temperature, top_p,
 (string or list), ignore_eos, priority, stream, stream_options (only with ``stream: true``, as
 vLLM requires). Every other field is ignored. Any malformed field raises ``ApiError`` (400)
 naming the field.
+
+Benchmark-only extension: ``tokengate_stop_after: N`` (an integer >= 1) ends the answer after N
+output tokens as if the model had emitted EOS there (``finish_reason: "stop"``, usage N), while
+``max_tokens`` stays what the client sent. A load test can then send what real clients send
+(``max_tokens: 4096``, or none) and still get a replayed trace's real output length. No real server
+knows the field; it is not part of the OpenAI API.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ class GenerationParams:
     seed: int | None
     stop: tuple[str, ...]
     ignore_eos: bool
+    stop_after: int | None  # benchmarks: tokengate_stop_after (see the module docstring)
     priority: int
     stream: bool
     include_usage: bool
@@ -121,6 +128,7 @@ def _params(body: dict[str, Any]) -> GenerationParams:
         seed=_opt_int(body, "seed"),
         stop=_stop(body),
         ignore_eos=_opt_bool(body, "ignore_eos"),
+        stop_after=_opt_int(body, "tokengate_stop_after", 1),
         priority=priority or 0,
         stream=stream,
         include_usage=include_usage,

@@ -6,6 +6,9 @@ app's event loop (the gateway's default backend). Routes: ``POST /v1/chat/comple
 ``POST /v1/completions``, ``POST /v1/embeddings`` (deterministic test vectors, see ``embeddings.py``),
 ``GET /v1/models``, ``GET /health``, ``GET /metrics``; any other route is a 404 in OpenAI's error shape.
 
+Benchmarks only: ``tokengate_stop_after: N`` in a body ends the answer after N tokens as at an EOS
+(``protocol.py``), so a load test can send realistic ``max_tokens`` and still replay real lengths.
+
 Requests are priced exactly as the gateway prices them: the gateway's default tokenizer (cl100k
 offline) and the chat template in ``chat_template.py``. A client that disconnects (streaming or
 not) has its request aborted at once and its KV blocks freed.
@@ -282,6 +285,7 @@ class ReferenceBackend:
             sampling=SamplingParams(temperature=params.temperature, top_p=params.top_p, seed=params.seed),
             stop=params.stop,
             ignore_eos=params.ignore_eos,
+            stop_after=params.stop_after,
             priority=params.priority,
         )
 

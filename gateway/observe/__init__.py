@@ -8,7 +8,7 @@ its collectors in the app's CollectorRegistry and mounts :func:`observe_routes`.
 from gateway.observe.observer import Observer
 from gateway.observe.scrape import BackendLoad, BackendLoads, ScrapeTarget
 from gateway.observe.settings import ObserveConfigError, ObserveSettings
-from gateway.observe.stats import ConfigView, StatsSources, observe_routes
+from gateway.observe.stats import ConfigView, ReservationSources, StatsSources, observe_routes
 
 __all__ = [
     "BackendLoad",
@@ -17,6 +17,7 @@ __all__ = [
     "ObserveConfigError",
     "ObserveSettings",
     "Observer",
+    "ReservationSources",
     "ScrapeTarget",
     "StatsSources",
     "observe_routes",

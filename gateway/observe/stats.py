@@ -4,6 +4,13 @@ as a concrete config edit) and the ``/dashboard`` page.
 The endpoints read an :class:`Observer` plus two narrow callables the gateway supplies: the
 budget store's snapshot (pools, queues, tenants) and a view of the configured class rules and
 pools in config-file shape (for the split YAML). Either may be absent; the JSON says so.
+
+``reservations`` (when the gateway supplies :class:`ReservationSources`) says how good the output
+reservations are: per class and tenant the histogram of output used / reserved at admission (from
+``tokengate_reservation_ratio``; its mean, and the bucket edges holding the median and p90),
+overdrafts and their tokens; leases grown per class; per backend pool the share of capacity the
+reservations hold beside the share requests really occupy (prompt + output so far); the learned
+estimates and the pools reserving limits again because their KV cache is full.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from importlib import resources
 from typing import Any
 
 import orjson
+from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
@@ -75,6 +83,20 @@ class BackendHealth:
     consecutive_failures: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class ReservationSources:
+    """How well output reservations match what answers really use (``gateway.reservations``): the
+    gateway's reservation metrics and live state, read at each /stats."""
+
+    ratio: Collector  # tokengate_reservation_ratio{class, tenant}: output used / reserved at admission
+    overdrafts: Collector  # tokengate_overdraft_requests{class, tenant}
+    overdraft_tokens: Collector  # tokengate_overdraft_tokens{class, tenant}
+    extensions: Collector  # tokengate_lease_extensions{class}
+    used_tokens: Callable[[], Mapping[str, int]]  # per backend pool: prompt + output in flight now
+    learned: Callable[[], Sequence[Mapping[str, object]]]  # the learned estimates (Reservations.learned)
+    tight_pools: Callable[[], Sequence[str]]  # pools reserving limits again (KV feedback)
+
+
 @dataclass(slots=True)
 class StatsSources:
     observer: Observer
@@ -83,6 +105,7 @@ class StatsSources:
     backends: Callable[[], Iterable[Backend]] | None = None  # the router's, for the prefill gates
     wall: Callable[[], float] = time.time
     backend_health: Callable[[], Sequence[BackendHealth]] | None = None
+    reservations: ReservationSources | None = None
 
 
 def _q(q: Quantiles) -> dict[str, float | None]:
@@ -202,6 +225,104 @@ def _gates(src: StatsSources) -> list[dict[str, Any]]:
     return [{"pool": b.pool, "backend": b.name, **b.gate.as_dict()} for b in src.backends() if b.gate]
 
 
+def _samples(metric: Collector, suffix: str) -> list[tuple[dict[str, str], float]]:
+    return [
+        (dict(sm.labels), sm.value)
+        for family in metric.collect()
+        for sm in family.samples
+        if sm.name.endswith(suffix)
+    ]
+
+
+def _ratio_rows(res: ReservationSources) -> list[dict[str, Any]]:
+    """Per class and tenant: the used / reserved histogram (per-bucket counts), its mean and the
+    bucket edges holding its median and p90, overdrafts and their tokens. Rows with nothing yet
+    (a bound label set that saw no answer) are left out."""
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def row(labels: Mapping[str, str]) -> dict[str, Any]:
+        key = (labels.get("class", ""), labels.get("tenant", ""))
+        r = rows.get(key)
+        if r is None:
+            r = rows[key] = {
+                "class": key[0], "tenant": key[1], "requests": 0, "sum": 0.0, "cumulative": [],
+                "overdrafts": 0, "overdraft_tokens": 0,
+            }  # fmt: skip
+        return r
+
+    for labels, v in _samples(res.ratio, "_bucket"):
+        le = labels.pop("le", "+Inf")
+        row(labels)["cumulative"].append((float(le), v))
+    for labels, v in _samples(res.ratio, "_count"):
+        row(labels)["requests"] = int(v)
+    for labels, v in _samples(res.ratio, "_sum"):
+        row(labels)["sum"] = v
+    for labels, v in _samples(res.overdrafts, "_total"):
+        row(labels)["overdrafts"] = int(v)
+    for labels, v in _samples(res.overdraft_tokens, "_total"):
+        row(labels)["overdraft_tokens"] = int(v)
+    out = []
+    for r in rows.values():
+        if not r["requests"] and not r["overdrafts"]:
+            continue
+        cumulative = sorted(r.pop("cumulative"))
+        n, total = r["requests"], r.pop("sum")
+        histogram, below = [], 0.0
+        for le, c in cumulative:
+            histogram.append({"le": None if le == float("inf") else le, "count": int(c - below)})
+            below = c
+        r["histogram"] = histogram
+        r["ratio_mean"] = _r(total / n) if n else None
+        r["ratio_p50_le"] = _bucket_edge(cumulative, 0.5 * n) if n else None
+        r["ratio_p90_le"] = _bucket_edge(cumulative, 0.9 * n) if n else None
+        out.append(r)
+    out.sort(key=lambda r: (r["class"], r["tenant"]))
+    return out
+
+
+def _bucket_edge(cumulative: Sequence[tuple[float, float]], rank: float) -> float | None:
+    """The upper edge of the first bucket holding ``rank`` observations (None: above the last edge)."""
+    for le, c in cumulative:
+        if c >= rank:
+            return None if le == float("inf") else le
+    return None
+
+
+def _reservations(res: ReservationSources | None, snap: StoreSnapshot | None) -> dict[str, Any] | None:
+    """Estimate quality: used / reserved per class and tenant, overdrafts, lease growth, and per
+    backend pool the share of capacity reservations hold beside what requests really occupy."""
+    if res is None:
+        return None
+    used = res.used_tokens()
+    tight = set(res.tight_pools())
+    pools: list[dict[str, Any]] = []
+    for st in snap.pools.values() if snap is not None else ():
+        kind, _, name = st.name.partition(":")
+        if kind != "backend" or not name:
+            continue
+        occupied = used.get(name, 0)
+        pools.append(
+            {
+                "pool": name,
+                "capacity": st.capacity,
+                "reserved": st.in_flight,
+                "used": occupied,
+                "reserved_share": round(st.in_flight / st.capacity, 4) if st.capacity else None,
+                "used_share": round(occupied / st.capacity, 4) if st.capacity else None,
+                "kv_feedback": name in tight,
+            }
+        )
+    pools.sort(key=lambda p: p["pool"])
+    extensions = {labels.get("class", ""): int(v) for labels, v in _samples(res.extensions, "_total") if v}
+    return {
+        "classes": _ratio_rows(res),
+        "pools": pools,
+        "extensions": dict(sorted(extensions.items())),
+        "tight_pools": sorted(tight),
+        "learned": [dict(x) for x in res.learned()],
+    }
+
+
 def _shape(src: StatsSources) -> list[dict[str, Any]]:
     obs = src.observer
     view = src.config_view() if src.config_view is not None else None
@@ -260,6 +381,7 @@ async def build_stats(src: StatsSources) -> dict[str, Any]:
         "shape": _shape(src),
         "one_server": [p.as_dict() for p in _one_server(src)],
         "shape_thresholds": {"split_at": s.shape.split_at, "two_services_at": s.shape.two_services_at},
+        "reservations": _reservations(src.reservations, snap),
     }
     stats["findings"] = [f.as_dict() for f in diagnose(stats)]
     return stats

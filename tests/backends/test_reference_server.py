@@ -162,6 +162,26 @@ async def test_stop_strings_and_eos(reference_server: Start) -> None:
     assert cut["choices"][0]["message"]["content"] == full[: full.index(stop_word)]
 
 
+async def test_the_benchmark_stop_after_field_ends_the_answer_as_an_eos_would(
+    reference_server: Start,
+) -> None:
+    srv = await reference_server()
+    body = {**CHAT, "max_tokens": 30, "ignore_eos": True, "tokengate_stop_after": 7}
+    async with httpx.AsyncClient(base_url=srv.url) as client:
+        whole = (await post(client, "/v1/chat/completions", body)).json()
+        unlimited = (await post(client, "/v1/chat/completions", {**body, "max_tokens": None})).json()
+        stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        events = sse_events((await post(client, "/v1/chat/completions", stream)).content)
+        longer = (await post(client, "/v1/chat/completions", {**body, "tokengate_stop_after": 99})).json()
+    assert whole["choices"][0]["finish_reason"] == "stop" and whole["usage"]["completion_tokens"] == 7
+    assert unlimited["choices"][0]["finish_reason"] == "stop" and unlimited["usage"]["completion_tokens"] == 7
+    chunks = [orjson.loads(e) for e in events[:-1]]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
+    assert chunks[-1]["usage"]["completion_tokens"] == 7
+    # max_tokens still bounds the answer: a stop_after beyond it ends at the limit, as a length cut.
+    assert longer["choices"][0]["finish_reason"] == "length" and longer["usage"]["completion_tokens"] == 30
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [
@@ -177,6 +197,8 @@ async def test_stop_strings_and_eos(reference_server: Start) -> None:
         ({**CHAT, "stream_options": {"include_usage": True}}, 400, "stream_options"),
         ({**CHAT, "n": 2}, 400, "n"),
         ({**CHAT, "priority": 1}, 400, "priority"),
+        ({**CHAT, "tokengate_stop_after": 0}, 400, "tokengate_stop_after"),
+        ({**CHAT, "tokengate_stop_after": "7"}, 400, "tokengate_stop_after"),
         ({**CHAT, "model": "gpt-4o"}, 404, "model"),
         ({"messages": CHAT["messages"]}, 400, "model"),
         (

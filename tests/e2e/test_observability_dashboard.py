@@ -2,7 +2,7 @@
 
 Chromium is Debian's ``chromium`` package, driven over the DevTools protocol (a websocket, with
 aiohttp) — no playwright, no browser download. The test checks that the page renders, that the
-charts fill and keep updating from /stats, and saves a screenshot to ``artifacts/dashboard.png``.
+charts fill and keep updating from /stats (the output reservations' tables too), and saves a screenshot to ``artifacts/dashboard.png``.
 """
 
 from __future__ import annotations
@@ -168,6 +168,17 @@ async def test_dashboard_renders_and_updates_under_load() -> None:
                     assert set(rows) >= {"short", "long"}
                     backends_rows = await b.eval("document.querySelectorAll('#backends tbody tr').length")
                     assert backends_rows == 2
+                    # output reservations: used / reserved per class and tenant, capacity held per pool
+                    reserved_rows = await b.eval(
+                        "[...document.querySelectorAll('#reservations tbody tr')].map(tr => "
+                        "[tr.cells[0].textContent, tr.querySelectorAll('.hist span').length])"
+                    )
+                    assert {c for c, _ in reserved_rows} >= {"short", "long"}, reserved_rows
+                    assert all(bars == 15 for _, bars in reserved_rows)  # 14 edges and the rest
+                    pool_rows = await b.eval(
+                        "document.querySelectorAll('#reservation-pools tbody tr').length"
+                    )
+                    assert pool_rows >= 1
                     status = await b.eval("document.getElementById('status').className")
                     assert status == "dot live"
                     findings = await b.eval("document.getElementById('findings').textContent")

@@ -220,3 +220,54 @@ async def test_growth_past_the_pool_is_an_overdraft_and_new_requests_wait_until_
     )
     assert '"overdraft":null' not in line
     assert await gw.wait_idle() == {name: 0 for name in await gw.in_flight()}
+
+
+async def test_stats_show_how_well_reservations_fit_and_the_capacity_they_hold_beside_what_is_used(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
+) -> None:
+    import asyncio
+
+    _, url = stub_backend
+    gw = await learned_gateway(gateway_factory, url)  # answers are 3 tokens long: 3 are reserved
+    for _ in range(16):  # 20 answers of 3 tokens: one longer answer leaves the p95 where it is
+        await post(gw)
+    await post(gw, headers={"x-stub-chunks": "40"})  # not streamed: settled at release, 37 overdrawn
+    async with httpx.AsyncClient(base_url=gw.url, timeout=30) as c, httpx.AsyncClient() as ops:
+        grown = await c.post(
+            "/v1/chat/completions",
+            json=chat(max_tokens=4000, stream=True),
+            headers={"x-stub-chunks": "40", "x-stub-interval": "0.005"},
+        )  # streamed: its lease grows instead
+        assert grown.status_code == 200
+        # A longer prompt is another key, not learned yet: it reserves its limit while it waits.
+        cold = asyncio.create_task(
+            c.post(
+                "/v1/chat/completions",
+                json=chat("word " * 400, max_tokens=4000, stream=True),
+                headers={"x-stub-chunks": "2", "x-stub-delay": "2"},
+            )
+        )
+        await eventually(lambda: flight_at_least(gw, 4000))
+        during = (await ops.get(gw.ops_url + "/stats")).json()["reservations"]
+        (pool,) = during["pools"]
+        assert pool["pool"] == "default" and pool["capacity"] == 100_000
+        assert pool["reserved"] - pool["used"] == 4000  # nothing streamed yet: only the prompt is used
+        assert pool["reserved_share"] > pool["used_share"] > 0
+        assert (await cold).status_code == 200
+        await gw.wait_idle()
+        st = (await ops.get(gw.ops_url + "/stats")).json()["reservations"]
+        metrics = (await ops.get(gw.ops_url + "/metrics")).text
+    (row,) = st["classes"]
+    assert (row["class"], row["tenant"], row["requests"]) == ("default", "default", 20 + 1 + 1 + 1)
+    assert sum(b["count"] for b in row["histogram"]) == row["requests"]
+    assert row["histogram"][-1] == {"le": None, "count": 2}  # 40 tokens on 3 reserved: above every edge
+    assert (row["overdrafts"], row["overdraft_tokens"]) == (1, 37)
+    assert 'tokengate_overdraft_tokens_total{class="default",tenant="default"} 37.0' in metrics
+    # Most answers used exactly what was learned; the five cold ones (the four that taught it, the
+    # long prompt) used a sliver of their limit.
+    assert row["ratio_p50_le"] == row["ratio_p90_le"] == 1.0 and row["histogram"][0]["count"] == 5
+    assert st["extensions"]["default"] >= 1
+    assert st["pools"][0]["reserved"] == st["pools"][0]["used"] == 0 and st["tight_pools"] == []
+    learned = {x["prompt_bucket"]: x for x in st["learned"]}
+    assert set(learned) == {0, 1}  # the short prompts' key and the long prompt's
+    assert learned[0]["weight"] > 20 and learned[0]["estimate"] >= 40  # two 40-token answers: above p95

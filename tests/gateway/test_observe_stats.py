@@ -152,6 +152,8 @@ async def test_stats_insights_dashboard_and_doctor_over_http() -> None:
 
             page = await c.get("/dashboard")
             assert page.status_code == 200 and "<canvas" in page.text and "/dashboard/app.js" in page.text
+            assert 'id="reservations"' in page.text and 'id="reservation-pools"' in page.text
+            assert st["reservations"] is None  # this gateway supplied no reservation sources
             js = await c.get("/dashboard/app.js")
             assert js.status_code == 200 and 'fetch("/stats"' in js.text
             assert (await c.get("/dashboard/app.css")).status_code == 200

@@ -1,5 +1,6 @@
 """``tokengate loadtest`` against a stub backend running as a child process (real sockets)."""
 
+import argparse
 import json
 import sys
 from collections.abc import Iterator
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from loadtest.cli import main, parse_target
+from loadtest.cli import add_arguments, main, parse_target, prepare_scenario
 from loadtest.distributions import SpecError
 from loadtest.processes import ProcessGroup, free_port, wait_ready
 
@@ -71,3 +72,16 @@ def test_cli_reports_spec_errors(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert main([str(scenario), "--target", "http://127.0.0.1:9"]) == 2
     assert "duration_s" in capsys.readouterr().err
     assert main([str(tmp_path / "bad.yaml")]) == 2  # neither --target nor --spawn
+    scenario.write_text(yaml.safe_dump(SCENARIO))
+    assert main([str(scenario), "--target", "http://127.0.0.1:9", "--send-max-tokens", "lots"]) == 2
+    assert "--send-max-tokens: expected planned, none or a positive integer" in capsys.readouterr().err
+
+
+def test_the_send_max_tokens_flag_overrides_the_scenario(tmp_path: Path) -> None:
+    scenario = tmp_path / "mini.yaml"
+    scenario.write_text(yaml.safe_dump({**SCENARIO, "send_max_tokens": 4096}))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert prepare_scenario(parser.parse_args([str(scenario)])).workload.send_max_tokens == 4096
+    flagged = parser.parse_args([str(scenario), "--send-max-tokens", "none"])
+    assert prepare_scenario(flagged).workload.send_max_tokens == "none"

@@ -1,14 +1,18 @@
 """A short compare run against two stub targets: the outputs exist and agree with each other."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from backends.reference.server import BackendSettings, build_app
 from loadtest.checks import parse_checks
 from loadtest.compare import compare, run_options, write_outputs
 from loadtest.runner import Target
 from loadtest.spec import parse_workload
+from loadtest.summary import parse_summary, summary_rows
+from tests.conftest import serve_asgi
 from tests.loadtest.conftest import StubFactory
 
 WORKLOAD = {
@@ -102,3 +106,44 @@ async def test_compare_writes_consistent_json_markdown_and_plots(
     assert names == ["fingerprint_p99_ttft.png", "latency_cdf.png"]
     for p in out.plots:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000
+
+
+async def test_each_run_records_the_preemptions_its_backends_counted(tmp_path: Path) -> None:
+    # A real reference backend whose KV cache (12 blocks of 16 tokens) holds fewer tokens than four
+    # concurrent 40 + 60-token requests need: it must preempt; a run alone on it preempts nothing.
+    app = build_app(BackendSettings(max_model_len=192, num_blocks=12))
+    served = await serve_asgi(app)
+    try:
+        spec = parse_workload(
+            {
+                "name": "tight-kv",
+                "duration_s": 0.1,
+                "tenants": {"t": {"key": "sk-t"}},
+                "classes": {
+                    "c": {
+                        "tenant": "t",
+                        "rate": 40,
+                        "process": "constant",
+                        "prompt_tokens": 40,
+                        "output_tokens": 60,
+                    }
+                },
+            }
+        )
+        together = Target("together", (served.url,))
+        runs = await compare(
+            spec, [together], options=run_options(spec), pause_s=0, backend_urls=[served.url]
+        )
+        alone = replace(spec, classes=(replace(spec.classes[0], rate=10),))
+        runs += await compare(alone, [Target("alone", (served.url,))], pause_s=0, backend_urls=[served.url])
+        unmeasured = await compare(alone, [Target("unmeasured", (served.url,))], pause_s=0)
+    finally:
+        await served.stop()
+    assert all(r.ok for run in runs for r in run.records)
+    preempted = runs[0].backend_preemptions
+    assert preempted is not None and preempted >= 1
+    assert runs[1].backend_preemptions == 0 and unmeasured[0].backend_preemptions is None
+    summary = parse_summary(["preemptions_per_request"], spec)
+    assert summary_rows(spec, runs[:1], summary)[0]["values"] == {
+        "backend preemptions / request": preempted / len(runs[0].records)
+    }

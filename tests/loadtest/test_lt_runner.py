@@ -1,4 +1,5 @@
 import asyncio
+import dataclasses
 import statistics
 
 import pytest
@@ -8,6 +9,7 @@ from loadtest.prompts import PromptFactory
 from loadtest.records import RequestRecord
 from loadtest.runner import RunOptions, Target, run_plan
 from loadtest.schedule import PlannedRequest
+from loadtest.spec import SendMaxTokens
 from tests.loadtest.conftest import StubFactory
 
 
@@ -129,3 +131,23 @@ async def test_completions_endpoint(stub_factory: StubFactory, prompts: PromptFa
     options = RunOptions(endpoint="completions", chat_overhead_tokens=0)
     result = await run_plan(_plan(2, 0.01), Target("c", (stub.url,)), prompts, options)
     assert all(r.ok and r.prompt_tokens == 40 and r.url.endswith("/v1/completions") for r in result.records)
+
+
+@pytest.mark.parametrize(
+    ("send", "sent"),
+    [("planned", [7, 9]), (4096, [4096, 4096]), ("none", [None, None])],
+)
+async def test_what_a_request_sends_as_max_tokens_while_the_planned_output_still_comes_back(
+    stub_factory: StubFactory, prompts: PromptFactory, send: SendMaxTokens, sent: list[int | None]
+) -> None:
+    stub = await stub_factory(first_token_delay_s=0.0, inter_token_delay_s=0.0)
+    plan = _plan(2, 0.05)
+    plan = [dataclasses.replace(plan[0], output_tokens=7), dataclasses.replace(plan[1], output_tokens=9)]
+    result = await run_plan(plan, Target("s", (stub.url,)), prompts, RunOptions(send_max_tokens=send))
+    stop_after = [None, None] if send == "planned" else [7, 9]
+    # The oracle header always says the planned output; the stub records what it received.
+    assert stub.limits == list(zip(sent, stop_after, ["7", "9"], strict=True))
+    assert [(r.max_tokens, r.planned_output_tokens, r.completion_tokens) for r in result.records] == [
+        (sent[0], 7, 7),
+        (sent[1], 9, 9),
+    ]

@@ -13,8 +13,43 @@ from loadtest.schedule import build_schedule
 SHIPPED = sorted(p.stem for p in SCENARIOS_DIR.glob("*.yaml"))
 
 
-def test_the_four_scenarios_are_shipped() -> None:
-    assert {"noisy_neighbour", "priority_inversion", "pool_split", "fairness"} <= set(SHIPPED)
+def test_the_five_scenarios_are_shipped() -> None:
+    assert {"noisy_neighbour", "priority_inversion", "pool_split", "fairness", "reservations"} <= set(SHIPPED)
+
+
+def test_the_reservations_arms_share_a_backend_whose_kv_cache_is_the_pools_capacity() -> None:
+    config_loader = pytest.importorskip("gateway.config_loader")
+    scenario = load_scenario("reservations", synthetic=True)
+    setup = scenario.setup
+    assert setup is not None and scenario.workload.send_max_tokens == 4096
+    args = list(setup.backend_args)
+    kv_tokens = int(args[args.index("--num-blocks") + 1]) * 16  # the backend's default block size
+    context = int(args[args.index("--max-model-len") + 1])
+    modes = {}
+    for t in setup.targets:
+        if t.same_as:
+            continue
+        raw = gateway_config(
+            scenario.workload, setup.gateway_base, t.gateway, ["http://127.0.0.1:9000"], 18080
+        )
+        config = config_loader.parse_config(raw)
+        assert [b.capacity_tokens for p in config.pools for b in p.backends] == [kv_tokens]
+        assert config.models[0].context_length == context
+        modes[t.name] = (config.reservation.settings.mode, config.reservation.oracle_header)
+    assert modes == {
+        "max_tokens": ("max_tokens", False),
+        "learned": ("learned", False),
+        "oracle": ("max_tokens", True),
+    }
+    measured = {t.name: t.phase for t in setup.targets}
+    assert measured == {
+        "max_tokens": "measured",
+        "learned-warmup": "warmup",
+        "learned": "measured",
+        "oracle": "measured",
+    }
+    # Every request fits the context with max_tokens 4096 (the gateway would refuse it otherwise).
+    assert max(r.prompt_tokens for r in build_schedule(scenario.workload)) + 4096 <= context
 
 
 @pytest.mark.parametrize("name", SHIPPED)

@@ -123,6 +123,8 @@ def test_scaled_multiplies_rates_and_sets_duration() -> None:
         ),
         (lambda r: r.update(fairness={"tenants": ["chat"]}), "fairness.tenants"),
         (lambda r: r.update(bogus=1), "workload.bogus: unknown key"),
+        (lambda r: r.update(send_max_tokens=0), "send_max_tokens: expected planned, none or a positive"),
+        (lambda r: r.update(send_max_tokens="all"), "send_max_tokens: expected planned, none or a positive"),
     ],
 )
 def test_workload_errors_name_the_field(mutate: Any, message: str) -> None:
@@ -131,3 +133,11 @@ def test_workload_errors_name_the_field(mutate: Any, message: str) -> None:
     with pytest.raises(SpecError) as err:
         parse_workload(raw)
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("raw", "parsed"), [(None, "none"), ("none", "none"), ("planned", "planned"), (4096, 4096), ("512", 512)]
+)
+def test_send_max_tokens_is_planned_unless_the_workload_says_a_limit_or_none(raw: Any, parsed: Any) -> None:
+    assert parse_workload(_workload()).send_max_tokens == "planned"
+    assert parse_workload(_workload(send_max_tokens=raw)).send_max_tokens == parsed

@@ -77,3 +77,17 @@ def test_fair_shares_count_tokens_delivered_inside_the_phase() -> None:
     assert shares["a"].served_tokens == 14 and shares["b"].served_tokens == 28
     assert shares["a"].share == pytest.approx(1 / 3) and shares["b"].weight_share == pytest.approx(2 / 3)
     assert shares["a"].relative_error == pytest.approx(0.0)
+
+
+def test_mean_latency_reserved_output_and_preemptions_per_request() -> None:
+    records = [_rec(i, "a", sent=0.0, ttft=0.1, tokens=4) for i in range(4)]
+    for rec, cost in zip(records, (10 + 40, 10 + 40, 10 + 4, None), strict=True):
+        rec.gateway_cost = cost  # prompt (10) + the output reserved at admission
+    run = RunResult("t", ("u",), records, elapsed_s=1.0, planned=4, backend_preemptions=2)
+    stats = group_stats(run, ["g"])["g"]
+    assert stats.e2e_mean_s == pytest.approx(0.1 + 3 * 0.1)
+    t = totals(run)
+    assert t.reserved_output_ratio == pytest.approx((40 + 40 + 4) / 12)  # the request without a cost left out
+    assert t.preemptions == 2 and t.preemptions_per_request == pytest.approx(0.5)
+    bare = totals(RunResult("t", ("u",), records[3:], elapsed_s=1.0, planned=1))
+    assert bare.reserved_output_ratio is None and bare.preemptions_per_request is None

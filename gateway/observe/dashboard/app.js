@@ -5,7 +5,7 @@ const POLL_MS = 2000;
 const LIVE_POINTS = 180; // client-side history for live series (in-flight, HOL r)
 const COLORS = ["#58a6ff", "#f0883e", "#3fb950", "#d2a8ff", "#f85149", "#e3b341", "#39c5cf", "#ff7b72"];
 
-const live = { t0: performance.now(), inflight: {}, hol: {} };
+const live = { t0: performance.now(), inflight: {}, hol: {}, reserved: {} };
 const colorOf = {};
 let colorNext = 0;
 function color(name) {
@@ -39,6 +39,22 @@ function bar(frac) {
   d.appendChild(s);
   return d;
 }
+// A histogram in a table cell: one bar per bucket, height by count; buckets above 1 (the answer
+// outgrew its reservation) in the warning colour.
+function histBars(buckets) {
+  const d = el("div", null, "hist");
+  const max = Math.max(1, ...buckets.map((b) => b.count));
+  for (const b of buckets) {
+    const s = el("span", null, !b.count ? "empty" : b.le === null || b.le > 1 ? "over" : "");
+    s.style.height = Math.max(b.count ? 2 : 1, Math.round((b.count / max) * 18)) + "px";
+    s.title = (b.le === null ? "above" : "≤ " + b.le) + ": " + b.count;
+    d.appendChild(s);
+  }
+  return d;
+}
+function fmtRatio(v) { return v === null || v === undefined ? "–" : v.toFixed(2) + "×"; }
+function fmtLe(v, n) { return !n ? "–" : v === null ? "> 4×" : v + "×"; }
+
 function fillTable(id, rows) {
   const tb = document.querySelector("#" + id + " tbody");
   tb.replaceChildren();
@@ -189,6 +205,16 @@ function render(st) {
   }
   drawChart(document.getElementById("chart-hol"), holSeries, { fmt: (v) => v.toFixed(1), ylo: -1, yhi: 1, xmax: 0 });
 
+  // output reservations: how well they fit, and the capacity they hold beside what is really used
+  const res = st.reservations || { classes: [], pools: [], extensions: {}, learned: [] };
+  for (const p of res.pools) {
+    pushLive(live.reserved, p.pool + " reserved", now, p.reserved_share || 0);
+    pushLive(live.reserved, p.pool + " in backend", now, p.used_share || 0);
+  }
+  drawChart(document.getElementById("chart-reserved"), liveSeries(live.reserved, now), {
+    fmt: (v) => (v * 100).toFixed(0) + " %", xmax: 0, ymin_max: 0.1,
+  });
+
   // tables
   fillTable("classes", classes.map((c) => {
     const r = c.recent || {};
@@ -234,6 +260,27 @@ function render(st) {
     { text: p.r_p99 === null ? "–" : p.r_p99.toFixed(2), cls: "num" },
     { text: p.r_inflight === null ? "–" : p.r_inflight.toFixed(2), cls: "num" },
     { text: String(p.windows), cls: "num" },
+  ]));
+  fillTable("reservations", res.classes.map((r) => [
+    r.class, r.tenant, { text: fmtN(r.requests), cls: "num" },
+    { text: fmtRatio(r.ratio_mean), cls: "num" },
+    { text: fmtLe(r.ratio_p50_le, r.requests), cls: "num" },
+    { text: fmtLe(r.ratio_p90_le, r.requests), cls: "num" },
+    histBars(r.histogram),
+    { text: fmtN(r.overdrafts), cls: "num " + (r.overdrafts ? "bad" : "") },
+    { text: fmtN(r.overdraft_tokens), cls: "num" },
+  ]));
+  const ext = Object.keys(res.extensions || {}).map((k) => k + ": " + res.extensions[k]);
+  document.getElementById("reservation-extensions").textContent =
+    ext.length ? "leases grown while streaming — " + ext.join(", ") : "";
+  fillTable("reservation-pools", res.pools.map((p) => [
+    p.pool, { text: fmtN(p.reserved) + " / " + fmtN(p.capacity), cls: "num" }, bar(p.reserved_share),
+    { text: fmtN(p.used), cls: "num" }, bar(p.used_share),
+    { text: p.kv_feedback ? "limits (KV full)" : "as configured", cls: p.kv_feedback ? "bad" : "good" },
+  ]));
+  fillTable("learned", (res.learned || []).slice(0, 10).map((x) => [
+    x.tenant, x.class, { text: String(x.prompt_bucket), cls: "num" },
+    { text: fmtN(x.weight), cls: "num" }, { text: fmtN(x.estimate), cls: "num" },
   ]));
   fillTable("shape", (st.shape || []).map((s) => [
     s.pool, { text: fmtN(s.median_cost), cls: "num" }, { text: fmtN(s.max_cost), cls: "num" },
