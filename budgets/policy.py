@@ -7,7 +7,9 @@ State
 -----
 - ``in_flight[pool]``: tokens held by live leases (integers).
 - Waiting tickets, each ``(seq, demand, enqueued_at)``; ``seq`` is a store-wide counter that only
-  grows. Tickets wait in one FIFO per ``(tier, tenant)``; the *head* of a FIFO is its lowest seq.
+  grows. Tickets wait in one queue per ``(tier, tenant)``; its *first* ticket is its lowest seq, and
+  its *head* (the one ticket of it the grant pass looks at) is the first ticket, or under
+  ``shortest_first`` the one with the lowest order key (below).
 - ``counters[tenant]``: the virtual token counter (VTC), a float >= 0.
 - ``leases_by_tenant[tenant]``: number of live leases (only used by the lift rule).
 - A tenant is *backlogged* while it has at least one waiting ticket, in any tier.
@@ -65,14 +67,37 @@ Using in-flight tenants when nobody else is backlogged matters: without it, a te
 another was served alone (fast path, never backlogged) would keep its old low counter and, once both
 queue, take the pool exclusively until it "caught up".
 
+Order inside one tenant's queue (``PolicySpec.tenant_queue_order``)
+-------------------------------------------------------------------
+- ``fifo`` (the default): the head is the first ticket; tickets of a ``(tier, tenant)`` queue are
+  granted in arrival order.
+- ``shortest_first``: the head is the ticket with the lowest ``(order_key, seq)``, where
+  ``order_key = enqueued_at + min(decode * defer_s_per_token, max_defer_s)``: shortest predicted
+  output first (``decode`` is the reservation, i.e. the learned estimate under learned
+  reservations), with aging built into the key. The key never changes while the ticket waits, so
+  **a ticket is only ever passed by tickets of its own queue enqueued less than** ``max_defer_s``
+  **after it** (any later one has ``order_key >= enqueued_at >=`` its key): its wait is its FIFO wait
+  plus at most the service of what its own tenant sent in the next ``max_defer_s``.
+- Never across tenants: the rank of a queue in the pass is ``(counter, first.seq, tenant)`` under
+  either order (the first ticket's seq, not the head's), so which *tenant* is served next, and
+  fair share, do not depend on the order inside queues; only which of its tickets it is served
+  with (and so its cost) does.
+- A newcomer with a lower key than the head becomes the head at once; the ticket it displaced is no
+  head any more (it holds nothing) and is classed again, like any ticket, when it becomes head
+  again: old at once if it has waited ``backfill_limit_s`` by then. Its holds are thus delayed by
+  at most ``max_defer_s`` plus the newcomers' own ``backfill_limit_s``.
+- A layout change re-keys every waiting ticket with the new settings (switching the order on or off
+  takes effect for tickets already waiting).
+
 Grant pass (``grant_pass``; run on enqueue, release, reap, withdrawal and layout change)
 ---------------------------------------------------------------------------------------
-Words: a tenant's *head* in a tier is the first ticket of its ``(tier, tenant)`` FIFO; its *rank*
-is ``(counters[tenant], head.seq, tenant)``. A head is *old* once it has waited
+Words: a tenant's *head* in a tier is the head of its ``(tier, tenant)`` queue (above); its *rank*
+is ``(counters[tenant], first.seq, tenant)``, ``first`` its queue's lowest seq (the head itself
+under ``fifo``). A head is *old* once it has waited
 ``backfill_limit_s``, else *young*: a ticket that has waited that long when it becomes head is old
 at once (``now - enqueued_at >= backfill_limit_s``, with the pass's ``now`` during a pass and the
 latest pass's ``now``, ``state.clock``, outside one); a head that ages while it is head is made old
-by ``promote`` below. A head stays old (a store clock stepping back changes nothing). A head's
+by ``promote`` below. A head stays old while it is head (a store clock stepping back changes nothing). A head's
 *group* is its tier plus the set of shared pools its demand names; ``room(group)`` is the least
 ``limit(pool, tier) - in_flight[pool]`` over those pools (unbounded for none). A head *fits* when
 its cost is at most the room of its group. ::
@@ -97,16 +122,18 @@ its cost is at most the room of its group. ::
             held_lower |= shared pools of every candidate ranked before c   # passed: none fits
             budget -= 1; cursor = rank(c)  # c is *examined*
             if c fits:
-                GRANT: in_flight[p] += cost for every pool; charge the VTC; pop the ticket; the
-                tenant's next ticket in this FIFO (if any) is its new head, ranked with the
-                updated counter (so after the cursor)
+                GRANT: in_flight[p] += cost for every pool; charge the VTC; take the ticket out;
+                the queue's next head (if any) is ranked with the updated counter; cursor = just
+                below rank(c) (under shortest_first the next head may have c's very rank: a
+                prompt of 0 tokens leaves the counter, and a granted head that was not the first
+                ticket leaves first.seq, as they were)
             else:                         # blocked by a shared pool's capacity or ceiling
                 held_lower |= shared pools of c
                 if c is old: held_all |= shared pools of c
         held_all |= held_lower
 
 What that means:
-- Tier first, then fair share (lowest counter), then FIFO per tenant; ties by seq (unique, so the
+- Tier first, then fair share (lowest counter), then the tenant's queue order; ties by seq (unique, so the
   tenant-name tie-break never decides in practice, it is there for completeness).
 - A ticket blocked by private pools (its tenant's budget) never holds anything: other tenants
   proceed. A ticket naming a held pool does not create holds of its own (no cascades).
@@ -177,6 +204,7 @@ module changes counters only through ``set_counter`` and the layout only through
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections import deque
@@ -189,6 +217,7 @@ from budgets.types import (
     BudgetLayout,
     Demand,
     NeverFits,
+    PolicySpec,
     PoolSpec,
     TierSpec,
     UnknownTenantOrTier,
@@ -202,6 +231,8 @@ class PolicyState:
     layout: BudgetLayout
     in_flight: dict[str, int] = field(default_factory=dict)
     queues: dict[tuple[str, str], deque[Ticket]] = field(default_factory=dict)  # (tier, tenant) -> FIFO
+    # shortest_first only: (tier, tenant) -> sorted [(order_key, seq)] of the same tickets
+    ordered: dict[tuple[str, str], list[tuple[float, int]]] = field(default_factory=dict)
     waiting: dict[int, Ticket] = field(default_factory=dict)  # seq -> ticket
     tenant_waiting: dict[str, int] = field(default_factory=dict)  # only tenants with > 0
     counters: dict[str, float] = field(default_factory=dict)
@@ -504,14 +535,68 @@ def enqueue(state: PolicyState, demand: Demand, now: float) -> Ticket:
             ahead[(name, tier)] = ahead.get((name, tier), 0) + cost
     key = (tier, tenant)
     fifo = state.queues.get(key)
+    pol = state.layout.policy
     if fifo is None:
         state.queues[key] = deque((ticket,))
+        if pol.tenant_queue_order != "fifo":
+            state.ordered[key] = [(order_key(pol, ticket), ticket.seq)]
         state.index.add(
             tier, tenant, ticket, state.layout, state.counters[tenant], state.in_flight, state.clock
         )
     else:
         fifo.append(ticket)
+        if pol.tenant_queue_order != "fifo":
+            order = state.ordered[key]
+            bisect.insort(order, (order_key(pol, ticket), ticket.seq))
+            if order[0][1] == ticket.seq:  # it goes before the head: it is the head now
+                index = state.index
+                index.remove(index.heads[key])
+                index.add(
+                    tier,
+                    tenant,
+                    ticket,
+                    state.layout,
+                    state.counters[tenant],
+                    state.in_flight,
+                    state.clock,
+                    rank_seq=fifo[0].seq,
+                )
     return ticket
+
+
+def order_key(pol: PolicySpec, ticket: Ticket) -> float:
+    """A ticket's place in its (tier, tenant) queue under ``shortest_first`` (module docstring);
+    ties go to the lower seq."""
+    return ticket.enqueued_at + min(ticket.demand.decode * pol.defer_s_per_token, pol.max_defer_s)
+
+
+def queue_head(state: PolicyState, key: tuple[str, str]) -> Ticket:
+    """The head of a non-empty (tier, tenant) queue: its first ticket, or under shortest_first its
+    ticket with the lowest ``(order_key, seq)``."""
+    order = state.ordered.get(key) if state.ordered else None
+    if order is None:
+        return state.queues[key][0]
+    return state.waiting[order[0][1]]
+
+
+def _leave_ordered(
+    state: PolicyState,
+    key: tuple[str, str],
+    fifo: deque[Ticket],
+    order: list[tuple[float, int]],
+    ticket: Ticket,
+) -> None:
+    """Take ``ticket`` out of a shortest_first queue (both of its orders)."""
+    entry = (order_key(state.layout.policy, ticket), ticket.seq)
+    i = bisect.bisect_left(order, entry)
+    del order[i]
+    if fifo[0] is ticket:
+        fifo.popleft()
+    else:
+        fifo.remove(ticket)
+    if not fifo:
+        del state.queues[key]
+        del state.ordered[key]
 
 
 def _forget(state: PolicyState, ticket: Ticket, now: float | None) -> None:
@@ -548,7 +633,10 @@ def withdraw(state: PolicyState, seq: int, now: float | None = None) -> Ticket |
         return None
     key = (ticket.demand.tier, ticket.demand.tenant)
     fifo = state.queues[key]
-    if fifo[0] is ticket:
+    order = state.ordered.get(key) if state.ordered else None
+    if order is not None:
+        _withdraw_ordered(state, key, fifo, order, ticket)
+    elif fifo[0] is ticket:
         fifo.popleft()
         index = state.index
         index.remove(index.heads[key])
@@ -563,6 +651,36 @@ def withdraw(state: PolicyState, seq: int, now: float | None = None) -> Ticket |
         fifo.remove(ticket)
     _forget(state, ticket, now)
     return ticket
+
+
+def _withdraw_ordered(
+    state: PolicyState,
+    key: tuple[str, str],
+    fifo: deque[Ticket],
+    order: list[tuple[float, int]],
+    ticket: Ticket,
+) -> None:
+    index = state.index
+    head = index.heads[key]
+    first = fifo[0] is ticket
+    _leave_ordered(state, key, fifo, order, ticket)
+    if not fifo:
+        index.remove(head)
+    elif head.ticket is ticket:
+        index.remove(head)
+        tier, tenant = key
+        index.add(
+            tier,
+            tenant,
+            state.waiting[order[0][1]],
+            state.layout,
+            state.counters[tenant],
+            state.in_flight,
+            state.clock,
+            rank_seq=fifo[0].seq,
+        )
+    elif first:
+        index.reseq(head, fifo[0].seq)
 
 
 def apply_layout(state: PolicyState, layout: BudgetLayout) -> list[tuple[Ticket, AdmissionError]]:
@@ -584,24 +702,33 @@ def drop_invalid(state: PolicyState) -> list[tuple[Ticket, AdmissionError]]:
             fifo.remove(ticket)
             if not fifo:
                 del state.queues[key]
-            _forget(state, ticket, None)
+            _forget(state, ticket, None)  # reindex rebuilds the shortest_first orders
             dropped.append((ticket, err))
     reindex(state)
     return dropped
 
 
 def reindex(state: PolicyState) -> None:
-    """Build the index from the waiting tickets again (after a layout change). A head keeps its age
-    class; a ticket that only now becomes head (its predecessor was dropped) is classed as usual."""
+    """Build the index (and the shortest_first orders) from the waiting tickets again (after a layout
+    change, which may change the order). A ticket that was head and still is keeps its age class;
+    a ticket that only now becomes head (its predecessor was dropped, or the order changed) is
+    classed as usual."""
     index = state.index
     was_old = {head.ticket.seq: head.old for head in index.heads.values()}
     index.clear()
     layout, counters, in_flight, clock = state.layout, state.counters, state.in_flight, state.clock
+    pol = layout.policy
+    state.ordered.clear()
+    ordered = pol.tenant_queue_order != "fifo"
     for (tier, tenant), fifo in state.queues.items():
-        head = fifo[0]
+        if ordered:
+            order = state.ordered[(tier, tenant)] = sorted((order_key(pol, t), t.seq) for t in fifo)
+            head = state.waiting[order[0][1]]
+        else:
+            head = fifo[0]
         old = was_old.get(head.seq)
         at = clock if old is None else -math.inf
-        index.add(tier, tenant, head, layout, counters[tenant], in_flight, at, old=bool(old))
+        index.add(tier, tenant, head, layout, counters[tenant], in_flight, at, bool(old), fifo[0].seq)
 
 
 def _tier_order(state: PolicyState) -> tuple[str, ...]:
@@ -645,7 +772,7 @@ def grant_pass(state: PolicyState, now: float) -> list[Ticket]:
         live = [g for g in by_pools.values() if held_all.isdisjoint(g.pools)]
         held_lower: set[str] = set()
         contributed: set[int] = set()  # id() of groups whose pools are in held_lower
-        cursor: tuple[float, int, str] | None = None
+        cursor: tuple[float, float, str] | None = None
         while True:
             if budget <= 0:
                 return granted
@@ -682,21 +809,37 @@ def grant_pass(state: PolicyState, now: float) -> list[Ticket]:
             ticket = head.ticket
             demand = ticket.demand
             if demand.cost <= best_room:
+                # Just before the granted rank: the tenant's next head may have the same one (below).
+                cursor = (best[0], best[1] - 0.5, tenant)
                 fifo = state.queues[qkey]
-                fifo.popleft()
                 index.remove(head)
+                order = state.ordered.get(qkey) if state.ordered else None
+                if order is None:
+                    fifo.popleft()
+                    nxt = fifo[0] if fifo else None
+                    if nxt is None:
+                        del state.queues[qkey]
+                else:
+                    _leave_ordered(state, qkey, fifo, order, ticket)
+                    nxt = state.waiting[order[0][1]] if fifo else None
                 _forget(state, ticket, now)
                 _charge(state, demand)
                 granted.append(ticket)
-                if fifo:
+                if nxt is not None:
                     new = index.add(
-                        tier_name, tenant, fifo[0], layout, state.counters[tenant], in_flight, now
+                        tier_name,
+                        tenant,
+                        nxt,
+                        layout,
+                        state.counters[tenant],
+                        in_flight,
+                        now,
+                        False,
+                        fifo[0].seq,
                     )
                     ng = new.group
                     if ng is not None and ng not in live and held_all.isdisjoint(ng.pools):
                         live.append(ng)
-                else:
-                    del state.queues[qkey]
             elif head.old:
                 held_lower.update(best_group.pools)
                 held_all.update(best_group.pools)

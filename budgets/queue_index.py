@@ -4,16 +4,18 @@ Derived state only: everything here is a function of the waiting tickets, the co
 tokens in flight and the highest ``now`` a pass has seen, kept in step by budgets/policy.py at every
 change of those. It never decides anything by itself; the spec of the pass is the policy's docstring.
 
-- Each ``(tier, tenant)`` FIFO's head is a :class:`Head`. A head blocked by a private pool (its
+- Each ``(tier, tenant)`` queue's head is a :class:`Head`, ranked by ``(counter, rank_seq, tenant)``
+  where ``rank_seq`` is the lowest seq in that queue: the head's own seq in FIFO order, possibly
+  an earlier ticket's under ``shortest_first`` (the policy docstring says why). A head blocked by a private pool (its
   tenant's own budget) is *parked*: it is in no group, and it is checked again only when a private
   pool it names changes (``private_changed``). Every other head is *active* in exactly one
   :class:`Group`: the heads of one tier that name the same shared pools.
 - A head is *young* or *old* (policy docstring: old once it has waited ``backfill_limit_s``, made
   so when it becomes head or by ``promote`` at the start of a pass). In its group an active head is
   young or old too. Young
-  heads are in a sorted list by ``(counter, seq, tenant)`` (the pass walks them from its cursor) and
+  heads are in a sorted list by ``(counter, rank_seq, tenant)`` (the pass walks them from its cursor) and
   in a heap by cost (the pass asks "can any young head of this group fit?" in O(log n)); old heads
-  are in a heap by ``(counter, seq, tenant)`` (the lowest one either fits or holds the group's
+  are in a heap by ``(counter, rank_seq, tenant)`` (the lowest one either fits or holds the group's
   pools, so nothing but the minimum is ever needed). Young heads, parked or not, are also in a heap
   by enqueue time for ``promote``.
 - Heaps are lazy: an entry whose head left, moved or changed rank stays until it reaches the top
@@ -34,7 +36,7 @@ from sortedcontainers import SortedList
 
 from budgets.types import BudgetLayout, Demand
 
-Key = tuple[float, int, str]  # (counter, seq, tenant): the rank of a head inside its tier
+Key = tuple[float, int, str]  # (counter, rank_seq, tenant): the rank of a head inside its tier
 
 
 @dataclass(slots=True)
@@ -112,6 +114,7 @@ class Head:
     group: Group | None = None  # None while parked (or after removal)
     key: Key | None = None
     old: bool = False
+    rank_seq: int = 0  # the lowest seq of its queue (module docstring)
 
 
 class LazyMin:
@@ -186,8 +189,10 @@ class QueueIndex:
         in_flight: Mapping[str, int],
         now: float,
         old: bool = False,
+        rank_seq: int | None = None,
     ) -> Head:
-        """Index the new head of a FIFO: old if ``old`` or if it has waited ``backfill_limit_s`` by ``now``."""
+        """Index the new head of a queue: old if ``old`` or if it has waited ``backfill_limit_s`` by
+        ``now``; ranked with ``rank_seq`` (the queue's lowest seq; default the ticket's own)."""
         names = ticket.demand.pools
         split = self.split.get(names)
         if split is None:
@@ -197,6 +202,7 @@ class QueueIndex:
             shared = tuple(sorted(n for n in names if pools[n].shared))
             split = self.split[names] = (shared, tuple(n for n in names if not pools[n].shared))
         head = Head(tier, tenant, ticket, split[0], split[1])
+        head.rank_seq = ticket.seq if rank_seq is None else rank_seq
         head.old = old or now - ticket.enqueued_at >= layout.policy.backfill_limit_s
         if not head.old:
             age = self.age
@@ -248,6 +254,21 @@ class QueueIndex:
             else:
                 group.young.remove(key)
                 group.young.add(new)
+
+    def reseq(self, head: Head, rank_seq: int) -> None:
+        """The lowest seq of the head's queue changed (shortest_first: an earlier ticket left while
+        this head stays): rank it with the new one. Its age class stays."""
+        head.rank_seq = rank_seq
+        group, key = head.group, head.key
+        if group is None or key is None:
+            return
+        new = (key[0], rank_seq, key[2])
+        head.key = new
+        if head.old:
+            group.push_old(new)  # the old entry is stale now
+        else:
+            group.young.remove(key)
+            group.young.add(new)
 
     def private_changed(
         self,
@@ -306,7 +327,7 @@ class QueueIndex:
         if group is None:
             group = by_pools[head.shared] = Group(head.tier, head.shared, self.heads)
         ticket = head.ticket
-        key = (counter, ticket.seq, head.tenant)
+        key = (counter, head.rank_seq, head.tenant)
         head.group, head.key = group, key
         if head.old:
             group.n_old += 1

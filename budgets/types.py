@@ -14,7 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
+
+QueueOrder = Literal["fifo", "shortest_first"]
+QUEUE_ORDERS: tuple[QueueOrder, ...] = ("fifo", "shortest_first")
 
 
 def tenant_pool(tenant: str) -> str:
@@ -68,6 +71,13 @@ class PolicySpec:
     # A tenant with no waiting ticket and no live lease for this long is forgotten (its counter
     # deleted; it comes back as a newcomer): per-tenant state stays bounded by recent tenants.
     idle_forget_s: float = 3600.0
+    # Order of the tickets inside one (tier, tenant) queue, never across tenants (policy docstring):
+    # "fifo" (arrival), or "shortest_first": by ``enqueued_at + min(decode * defer_s_per_token,
+    # max_defer_s)``, so a ticket is only ever passed by its own tenant's tickets enqueued less
+    # than ``max_defer_s`` after it.
+    tenant_queue_order: QueueOrder = "fifo"
+    max_defer_s: float = 10.0
+    defer_s_per_token: float = 0.01
 
 
 @dataclass(frozen=True, slots=True)

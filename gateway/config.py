@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from budgets.redis import RedisOptions
+from budgets.types import QueueOrder
 from classifiers import ClassRule, PricingSettings
 from classifiers.reservation import ReservationSettings
 from gateway.observe.settings import ObserveSettings
@@ -59,6 +60,12 @@ class FairnessConfig:
     prefill_weight: float = 1.0
     decode_weight: float = 2.0
     backfill_limit_s: float = 2.0
+    # Order inside one tenant's queue (budgets/policy.py): "fifo", or "shortest_first" (shortest
+    # predicted output first, a ticket passed only by its tenant's tickets enqueued less than
+    # max_defer_s after it; the delay per predicted output token is defer_s_per_token).
+    tenant_queue_order: QueueOrder = "fifo"
+    max_defer_s: float = 10.0
+    defer_s_per_token: float = 0.01
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from typing import Any, cast
 import yaml
 
 from backends.reference.server import BackendSettings
+from budgets.types import QUEUE_ORDERS, QueueOrder
 from classifiers import PricingSettings, load_tokenizer
 from classifiers.reservation import ReservationSettings
 from gateway import stores
@@ -278,11 +279,28 @@ def _tiers(v: Any) -> tuple[TierConfig, ...]:
 
 
 def _fairness(v: Any) -> FairnessConfig:
-    m = section(v, "fairness", ("prefill_weight", "decode_weight", "backfill_limit_s"))
+    m = section(
+        v,
+        "fairness",
+        (
+            "prefill_weight",
+            "decode_weight",
+            "backfill_limit_s",
+            "tenant_queue_order",
+            "max_defer_s",
+            "defer_s_per_token",
+        ),
+    )
+    base = FairnessConfig()
     return FairnessConfig(
-        prefill_weight=number(m, "prefill_weight", "fairness", 1.0, minimum=0.0),
-        decode_weight=number(m, "decode_weight", "fairness", 2.0, minimum=0.0),
-        backfill_limit_s=number(m, "backfill_limit_s", "fairness", 2.0, minimum=0.0),
+        prefill_weight=number(m, "prefill_weight", "fairness", base.prefill_weight, minimum=0.0),
+        decode_weight=number(m, "decode_weight", "fairness", base.decode_weight, minimum=0.0),
+        backfill_limit_s=number(m, "backfill_limit_s", "fairness", base.backfill_limit_s, minimum=0.0),
+        tenant_queue_order=cast(
+            QueueOrder, choice(m, "tenant_queue_order", "fairness", base.tenant_queue_order, QUEUE_ORDERS)
+        ),
+        max_defer_s=number(m, "max_defer_s", "fairness", base.max_defer_s, minimum=0.0),
+        defer_s_per_token=number(m, "defer_s_per_token", "fairness", base.defer_s_per_token, minimum=0.0),
     )
 
 

@@ -48,6 +48,9 @@ def build_layout(
             prefill_weight=config.fairness.prefill_weight,
             decode_weight=config.fairness.decode_weight,
             backfill_limit_s=config.fairness.backfill_limit_s,
+            tenant_queue_order=config.fairness.tenant_queue_order,
+            max_defer_s=config.fairness.max_defer_s,
+            defer_s_per_token=config.fairness.defer_s_per_token,
             lease_ttl_s=config.leases.ttl_s,
         ),
     )

@@ -149,26 +149,38 @@ def unpack_demand(fields: Sequence[str]) -> Demand:
 
 def layout_json(layout: BudgetLayout) -> str:
     """Canonical JSON of a layout (sorted keys): its digest decides whether anything changed."""
+    pol, base = layout.policy, PolicySpec()
+    policy: list[object] = [
+        pol.prefill_weight,
+        pol.decode_weight,
+        pol.backfill_limit_s,
+        pol.lease_ttl_s,
+        pol.max_scan,
+        pol.idle_forget_s,
+    ]
+    order = [pol.tenant_queue_order, pol.max_defer_s, pol.defer_s_per_token]
+    if order != [base.tenant_queue_order, base.max_defer_s, base.defer_s_per_token]:
+        # Only when set: a layout with the defaults keeps the digest older versions computed, so
+        # an upgrade (replicas of both versions at once) does not flip the layout back and forth.
+        policy += order
     doc = {
         "pools": {n: [p.capacity, p.shared] for n, p in sorted(layout.pools.items())},
         "tiers": {n: [t.rank, t.ceiling, t.max_queue_wait_s] for n, t in sorted(layout.tiers.items())},
         "tenants": {n: [t.weight, t.max_queue_len] for n, t in sorted(layout.tenants.items())},
-        "policy": [
-            layout.policy.prefill_weight,
-            layout.policy.decode_weight,
-            layout.policy.backfill_limit_s,
-            layout.policy.lease_ttl_s,
-            layout.policy.max_scan,
-            layout.policy.idle_forget_s,
-        ],
+        "policy": policy,
     }
     return json.dumps(doc, sort_keys=True, separators=(",", ":"))
 
 
 def layout_from_json(text: str) -> BudgetLayout:
     doc = json.loads(text)
-    pw, dw, backfill, ttl, max_scan, *rest = doc["policy"]  # idle_forget_s is absent from old layouts
-    idle = rest[0] if rest else PolicySpec().idle_forget_s
+    # Later fields are absent from layouts written by older versions: their defaults apply.
+    pw, dw, backfill, ttl, max_scan, *rest = doc["policy"]
+    base = PolicySpec()
+    idle = rest[0] if rest else base.idle_forget_s
+    order, max_defer, per_token = base.tenant_queue_order, base.max_defer_s, base.defer_s_per_token
+    if len(rest) >= 4:
+        order, max_defer, per_token = rest[1], rest[2], rest[3]
     return BudgetLayout(
         pools={n: PoolSpec(n, int(c), bool(s)) for n, (c, s) in doc["pools"].items()},
         tiers={n: TierSpec(n, int(r), float(c), float(w)) for n, (r, c, w) in doc["tiers"].items()},
@@ -180,6 +192,9 @@ def layout_from_json(text: str) -> BudgetLayout:
             lease_ttl_s=ttl,
             max_scan=int(max_scan),
             idle_forget_s=float(idle),
+            tenant_queue_order=order,
+            max_defer_s=float(max_defer),
+            defer_s_per_token=float(per_token),
         ),
     )
 
@@ -189,7 +204,8 @@ def layout_digest(text: str) -> str:
 
 
 def layout_args(layout: BudgetLayout) -> list[str]:
-    """apply_layout.lua's arguments: digest, json, policy, tier order, then the three spec lists.
+    """apply_layout.lua's arguments: digest, json, policy, tier order, queue order (order, max defer,
+    defer per token), then the three spec lists.
 
     Tier order is computed here, by (rank, name) with Python's string order, so Lua never has to
     compare names (its string comparison follows the server's locale).
@@ -216,6 +232,7 @@ def layout_args(layout: BudgetLayout) -> list[str]:
         str(int(p.max_scan)),
         fmt_float(p.idle_forget_s),
         LIST_SEP.join(t.name for t in order),
+        LIST_SEP.join((p.tenant_queue_order, fmt_float(p.max_defer_s), fmt_float(p.defer_s_per_token))),
         LIST_SEP.join(pools),
         LIST_SEP.join(tiers),
         LIST_SEP.join(tenants),

@@ -2,7 +2,7 @@
 -- when the digest changed, fail waiting tickets that can now never be granted (their owners are
 -- told by pub/sub), run a grant pass, announce the version on the layout channel.
 -- A (ARGV after now-override and replica): digest, json, pw, dw, backfill, ttl, max_scan, idle_forget_s,
--- tier order, pools, tiers, tenants
+-- tier order, queue order (order LSEP max_defer_s LSEP defer_s_per_token), pools, tiers, tenants
 -- Reply: {changed 0/1, version}
 local function apply_layout_main(A)
   local now = script_now()
@@ -15,9 +15,9 @@ local function apply_layout_main(A)
     -- T:spec: the policy, then p:/t:/n: fields for pools, tiers and tenants (see lib.lua).
     local fields = {
       'ver', ver, 'pw', A[3], 'dw', A[4], 'backfill', A[5], 'ttl', A[6], 'max_scan', A[7],
-      'idle', A[8], 'tiers', A[9],
+      'idle', A[8], 'tiers', A[9], 'qo', A[10],
     }
-    for _, packed in ipairs({ A[10], A[11], A[12] }) do
+    for _, packed in ipairs({ A[11], A[12], A[13] }) do
       local entries = split(packed, LSEP)
       for i = 1, #entries do
         local j = string.find(entries[i], SEP, 1, true)
@@ -42,6 +42,7 @@ local function apply_layout_main(A)
       local err = check_demand(tk.d)
       if err then
         redis.call('LREM', qkey(tk.d.tier, tk.d.tenant), 1, tk.seq)
+        redis.call('ZREM', oqkey(tk.d.tier, tk.d.tenant), oq_member(tk.seq)) -- reindex rebuilds the rest
         forget(tk, pass_clock())
         local msg = 'F' .. SEP .. tk.seq .. SEP .. err[2] .. SEP .. err[3] .. SEP .. tostring(err[4] or '')
         notify(tk.owner, msg)

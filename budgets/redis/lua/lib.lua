@@ -95,6 +95,25 @@ local function qkey(tier, tenant)
   return T .. ':q:' .. #tier .. ':' .. tier .. ':' .. tenant
 end
 
+-- shortest_first only: the same tickets as T:q:... in a zset by order key (policy.order_key);
+-- members struct.pack('>d', seq), so equal keys go by seq (bytewise = numeric for these doubles).
+local function oqkey(tier, tenant)
+  return T .. ':qo:' .. #tier .. ':' .. tier .. ':' .. tenant
+end
+
+local function oq_member(seq)
+  return struct.pack('>d', seq)
+end
+
+-- The seq of the lowest (order key, seq) of a shortest_first queue, nil when it is empty.
+local function oq_first(oq)
+  local m = redis.call('ZRANGE', oq, 0, 0)[1]
+  if m == nil then
+    return nil
+  end
+  return (struct.unpack('>d', m))
+end
+
 local function rtkey(replica)
   return T .. ':rtk:' .. replica
 end
@@ -168,7 +187,7 @@ end
 local function load_policy(d)
   local fields = {}
   if P == nil then
-    fields = { 'ver', 'pw', 'dw', 'backfill', 'ttl', 'max_scan', 'tiers', 'idle' }
+    fields = { 'ver', 'pw', 'dw', 'backfill', 'ttl', 'max_scan', 'tiers', 'idle', 'qo' }
   end
   local first = #fields + 1
   if d then
@@ -200,6 +219,11 @@ local function load_policy(d)
       tier_order = split(v[7], LSEP),
       idle = tonumber(v[8] or '3600'),
     }
+    -- PolicySpec.tenant_queue_order, max_defer_s, defer_s_per_token (absent: fifo)
+    local qo = split(v[9] or 'fifo', LSEP)
+    P.sf = qo[1] == 'shortest_first'
+    P.max_defer = tonumber(qo[2] or '10')
+    P.per_token = tonumber(qo[3] or '0.01')
   end
   for i = first, #fields do
     spec_c[fields[i]] = parse_spec(fields[i], v[i])
@@ -341,7 +365,8 @@ end
 --
 -- T:heads       hash  "<tier> SEP <tenant>" -> the head of that FIFO: flags (old 0/1, parked 0/1)
 --                     SEP seq SEP cost SEP enqueued_at SEP counter it is ranked with SEP group id
---                     SEP private pools (LSEP-joined)
+--                     SEP private pools (LSEP-joined) SEP rank seq (the queue's lowest seq;
+--                     absent in records of older versions, where it is the head's own seq)
 -- group id            the demand's shared pools, sorted bytewise, LSEP-joined
 -- T:gy:<n>:<tier>:<gid>  zset, all scores 0: young active heads by rank; member =
 --                     struct.pack('>dd', counter, seq) .. tenant, so that the byte order of members
@@ -422,6 +447,7 @@ local function parse_head(hk, v)
     gid = f[6],
     private = split(f[7], LSEP),
     private_raw = f[7],
+    rs = tonumber(f[8] or f[2]),
   }
 end
 
@@ -436,13 +462,13 @@ end
 local function store_head(h)
   local flags = (h.old and '1' or '0') .. (h.parked and '1' or '0')
   redis.call('HSET', K.heads, h.hk, flags .. SEP .. h.seq .. SEP .. h.cost .. SEP .. fmt(h.enq) .. SEP
-    .. fmt(h.counter) .. SEP .. h.gid .. SEP .. h.private_raw)
+    .. fmt(h.counter) .. SEP .. h.gid .. SEP .. h.private_raw .. SEP .. h.rs)
 end
 
 local function activate(h, counter)
   h.parked = false
   h.counter = counter
-  local m = rank_member(counter, h.seq, h.tenant)
+  local m = rank_member(counter, h.rs, h.tenant)
   if h.old then
     redis.call('ZADD', gkey('o', h.tier, h.gid), 0, m)
   else
@@ -455,7 +481,7 @@ local function activate(h, counter)
 end
 
 local function deactivate(h)
-  local m = rank_member(h.counter, h.seq, h.tenant)
+  local m = rank_member(h.counter, h.rs, h.tenant)
   if h.old then
     redis.call('ZREM', gkey('o', h.tier, h.gid), m)
   else
@@ -476,8 +502,9 @@ local function private_ok(cost, private)
   return true
 end
 
--- QueueIndex.add: the ticket ``tk`` becomes the head of its FIFO.
-local function add_head(tk, now, old)
+-- QueueIndex.add: the ticket ``tk`` becomes the head of its queue, ranked with ``rs`` (the
+-- queue's lowest seq; default its own).
+local function add_head(tk, now, old, rs)
   local d = tk.d
   local shared, private = {}, {}
   for i = 1, #d.pools do
@@ -501,6 +528,7 @@ local function add_head(tk, now, old)
     gid = table.concat(shared, LSEP),
     private = private,
     private_raw = table.concat(private, LSEP),
+    rs = rs or tk.seq,
   }
   if not h.old then
     redis.call('ZADD', K.age, fmt(h.enq), age_member(h.seq, h.hk))
@@ -541,13 +569,24 @@ local function reposition(tenant, counter)
       local h = parse_head(hks[i], recs[i])
       if not h.parked then
         local kind = h.old and 'o' or 'y'
-        redis.call('ZREM', gkey(kind, h.tier, h.gid), rank_member(h.counter, h.seq, tenant))
-        redis.call('ZADD', gkey(kind, h.tier, h.gid), 0, rank_member(counter, h.seq, tenant))
+        redis.call('ZREM', gkey(kind, h.tier, h.gid), rank_member(h.counter, h.rs, tenant))
+        redis.call('ZADD', gkey(kind, h.tier, h.gid), 0, rank_member(counter, h.rs, tenant))
         h.counter = counter
         store_head(h)
       end
     end
   end
+end
+
+-- QueueIndex.reseq: the queue's lowest seq changed while its head stays (shortest_first).
+local function reseq(h, rs)
+  if not h.parked then
+    local kind = h.old and 'o' or 'y'
+    redis.call('ZREM', gkey(kind, h.tier, h.gid), rank_member(h.counter, h.rs, h.tenant))
+    redis.call('ZADD', gkey(kind, h.tier, h.gid), 0, rank_member(h.counter, rs, h.tenant))
+  end
+  h.rs = rs
+  store_head(h)
 end
 
 -- QueueIndex.private_changed: tokens in flight on private ``pool`` changed.
@@ -629,7 +668,7 @@ local function promote(now, limit)
     local h = load_head(string.sub(members[i], 9))
     redis.call('ZREM', K.age, members[i])
     if not h.parked then
-      local m = rank_member(h.counter, h.seq, h.tenant)
+      local m = rank_member(h.counter, h.rs, h.tenant)
       redis.call('ZREM', gkey('y', h.tier, h.gid), m)
       redis.call('ZREM', gkey('c', h.tier, h.gid), h.tenant)
       redis.call('ZADD', gkey('o', h.tier, h.gid), 0, m)
@@ -858,6 +897,11 @@ local function add_ahead(d, sign)
   end
 end
 
+-- policy.order_key
+local function order_key(d, enq)
+  return enq + math.min(d.decode * P.per_token, P.max_defer)
+end
+
 -- policy.enqueue
 local function enqueue(d, now, owner, lease_id)
   local backlog = count(K.twait, d.tenant)
@@ -873,7 +917,17 @@ local function enqueue(d, now, owner, lease_id)
   end
   redis.call('HINCRBY', K.tierq, d.tier, 1)
   add_ahead(d, 1)
-  if redis.call('RPUSH', qkey(d.tier, d.tenant), seq) == 1 then
+  local qk = qkey(d.tier, d.tenant)
+  local n = redis.call('RPUSH', qk, seq)
+  if P.sf then
+    local oq = oqkey(d.tier, d.tenant)
+    redis.call('ZADD', oq, fmt(order_key(d, now)), oq_member(seq))
+    if n > 1 and oq_first(oq) == seq then -- it goes before the head: it is the head now
+      remove_head(load_head(head_key(d.tier, d.tenant)))
+      add_head({ seq = seq, d = d, enq = now }, pass_clock(), false, tonumber(redis.call('LINDEX', qk, 0)))
+    end
+  end
+  if n == 1 then
     add_head({ seq = seq, d = d, enq = now }, pass_clock(), false)
   end
   redis.call('SADD', rtkey(owner), seq)
@@ -902,6 +956,18 @@ local function forget(tk, now)
   redis.call('SREM', rtkey(tk.owner), tk.seq)
 end
 
+-- policy._leave_ordered: take ``seq`` out of a shortest_first queue (list and zset); true when it
+-- was the first ticket.
+local function leave_queue(qk, oq, seq)
+  redis.call('ZREM', oq, oq_member(seq))
+  if tonumber(redis.call('LINDEX', qk, 0)) == seq then
+    redis.call('LPOP', qk)
+    return true
+  end
+  redis.call('LREM', qk, 1, seq)
+  return false
+end
+
 -- policy.withdraw
 local function withdraw(seq, now)
   local tk = load_ticket(seq)
@@ -909,7 +975,20 @@ local function withdraw(seq, now)
     return nil
   end
   local qk = qkey(tk.d.tier, tk.d.tenant)
-  if tonumber(redis.call('LINDEX', qk, 0)) == tk.seq then
+  if P.sf then
+    local oq = oqkey(tk.d.tier, tk.d.tenant)
+    local first = leave_queue(qk, oq, tk.seq)
+    local h = load_head(head_key(tk.d.tier, tk.d.tenant))
+    local nxt = oq_first(oq)
+    if nxt == nil then
+      remove_head(h)
+    elseif h.seq == tk.seq then
+      remove_head(h)
+      add_head(load_ticket(nxt), pass_clock(), false, tonumber(redis.call('LINDEX', qk, 0)))
+    elseif first then
+      reseq(h, tonumber(redis.call('LINDEX', qk, 0)))
+    end
+  elseif tonumber(redis.call('LINDEX', qk, 0)) == tk.seq then
     redis.call('LPOP', qk)
     remove_head(load_head(head_key(tk.d.tier, tk.d.tenant)))
     local nxt = redis.call('LINDEX', qk, 0)
@@ -1030,14 +1109,21 @@ end
 -- ``live`` if its group is new to the pass and not held.
 local function grant_head(h, tk, now, own, live, held_all)
   local qk = qkey(h.tier, h.tenant)
-  redis.call('LPOP', qk)
+  local nxt
+  if P.sf then
+    local oq = oqkey(h.tier, h.tenant)
+    leave_queue(qk, oq, tk.seq)
+    nxt = oq_first(oq)
+  else
+    redis.call('LPOP', qk)
+    nxt = redis.call('LINDEX', qk, 0)
+  end
   remove_head(h)
   forget(tk, now)
   charge(tk.d)
   local queued = grant_ticket(tk, now, own)
-  local nxt = redis.call('LINDEX', qk, 0)
   if nxt then
-    local nh = add_head(load_ticket(nxt), now, false)
+    local nh = add_head(load_ticket(nxt), now, false, tonumber(redis.call('LINDEX', qk, 0)))
     if not nh.parked then
       local known = false
       for i = 1, #live do
@@ -1093,6 +1179,9 @@ local function grant_pass(now, own)
         cursor = best
         local h = load_head(head_key(tier_name, string.sub(best, 17)))
         if h.cost <= room then
+          -- just below the granted rank: the tenant's next head may have the same one
+          local c, rs = struct.unpack('>dd', best)
+          cursor = struct.pack('>dd', c, rs - 0.5) .. h.tenant
           local tk = load_ticket(h.seq)
           local queued = grant_head(h, tk, now, own, live, held_all)
           if tk.seq == own then
@@ -1158,8 +1247,9 @@ local function beat(replica, now)
 end
 
 
--- policy.reindex: the index built again from the FIFOs (after a layout change). A head keeps its
--- age class; a ticket that only now becomes head is classed as usual. O(waiting tickets).
+-- policy.reindex: the index (and the shortest_first zsets) built again from the queues (after a
+-- layout change). A head keeps its age class; a ticket that only now becomes head is classed as
+-- usual. O(waiting tickets).
 local function reindex()
   local was_old = {}
   local recs = redis.call('HGETALL', K.heads)
@@ -1192,12 +1282,24 @@ local function reindex()
     local qk = qkey(tk.d.tier, tk.d.tenant)
     if not seen[qk] then
       seen[qk] = true
-      local head = load_ticket(redis.call('LINDEX', qk, 0))
+      local rs = tonumber(redis.call('LINDEX', qk, 0))
+      local head_seq = rs
+      local oq = oqkey(tk.d.tier, tk.d.tenant)
+      redis.call('DEL', oq)
+      if P.sf then -- the order keys under the new settings
+        local members = redis.call('LRANGE', qk, 0, -1)
+        for j = 1, #members do
+          local other = load_ticket(members[j])
+          redis.call('ZADD', oq, fmt(order_key(other.d, other.enq)), oq_member(other.seq))
+        end
+        head_seq = oq_first(oq)
+      end
+      local head = load_ticket(head_seq)
       local old = was_old[head.seq]
       if old == nil then
-        add_head(head, pass_clock(), false)
+        add_head(head, pass_clock(), false, rs)
       else
-        add_head(head, -math.huge, old)
+        add_head(head, -math.huge, old, rs)
       end
     end
   end
