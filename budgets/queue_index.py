@@ -173,7 +173,9 @@ class QueueIndex:
         self.by_tenant: dict[str, list[Head]] = {}
         self.groups: dict[str, dict[tuple[str, ...], Group]] = {}  # tier -> shared pools -> group
         self.private: dict[str, set[Head]] = {}  # private pool -> heads naming it
-        self.age: list[tuple[float, int, Head]] = []  # young heads by enqueue time (lazy)
+        # young heads by enqueue time (lazy); id(head) breaks ties between entries of one ticket
+        # (under shortest_first a ticket can be head, be displaced, and be head again)
+        self.age: list[tuple[float, int, int, Head]] = []
         # demand pools -> (shared pools sorted, private pools) under the indexed layout
         self.split: dict[tuple[str, ...], tuple[tuple[str, ...], tuple[str, ...]]] = {}
 
@@ -206,7 +208,7 @@ class QueueIndex:
         head.old = old or now - ticket.enqueued_at >= layout.policy.backfill_limit_s
         if not head.old:
             age = self.age
-            heapq.heappush(age, (ticket.enqueued_at, ticket.seq, head))
+            heapq.heappush(age, (ticket.enqueued_at, ticket.seq, id(head), head))
             if len(age) > 64 and len(age) > 3 * len(self.heads):
                 self._rebuild_age()
         self.heads[(tier, tenant)] = head
@@ -294,7 +296,7 @@ class QueueIndex:
         time, then seq), at most ``limit`` of them."""
         age, heads = self.age, self.heads
         while age and limit > 0:
-            enq, _, head = age[0]
+            enq, _, _, head = age[0]
             if head.old or heads.get((head.tier, head.tenant)) is not head:
                 heapq.heappop(age)  # stale: granted, withdrawn, or already old
                 continue
@@ -352,7 +354,7 @@ class QueueIndex:
                     del self.groups[group.tier]
 
     def _rebuild_age(self) -> None:
-        self.age = [(h.ticket.enqueued_at, h.ticket.seq, h) for h in self.heads.values() if not h.old]
+        self.age = [(h.ticket.enqueued_at, h.ticket.seq, id(h), h) for h in self.heads.values() if not h.old]
         heapq.heapify(self.age)
 
 

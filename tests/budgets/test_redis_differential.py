@@ -2,7 +2,8 @@
 
 Hypothesis drives random operation sequences (acquires of various tenants, tiers, costs and pool
 sets; releases with usage reports honest, missing or lying; clock advances; reaps; heartbeats; cancellations;
-live layout changes) through a MemoryStore and a RedisStore sharing one fake clock, and after
+live layout changes, the order inside a tenant's queue switched on and off) through a MemoryStore
+and a RedisStore sharing one fake clock, under either queue order (fifo, shortest_first), and after
 every step requires identical outcomes: the same acquires granted (same queued time) or refused
 (same error and message), the same release and reap results, and identical snapshots (in-flight
 tokens, queue depths, exact fair-share counters, lease counts).
@@ -25,7 +26,17 @@ from hypothesis import strategies as st
 
 from budgets.memory import MemoryStore
 from budgets.redis import RedisOptions, RedisStore
-from budgets.types import BudgetLayout, Demand, Lease, PolicySpec, PoolSpec, StoreSnapshot, TenantSpec
+from budgets.types import (
+    QUEUE_ORDERS,
+    BudgetLayout,
+    Demand,
+    Lease,
+    PolicySpec,
+    PoolSpec,
+    QueueOrder,
+    StoreSnapshot,
+    TenantSpec,
+)
 from tests.budgets.redis_fixtures import RedisServer, session_redis, unique_prefix
 from tests.budgets.support import TIERS, FakeClock, eventually
 
@@ -36,7 +47,7 @@ POOL_SETS: tuple[tuple[str, ...], ...] = ((P,), (Q,), (P, Q), ())
 TTL = 5.0
 
 
-def base_layout() -> BudgetLayout:
+def base_layout(order: QueueOrder = "fifo") -> BudgetLayout:
     return BudgetLayout(
         pools={
             P: PoolSpec(P, 80),
@@ -51,16 +62,28 @@ def base_layout() -> BudgetLayout:
             "b": TenantSpec("b", weight=2.0, max_queue_len=4),
             "c": TenantSpec("c", weight=0.3, max_queue_len=2),
         },
-        policy=PolicySpec(backfill_limit_s=2.0, lease_ttl_s=TTL, max_scan=5),
+        # Under shortest_first, decodes of 0, 5 and 15 defer a ticket 0, 0.5 and 1.2 s (capped):
+        # of the order of the clock's steps, so tickets both pass each other and age past it.
+        policy=PolicySpec(
+            backfill_limit_s=2.0,
+            lease_ttl_s=TTL,
+            max_scan=5,
+            tenant_queue_order=order,
+            max_defer_s=1.2,
+            defer_s_per_token=0.1,
+        ),
     )
 
 
-def layout_variant(i: int) -> BudgetLayout:
-    base = base_layout()
+def layout_variant(i: int, order: QueueOrder = "fifo") -> BudgetLayout:
+    base = base_layout(order)
     if i == 0:
         return base
     if i == 1:  # P shrinks: big waiting tickets can never fit any more
         return dataclasses.replace(base, pools={**base.pools, P: PoolSpec(P, 40)})
+    if i == 3:  # the other queue order, switched live: waiting tickets are re-ordered
+        other: QueueOrder = "fifo" if order == "shortest_first" else "shortest_first"
+        return base_layout(other)
     # tenant c leaves, P grows
     tenants = {k: v for k, v in base.tenants.items() if k != "c"}
     return dataclasses.replace(base, tenants=tenants, pools={**base.pools, P: PoolSpec(P, 150)})
@@ -89,7 +112,7 @@ cancel = st.tuples(st.just("cancel"), st.integers(0, 50))
 heartbeat = st.tuples(st.just("hb"), st.integers(0, 50))
 reap = st.tuples(st.just("reap"))
 grow = st.tuples(st.just("grow"), st.integers(0, 50), st.sampled_from([1, 8, 30, 120]))
-relayout = st.tuples(st.just("layout"), st.integers(0, 2))
+relayout = st.tuples(st.just("layout"), st.integers(0, 3))
 # Acquires dominate so that pools fill up and the queue, holds and backfill come into play.
 operation = st.one_of(
     acquire,
@@ -150,9 +173,11 @@ async def settle(redis_store: RedisStore, tasks: Sequence[asyncio.Task[Lease]]) 
     await eventually(settled, timeout_s=5.0, message="redis store did not settle")
 
 
-async def run_scenario(server: RedisServer, ops: Sequence[tuple[Any, ...]]) -> None:
+async def run_scenario(
+    server: RedisServer, ops: Sequence[tuple[Any, ...]], order: QueueOrder = "fifo"
+) -> None:
     clock = FakeClock()
-    layout = base_layout()
+    layout = base_layout(order)
     mem = MemoryStore(layout, clock=clock, reap_interval_s=1e6)
     red = RedisStore(
         layout,
@@ -215,7 +240,7 @@ async def run_scenario(server: RedisServer, ops: Sequence[tuple[Any, ...]]) -> N
                     for t in tasks[idx]:
                         t.cancel()
             elif kind == "layout":
-                current = layout_variant(op[1])
+                current = layout_variant(op[1], order)
                 await mem.apply_layout(current)
                 await red.apply_layout(current)
             await settle(red, [r for _, r in tasks])
@@ -253,9 +278,45 @@ async def run_scenario(server: RedisServer, ops: Sequence[tuple[Any, ...]]) -> N
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-@given(ops=st.lists(operation, min_size=4, max_size=60))
-def test_redis_store_makes_the_memory_stores_decisions(ops: list[tuple[Any, ...]]) -> None:
-    asyncio.run(run_scenario(session_redis(), ops))
+@given(ops=st.lists(operation, min_size=4, max_size=60), order=st.sampled_from(QUEUE_ORDERS))
+def test_redis_store_makes_the_memory_stores_decisions(ops: list[tuple[Any, ...]], order: QueueOrder) -> None:
+    asyncio.run(run_scenario(session_redis(), ops, order))
+
+
+# Queues of one tenant with tickets of mixed predicted outputs, for shortest_first: few tenants,
+# one shared pool that stays full, clock steps of the order of the defers.
+ordered_acquire = st.tuples(
+    st.just("acq"),
+    st.sampled_from(("a", "a", "b")),
+    st.sampled_from(("critical", "critical", "standard")),
+    st.sampled_from([1, 5, 10]),
+    st.sampled_from([0, 3, 9, 15, 25]),
+    st.sampled_from(((P,), (P,), (P, Q))),
+)
+# Weighted by sampling a kind first (st.one_of does not weigh a strategy listed twice any more).
+ORDERED_KINDS: dict[str, st.SearchStrategy[tuple[Any, ...]]] = {
+    "acq": ordered_acquire,
+    "rel": release,
+    "adv": st.tuples(st.just("adv"), st.sampled_from([0.1, 0.3, 0.7, 1.5])),
+    "cancel": cancel,
+    "layout": st.tuples(st.just("layout"), st.sampled_from([0, 3])),
+}
+ordered_operation = st.sampled_from(["acq"] * 10 + ["rel"] * 3 + ["adv"] * 3 + ["cancel", "layout"]).flatmap(
+    ORDERED_KINDS.__getitem__
+)
+# Tenant c's lease fills most of P first, so that most tickets wait and the order decides.
+FILL_P: tuple[Any, ...] = ("acq", "c", "batch", 45, 0, (P,))
+
+
+@pytest.mark.slow  # hypothesis against a real Redis: ~10 s
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(ops=st.lists(ordered_operation, min_size=6, max_size=50))
+def test_redis_store_orders_a_tenants_queue_as_the_memory_store_does(ops: list[tuple[Any, ...]]) -> None:
+    asyncio.run(run_scenario(session_redis(), [FILL_P, *ops], "shortest_first"))
 
 
 SCENARIOS: dict[str, list[tuple[Any, ...]]] = {
@@ -321,12 +382,54 @@ SCENARIOS: dict[str, list[tuple[Any, ...]]] = {
         ("adv", 6.0),
         ("reap",),
     ],
+    # Equal counters (a and b both lifted to c's): a's rank is its first ticket's seq, below b's;
+    # withdrawing that ticket (not a's head) ranks a after b, and the freed room goes to b.
+    "rank_by_first_ticket": [
+        ("acq", "c", "batch", 25, 0, (P,)),
+        ("acq", "c", "batch", 25, 0, (P,)),
+        ("acq", "a", "critical", 20, 15, (P,)),
+        ("acq", "b", "critical", 20, 15, (P,)),
+        ("acq", "a", "critical", 31, 0, (P,)),
+        ("cancel", 0),
+        ("rel", 0, None),
+    ],
+    # A head with no prompt is granted (counter unchanged) and was not a's first ticket: a's next
+    # head has the very rank just granted, and the same pass still grants it.
+    "next_head_of_the_same_rank": [
+        ("acq", "b", "critical", 78, 0, (P,)),
+        ("acq", "a", "critical", 20, 15, (P,)),
+        ("acq", "a", "critical", 0, 5, (P,)),
+        ("rel", 0, None),
+    ],
+    # shortest_first: short tickets of one tenant pass its long ones, until the long ones' keys
+    # come up; a withdrawal of the head and of the first ticket; the order switched off and on.
+    "shortest_first": [
+        ("acq", "b", "critical", 70, 0, (P,)),
+        ("acq", "a", "critical", 10, 15, (P,)),
+        ("acq", "a", "critical", 5, 5, (P,)),  # fits: granted at once under shortest_first only
+        ("acq", "b", "critical", 5, 5, (P,)),
+        ("acq", "a", "critical", 5, 0, (P,)),
+        ("adv", 0.7),
+        ("acq", "a", "critical", 1, 0, (P,)),
+        ("cancel", 0),
+        ("rel", 0, 3),
+        ("layout", 3),
+        ("acq", "b", "critical", 10, 15, (P,)),
+        ("acq", "b", "critical", 1, 0, (P,)),
+        ("layout", 0),
+        ("adv", 1.5),
+        ("rel", 0, None),
+        ("rel", 0, None),
+        ("cancel", 1),
+        ("rel", 0, 0),
+    ],
 }
 
 
+@pytest.mark.parametrize("order", QUEUE_ORDERS)
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_policy_scenarios_match(name: str) -> None:
-    asyncio.run(run_scenario(session_redis(), SCENARIOS[name]))  # asserts at every step
+def test_policy_scenarios_match(name: str, order: QueueOrder) -> None:
+    asyncio.run(run_scenario(session_redis(), SCENARIOS[name], order))  # asserts at every step
 
 
 def test_counters_match_bit_for_bit() -> None:
