@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 from budgets import policy
 from budgets.policy import PolicyState
-from budgets.types import Demand, NeverFits, TenantSpec
+from budgets.types import QUEUE_ORDERS, Demand, NeverFits, QueueOrder, TenantSpec
 from tests.budgets.support import layout, private, shared
 
 TENANTS = ("a", "b", "c")
@@ -35,15 +36,45 @@ enqueue_op = st.tuples(
 release_op = st.tuples(st.just("rel"), st.integers(0, 50), st.one_of(st.none(), st.integers(-5, 40)))
 withdraw_op = st.tuples(st.just("wd"), st.integers(0, 50))
 tick_op = st.tuples(st.just("tick"), st.sampled_from([0.1, 0.5, 1.5]))
-ops_strategy = st.lists(st.one_of(enqueue_op, enqueue_op, release_op, withdraw_op, tick_op), max_size=60)
+# Weighted by sampling a kind first: st.one_of does not weigh a strategy listed twice.
+OPS = {"enq": enqueue_op, "rel": release_op, "wd": withdraw_op, "tick": tick_op}
+ops_strategy = st.lists(
+    st.sampled_from(["enq", "enq", "enq", "rel", "rel", "wd", "tick", "tick"]).flatmap(OPS.__getitem__),
+    max_size=60,
+)
+
+
+# For shortest_first: deep queues of one tenant with mixed predicted outputs.
+OPS_ORDERED = {
+    **OPS,
+    "enq": st.tuples(
+        st.just("enq"),
+        st.sampled_from(("a", "a", "c")),
+        st.sampled_from(("critical", "critical", "standard")),
+        st.sampled_from(POOL_CHOICES),
+        st.integers(0, 10),
+        st.integers(0, 20),
+    ),
+}
+ordered_ops_strategy = st.lists(
+    st.sampled_from(["enq", "enq", "enq", "enq", "rel", "wd", "tick", "tick"]).flatmap(
+        OPS_ORDERED.__getitem__
+    ),
+    max_size=60,
+)
 
 
 class Model:
     """Drives a PolicyState the way a store does and checks invariants after every step."""
 
-    def __init__(self, max_scan: int) -> None:
+    def __init__(self, max_scan: int, order: QueueOrder = "fifo") -> None:
         tenants = [TenantSpec("a", weight=1.0), TenantSpec("b", weight=2.0), TenantSpec("c", weight=0.5)]
-        self.state = PolicyState(layout(POOLS, tenants, backfill_limit_s=1.0, max_scan=max_scan))
+        lay = layout(POOLS, tenants, backfill_limit_s=1.0, max_scan=max_scan)
+        # Defers of 0 to 1.2 s for decodes of 0 to 20, against clock ticks of 0.1 to 1.5 s.
+        policy_spec = dataclasses.replace(
+            lay.policy, tenant_queue_order=order, max_defer_s=1.2, defer_s_per_token=0.1
+        )
+        self.state = PolicyState(dataclasses.replace(lay, policy=policy_spec))
         self.leases: list[Demand] = []
         self.now = 0.0
 
@@ -66,7 +97,9 @@ class Model:
         before = dict(self.state.in_flight)
         counters = dict(self.state.counters)
         pending = len(self.state.waiting)
+        waiting = list(self.state.waiting.values())
         tickets = policy.grant_pass(self.state, self.now)
+        self.check_order(waiting, tickets)
         grants = [t.demand for t in tickets]
         self.check_grants(before, grants)
         self.leases.extend(grants)
@@ -75,6 +108,20 @@ class Model:
         if pending <= self.state.layout.policy.max_scan and not any(self.state.in_flight.values()):
             # Nothing in flight after a full pass: nothing can have been blocked, so nothing waits.
             assert not self.state.waiting
+
+    def check_order(self, waiting: list[policy.Ticket], granted: list[policy.Ticket]) -> None:
+        """A granted ticket passed no ticket of its own queue enqueued max_defer_s or more before it
+        (shortest_first), or none at all (fifo). Tickets granted earlier in the pass do not count."""
+        pol = self.state.layout.policy
+        ordered = pol.tenant_queue_order == "shortest_first"
+        left = {t.seq: t for t in waiting}
+        for g in granted:
+            del left[g.seq]
+            for u in left.values():
+                if (u.demand.tier, u.demand.tenant) == (g.demand.tier, g.demand.tenant) and u.seq < g.seq:
+                    assert ordered, (g, u)
+                    # (1e-9: the clock is a sum of float ticks, the bound is exact in the key)
+                    assert g.enqueued_at - u.enqueued_at < pol.max_defer_s + 1e-9, (g, u)
 
     def enqueue(self, d: Demand) -> None:
         try:
@@ -136,6 +183,17 @@ class Model:
         assert all(fifo and list(fifo) == sorted(fifo, key=lambda t: t.seq) for fifo in s.queues.values())
         assert dict(Counter(t.demand.tenant for t in queued)) == s.tenant_waiting
         assert all(tenant in s.counters for tenant in s.tenant_waiting)
+        pol = s.layout.policy
+        ordered = pol.tenant_queue_order == "shortest_first"
+        assert set(s.ordered) == (set(s.queues) if ordered else set())
+        for key, fifo in s.queues.items():
+            keys = sorted((policy.order_key(pol, t), t.seq) for t in fifo)
+            head = s.index.heads[key]
+            if ordered:
+                assert s.ordered[key] == keys and head.ticket.seq == keys[0][1]
+            else:
+                assert head.ticket is fifo[0]
+            assert head.rank_seq == fifo[0].seq  # the rank across tenants is the first ticket's
 
     def drain(self) -> None:
         """Owners release everything: every waiting ticket is eventually granted, then all is zero."""
@@ -157,18 +215,32 @@ class Model:
 
 @pytest.mark.slow  # hypothesis, 250 operation sequences
 @settings(max_examples=250, deadline=None)
-@given(ops=ops_strategy, max_scan=st.sampled_from([1, 2, 5, 256]))
-def test_invariants_hold_for_any_operation_sequence(ops: list[tuple], max_scan: int) -> None:  # type: ignore[type-arg]
-    model = Model(max_scan)
+@given(ops=ops_strategy, max_scan=st.sampled_from([1, 2, 5, 256]), order=st.sampled_from(QUEUE_ORDERS))
+def test_invariants_hold_for_any_operation_sequence(
+    ops: list[tuple],  # type: ignore[type-arg]
+    max_scan: int,
+    order: QueueOrder,
+) -> None:
+    model = Model(max_scan, order)
+    for op in ops:
+        model.step(op)
+    model.drain()
+
+
+@pytest.mark.slow  # hypothesis, 250 operation sequences
+@settings(max_examples=250, deadline=None)
+@given(ops=ordered_ops_strategy, max_scan=st.sampled_from([1, 2, 256]))
+def test_invariants_hold_with_deep_shortest_first_queues(ops: list[tuple], max_scan: int) -> None:  # type: ignore[type-arg]
+    model = Model(max_scan, "shortest_first")
     for op in ops:
         model.step(op)
     model.drain()
 
 
 @settings(max_examples=100, deadline=None)
-@given(ops=ops_strategy)
-def test_grant_pass_is_deterministic(ops: list[tuple]) -> None:  # type: ignore[type-arg]
-    model = Model(256)
+@given(ops=ops_strategy, order=st.sampled_from(QUEUE_ORDERS))
+def test_grant_pass_is_deterministic(ops: list[tuple], order: QueueOrder) -> None:  # type: ignore[type-arg]
+    model = Model(256, order)
     for op in ops:
         model.step(op)
     twin = copy.deepcopy(model.state)
