@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from budgets.types import BudgetLayout, PolicySpec, PoolSpec, TenantSpec
+from budgets.types import QUEUE_ORDERS, BudgetLayout, PolicySpec, PoolSpec, QueueOrder, TenantSpec
 from tests.budgets import test_redis_differential as differential
 from tests.budgets.redis_fixtures import session_redis
 from tests.budgets.support import TIERS
@@ -26,7 +26,7 @@ TENANTS = tuple(f"t{i}" for i in range(12))
 TTL = differential.TTL
 
 
-def busy_layout() -> BudgetLayout:
+def busy_layout(order: QueueOrder = "fifo") -> BudgetLayout:
     pools = {P: PoolSpec(P, 80), Q: PoolSpec(Q, 50), R: PoolSpec(R, 60)}
     for i, t in enumerate(TENANTS):
         pools[f"tenant:{t}"] = PoolSpec(f"tenant:{t}", (30, 60, 200)[i % 3], shared=False)
@@ -36,7 +36,15 @@ def busy_layout() -> BudgetLayout:
         tenants={
             t: TenantSpec(t, weight=(1.0, 2.0, 0.3)[i % 3], max_queue_len=5) for i, t in enumerate(TENANTS)
         },
-        policy=PolicySpec(backfill_limit_s=1.0, lease_ttl_s=TTL, max_scan=3, idle_forget_s=4.0),
+        policy=PolicySpec(
+            backfill_limit_s=1.0,
+            lease_ttl_s=TTL,
+            max_scan=3,
+            idle_forget_s=4.0,
+            tenant_queue_order=order,
+            max_defer_s=1.2,
+            defer_s_per_token=0.1,
+        ),
     )
 
 
@@ -68,11 +76,13 @@ operation = st.one_of(
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-@given(ops=st.lists(operation, min_size=10, max_size=80))
-def test_redis_store_makes_the_memory_stores_decisions_with_many_tenants(ops: list[tuple[Any, ...]]) -> None:
+@given(ops=st.lists(operation, min_size=10, max_size=80), order=st.sampled_from(QUEUE_ORDERS))
+def test_redis_store_makes_the_memory_stores_decisions_with_many_tenants(
+    ops: list[tuple[Any, ...]], order: QueueOrder
+) -> None:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(differential, "base_layout", busy_layout)
-        asyncio.run(differential.run_scenario(session_redis(), ops))
+        asyncio.run(differential.run_scenario(session_redis(), ops, order))
 
 
 def test_tenants_idle_for_idle_forget_s_are_forgotten_alike() -> None:

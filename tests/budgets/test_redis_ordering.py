@@ -1,0 +1,83 @@
+"""Redis-only facts of shortest_first (issue 13): its per-queue sorted sets leave nothing behind, and
+head records written before the rank seq existed still rank by their own seq."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from redis.asyncio import Redis
+
+from budgets.types import BudgetLayout
+from tests.budgets.redis_fixtures import RedisServer, StoreMaker, make_store, redis_server
+from tests.budgets.support import FLAT, assert_idle, demand, layout, shared, wait_queued
+
+__all__ = ["make_store", "redis_server"]  # fixtures used below
+
+P = "backend:p"
+
+
+def shortest_first() -> BudgetLayout:
+    base = layout([shared(P, 10)], ["a", "b"], tiers=FLAT)
+    return dataclasses.replace(
+        base, policy=dataclasses.replace(base.policy, tenant_queue_order="shortest_first")
+    )
+
+
+async def test_ordered_queues_leave_no_key_behind_once_served_withdrawn_or_dropped(
+    redis_server: RedisServer, make_store: StoreMaker
+) -> None:
+    store = make_store(redis_server, shortest_first())
+    await store.start()
+    tag = store._keys.tag
+    blocker = await store.acquire(demand("b", 10, P, tier="std"), 1)
+    tasks = [
+        asyncio.create_task(store.acquire(demand(t, 10, P, tier="std", decode=n), 10))
+        for t, n in (("a", 9), ("a", 1), ("a", 5), ("b", 3))
+    ]
+    await wait_queued(store, 4)
+    raw = Redis.from_url(redis_server.url, decode_responses=False)
+    try:
+        assert len([k async for k in raw.scan_iter(f"{tag}:qo:*")]) == 2
+        tasks[2].cancel()  # a's withdrawn ticket
+        await store.apply_layout(
+            dataclasses.replace(shortest_first(), tenants={"a": shortest_first().tenants["a"]})
+        )
+        await asyncio.gather(tasks[2], tasks[3], return_exceptions=True)  # b's ticket fails: b is gone
+        await wait_queued(store, 2)
+        assert await store.release(blocker.id)
+        for task in (tasks[1], tasks[0]):  # a's short ticket first
+            lease = await asyncio.wait_for(task, 5)
+            assert await store.release(lease.id)
+        assert [k async for k in raw.scan_iter(f"{tag}:qo:*")] == []
+        assert [k async for k in raw.scan_iter(f"{tag}:q:*")] == []
+    finally:
+        await raw.aclose()
+    await assert_idle(store)
+
+
+async def test_head_records_written_before_the_rank_seq_existed_rank_by_their_own_seq(
+    redis_server: RedisServer, make_store: StoreMaker
+) -> None:
+    lay = layout([shared(P, 10)], ["a", "b", "c"], tiers=FLAT)
+    store = make_store(redis_server, lay)
+    await store.start()
+    tag = store._keys.tag
+    blocker = await store.acquire(demand("c", 10, P, tier="std"), 1)
+    tasks = [asyncio.create_task(store.acquire(demand(t, 10, P, tier="std"), 10)) for t in ("a", "b", "a")]
+    await wait_queued(store, 3)
+    raw = Redis.from_url(redis_server.url, decode_responses=False)
+    try:
+        heads = await raw.hgetall(f"{tag}:heads")
+        assert len(heads) == 2
+        # The older format: the same fields without the trailing rank seq.
+        await raw.hset(f"{tag}:heads", mapping={k: v.rsplit(b"\x1f", 1)[0] for k, v in heads.items()})
+    finally:
+        await raw.aclose()
+    assert await store.release(blocker.id)
+    # a and b were lifted to c's counter: tied, a's older ticket goes first, then b (a was charged).
+    for task in (tasks[0], tasks[1], tasks[2]):
+        lease = await asyncio.wait_for(task, 5)
+        assert not any(t.done() for t in tasks[tasks.index(task) + 1 :])
+        assert await store.release(lease.id)
+    await assert_idle(store)
