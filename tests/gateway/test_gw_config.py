@@ -169,6 +169,12 @@ def test_example_configs_load() -> None:
             "tenants.a.default_max_tokens: 10 is larger than max_max_tokens (5)",
         ),
         ({"embedded_backend": {"chunked": True}}, "embedded_backend.chunked: unknown key"),
+        (
+            {"fairness": {"tenant_queue_order": "shortest"}},
+            "fairness.tenant_queue_order: expected one of 'fifo', 'shortest_first', got 'shortest'",
+        ),
+        ({"fairness": {"max_defer_s": -1}}, "fairness.max_defer_s: expected a non-negative number, got -1"),
+        ({"fairness": {"defer_s_per_token": "fast"}}, "fairness.defer_s_per_token: expected a number"),
         ([1, 2], "config: expected a mapping, got a list"),
         ({"models": {"m*": {"tokenizer": "hf:/nonexistent/tokenizer.json"}}}, "models.m*.tokenizer:"),
         ({"models": {"m*": {"tokenizer": "tiktoken:no_such_encoding"}}}, "models.m*.tokenizer:"),
@@ -178,6 +184,24 @@ def test_errors_name_the_field(data: object, message: str) -> None:
     with pytest.raises(ConfigError) as err:
         parse_config(data)
     assert message in str(err.value)
+
+
+def test_the_order_inside_a_tenants_queue_is_fifo_by_default_and_reaches_the_budget_layout() -> None:
+    from gateway.layout import build_layout
+
+    default = parse_config({})
+    assert default.fairness.tenant_queue_order == "fifo"
+    assert (default.fairness.max_defer_s, default.fairness.defer_s_per_token) == (10.0, 0.01)
+    cfg = parse_config(
+        {"fairness": {"tenant_queue_order": "shortest_first", "max_defer_s": 4, "defer_s_per_token": 0.002}}
+    )
+    policy = build_layout(cfg, (), cfg.tenants).policy
+    assert (policy.tenant_queue_order, policy.max_defer_s, policy.defer_s_per_token) == (
+        "shortest_first",
+        4,
+        0.002,
+    )
+    assert build_layout(default, (), default.tenants).policy.tenant_queue_order == "fifo"
 
 
 def test_bad_yaml_and_missing_file(tmp_path: Path) -> None:

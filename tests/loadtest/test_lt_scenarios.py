@@ -35,17 +35,24 @@ def test_the_reservations_arms_share_a_backend_whose_kv_cache_is_the_pools_capac
         config = config_loader.parse_config(raw)
         assert [b.capacity_tokens for p in config.pools for b in p.backends] == [kv_tokens]
         assert config.models[0].context_length == context
-        modes[t.name] = (config.reservation.settings.mode, config.reservation.oracle_header)
+        modes[t.name] = (
+            config.reservation.settings.mode,
+            config.reservation.oracle_header,
+            config.fairness.tenant_queue_order,
+        )
     assert modes == {
-        "max_tokens": ("max_tokens", False),
-        "learned": ("learned", False),
-        "oracle": ("max_tokens", True),
+        "max_tokens": ("max_tokens", False, "fifo"),
+        "learned": ("learned", False, "fifo"),
+        "learned-ordered": ("learned", False, "shortest_first"),
+        "oracle": ("max_tokens", True, "fifo"),
     }
     measured = {t.name: t.phase for t in setup.targets}
     assert measured == {
         "max_tokens": "measured",
         "learned-warmup": "warmup",
         "learned": "measured",
+        "learned-ordered-warmup": "warmup",
+        "learned-ordered": "measured",
         "oracle": "measured",
     }
     # Every request fits the context with max_tokens 4096 (the gateway would refuse it otherwise).
