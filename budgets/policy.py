@@ -570,15 +570,6 @@ def order_key(pol: PolicySpec, ticket: Ticket) -> float:
     return ticket.enqueued_at + min(ticket.demand.decode * pol.defer_s_per_token, pol.max_defer_s)
 
 
-def queue_head(state: PolicyState, key: tuple[str, str]) -> Ticket:
-    """The head of a non-empty (tier, tenant) queue: its first ticket, or under shortest_first its
-    ticket with the lowest ``(order_key, seq)``."""
-    order = state.ordered.get(key) if state.ordered else None
-    if order is None:
-        return state.queues[key][0]
-    return state.waiting[order[0][1]]
-
-
 def _leave_ordered(
     state: PolicyState,
     key: tuple[str, str],

@@ -12,7 +12,8 @@ Keys (``T`` = ``{tg:<prefix>}``):
 ``T:layout``               hash    ``ver`` (int, bumped on change), ``digest``, ``json`` (the
                                    whole layout, for replicas)
 ``T:spec``                 hash    what the scripts read, one HMGET per call: ``ver``, ``pw``,
-                                   ``dw``, ``backfill``, ``ttl``, ``max_scan``, ``tiers`` (tier
+                                   ``dw``, ``backfill``, ``ttl``, ``max_scan``, ``idle``, ``qo``
+                                   (queue order, max defer, defer per token), ``tiers`` (tier
                                    names in grant order), ``p:<pool>`` = ``"<capacity>|<0/1>"``
                                    (shared), ``t:<tier>`` = ``"<rank>|<ceiling>|<max_wait_s>"``,
                                    ``n:<tenant>`` = ``"<weight>|<max_queue_len>"``
@@ -34,9 +35,11 @@ Keys (``T`` = ``{tg:<prefix>}``):
 ``T:reaped``               zset    lease id -> forget-at (recently reaped: release says False)
 ``T:seq``                  string  ticket sequence counter (only grows)
 ``T:tickets``              hash    seq -> packed ticket
-``T:q:<n>:<tier>:<tenant>`` list   FIFO of ticket seqs of one (tier, tenant); n = len(tier)
-``T:heads``                hash    ``<tier> SEP <tenant>`` -> that FIFO's head as the grant pass
-                                   indexes it (age class, parked, rank, group)
+``T:q:<n>:<tier>:<tenant>`` list   ticket seqs of one (tier, tenant) in arrival order; n = len(tier)
+``T:qo:<n>:<tier>:<tenant>`` zset  shortest_first only: the same seqs by order key (policy.order_key),
+                                   member struct-packed seq (ties by seq); the lowest is the head
+``T:heads``                hash    ``<tier> SEP <tenant>`` -> that queue's head as the grant pass
+                                   indexes it (age class, parked, rank, group, rank seq)
 ``T:gy|gc|go:<n>:<tier>:<g>`` zset per tier and group ``g`` (the shared pools a demand names):
                                    young heads by rank (``gy``, members ordered bytewise) and by
                                    cost (``gc``), old heads by rank (``go``)
