@@ -1,13 +1,16 @@
-"""Redis-only facts of shortest_first (issue 13): its per-queue sorted sets leave nothing behind, and
-head records written before the rank seq existed still rank by their own seq."""
+"""Redis-only facts of shortest_first (issue 13): its per-queue sorted sets leave nothing behind, head
+records written before the rank seq existed still rank by their own seq, and the setting reaches
+other replicas without changing the digest of layouts that leave it at its defaults."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 
 from redis.asyncio import Redis
 
+from budgets.redis.keys import layout_from_json, layout_json
 from budgets.types import BudgetLayout
 from tests.budgets.redis_fixtures import RedisServer, StoreMaker, make_store, redis_server
 from tests.budgets.support import FLAT, assert_idle, demand, layout, shared, wait_queued
@@ -81,3 +84,18 @@ async def test_head_records_written_before_the_rank_seq_existed_rank_by_their_ow
         assert not any(t.done() for t in tasks[tasks.index(task) + 1 :])
         assert await store.release(lease.id)
     await assert_idle(store)
+
+
+def test_the_queue_order_travels_to_other_replicas_and_its_defaults_keep_the_older_digest() -> None:
+    fifo = layout([shared(P, 10)], ["a"], tiers=FLAT)
+    # What versions before the queue order wrote: six policy fields, nothing more.
+    assert json.loads(layout_json(fifo))["policy"] == [1.0, 2.0, 2.0, 10.0, 256, 3600.0]
+    assert layout_from_json(layout_json(fifo)) == fifo
+    ordered = dataclasses.replace(
+        fifo,
+        policy=dataclasses.replace(
+            fifo.policy, tenant_queue_order="shortest_first", max_defer_s=4.0, defer_s_per_token=0.002
+        ),
+    )
+    assert layout_from_json(layout_json(ordered)) == ordered
+    assert layout_json(ordered) != layout_json(fifo)
