@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from types import ModuleType
 
@@ -112,7 +113,12 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    return int(mod.run(args))
+    try:
+        return int(mod.run(args))
+    except BrokenPipeError:
+        # `tokengate doctor | head`: the reader left; say nothing more (and not at exit either).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def build_parser_for(argv: list[str]) -> argparse.ArgumentParser:

@@ -355,29 +355,22 @@ class Proxy:
         ctx = self.models.context_length(model)
         p = self.pricer
         try:
-            if x.kind is RouteKind.CHAT:
-                x.cost = await p.aprice_chat(
-                    body,
-                    default_max_tokens=default_max,
-                    max_tokens_limit=tenant.max_max_tokens,
-                    context_length=ctx,
-                )
-            elif x.kind is RouteKind.RESPONSES:
-                x.cost = await p.aprice_responses(
-                    body,
-                    default_max_tokens=default_max,
-                    max_tokens_limit=tenant.max_max_tokens,
-                    context_length=ctx,
-                )
-            elif x.kind is RouteKind.COMPLETION:
-                x.cost = await p.aprice_completion(
-                    body,
-                    default_max_tokens=default_max,
-                    max_tokens_limit=tenant.max_max_tokens,
-                    context_length=ctx,
-                )
-            else:
+            if x.kind is RouteKind.EMBEDDING:
                 x.cost = await p.aprice_embeddings(body, context_length=ctx)
+            else:
+                price = (
+                    p.aprice_chat
+                    if x.kind is RouteKind.CHAT
+                    else p.aprice_responses
+                    if x.kind is RouteKind.RESPONSES
+                    else p.aprice_completion
+                )
+                x.cost = await price(
+                    body,
+                    default_max_tokens=default_max,
+                    max_tokens_limit=tenant.max_max_tokens,
+                    context_length=ctx,
+                )
         except InvalidRequest as exc:
             raise ApiError(400, exc.message, param=exc.param, code=exc.code) from None
 

@@ -304,11 +304,24 @@ async def _start_ops_listener(app: Gateway, log_level: str) -> _OpsListener | No
         server_header=False,
     )
     server = uvicorn.Server(config)
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]  # the API server drains
-    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]), name="tokengate-ops-listener")
+    task = asyncio.get_running_loop().create_task(_serve_quietly(server, sock), name="tokengate-ops-listener")
     bound = sock.getsockname()
     log.info("ops listener on http://%s:%d (/metrics /stats /insights /dashboard /admin)", bound[0], bound[1])
     return _OpsListener(server, task, (bound[0], bound[1]))
+
+
+async def _serve_quietly(server: uvicorn.Server, sock: socket.socket) -> None:
+    """``Server.serve`` without its signal handlers (the API server drains) and without a second
+    "Started server process" line (the API server logs it once for the process)."""
+    config = server.config
+    if not config.loaded:
+        config.load()
+    server.lifespan = config.lifespan_class(config)
+    await server.startup(sockets=[sock])
+    if not server.should_exit:
+        await server.main_loop()
+    if server.started:
+        await server.shutdown(sockets=[sock])
 
 
 def _unchanged(config: GatewayConfig) -> GatewayConfig:

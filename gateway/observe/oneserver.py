@@ -29,7 +29,7 @@ import yaml
 
 from gateway.observe.hol import HolPair
 from gateway.observe.scrape import BackendLoads
-from gateway.observe.shape import ShapeTracker
+from gateway.observe.shape import ShapeTracker, plain
 
 CHUNK_CAP = 512  # tokens of one request's prefill per step: measured ~1.8x solo p99 on one server
 _SHORT_ROOM = 16  # the gate leaves room for a burst of this many median requests beside the largest one
@@ -119,8 +119,8 @@ class OneServerPlan:
             f"#    class {self.aggressor} in a lower tier (e.g. batch) than those of class {self.victim}",
         ]
         head += [f"# NOTE: {n}" for n in self.notes]
-        pool = {k: _plain(v) for k, v in (pools.get(self.pool) or {}).items()}
-        backends = [dict(_plain(b)) for b in pool.get("backends", [])]
+        pool = {k: plain(v) for k, v in (pools.get(self.pool) or {}).items()}
+        backends = [dict(plain(b)) for b in pool.get("backends", [])]
         for b in backends:
             if (b.get("name") or b.get("url")) == self.backend or b.get("url") == self.url:
                 b["accepts_priority"] = True
@@ -289,11 +289,3 @@ def one_server_plans(
                 )
             )
     return out
-
-
-def _plain(v: Any) -> Any:
-    if isinstance(v, Mapping):
-        return {str(k): _plain(x) for k, x in v.items()}
-    if isinstance(v, list | tuple):
-        return [_plain(x) for x in v]
-    return v

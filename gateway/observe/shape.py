@@ -210,7 +210,7 @@ def split_plan(
 
     new_rules: list[dict[str, Any]] = []
     for r in rules:
-        rd = {k: _plain(v) for k, v in r.items()}
+        rd = {k: plain(v) for k, v in r.items()}
         if rd.get("pool") != pool:
             new_rules.append(rd)
             continue
@@ -231,7 +231,7 @@ def split_plan(
         new_rules.append(long_rule)
         new_rules.append(rd)
 
-    backends = [dict(_plain(b)) for b in (pools.get(pool) or {}).get("backends", [])]
+    backends = [dict(plain(b)) for b in (pools.get(pool) or {}).get("backends", [])]
     if not any(r.get("pool") == new_pool for r in new_rules):
         # No rule names this pool (no classes at all, or its requests fall through to the model's
         # pool): without a rule of its own the new pool would get nothing.
@@ -250,8 +250,8 @@ def split_plan(
         )
     new_pools: dict[str, Any] = {}
     for name, spec in pools.items():
-        new_pools[name] = {**_plain(spec), "backends": keep} if name == pool else _plain(spec)
-    new_pools[new_pool] = {**_plain(pools.get(pool) or {}), "backends": give}
+        new_pools[name] = {**plain(spec), "backends": keep} if name == pool else plain(spec)
+    new_pools[new_pool] = {**plain(pools.get(pool) or {}), "backends": give}
     return SplitPlan(
         pool=pool,
         new_pool=new_pool,
@@ -300,10 +300,10 @@ def _fresh_name(base: str, taken: Mapping[str, Any]) -> str:
     return name
 
 
-def _plain(v: Any) -> Any:
+def plain(v: Any) -> Any:
     """Deep-copy into plain dict/list/scalars so yaml.safe_dump can write it."""
     if isinstance(v, Mapping):
-        return {str(k): _plain(x) for k, x in v.items()}
+        return {str(k): plain(x) for k, x in v.items()}
     if isinstance(v, list | tuple):
-        return [_plain(x) for x in v]
+        return [plain(x) for x in v]
     return v

@@ -51,6 +51,55 @@ async def test_oversized_headers_get_431_and_are_never_forwarded(
     await still_serves(gw)
 
 
+async def test_headers_that_keep_coming_are_refused_before_they_end(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
+) -> None:
+    stub, _ = stub_backend
+    gw = await limited(stub_backend, gateway_factory, max_header_bytes=8192, header_timeout_s=30)
+    host, port = host_port(gw.url)
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n")
+    t0 = time.monotonic()
+    # 64 KiB of headers in small writes, never finished: refused long before the header deadline.
+
+    async def keep_sending() -> None:
+        for i in range(64):
+            writer.write(f"x-h{i}: {'v' * 1000}\r\n".encode())
+            await writer.drain()
+            await asyncio.sleep(0.005)
+
+    sender = asyncio.create_task(keep_sending())
+    r = await asyncio.wait_for(read_response(reader), 5)
+    assert r is not None and r.status == 431
+    assert time.monotonic() - t0 < 10
+    await asyncio.gather(sender, return_exceptions=True)  # its writes fail once the gateway closed
+    writer.close()
+    assert stub.requests == []
+    await still_serves(gw)
+
+
+async def test_a_pipelined_request_with_oversized_headers_is_never_forwarded(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
+) -> None:
+    stub, _ = stub_backend
+    gw = await limited(stub_backend, gateway_factory, max_header_bytes=8192)
+    host, port = host_port(gw.url)
+    reader, writer = await asyncio.open_connection(host, port)
+    # Both requests in one write: the second one's headers are parsed while the first is served.
+    ok = request("POST", "/v1/chat/completions", body=CHAT, headers={"content-type": "application/json"})
+    big = request("POST", "/v1/chat/completions", body=CHAT, headers={"x-big": "a" * 9000})
+    writer.write(ok + big)
+    await writer.drain()
+    first = await asyncio.wait_for(read_response(reader), 10)
+    assert first is not None and first.status == 200
+    # The first is answered and the connection ends; the oversized one never reaches the backend.
+    rest = await asyncio.wait_for(reader.read(), 10)
+    assert b" 200 " not in rest
+    writer.close()
+    assert len(stub.requests) == 1
+    await still_serves(gw)
+
+
 async def test_headers_that_never_finish_are_cut_off(
     stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
 ) -> None:

@@ -66,6 +66,11 @@ async def test_serve_with_embedded_backend_and_sigterm(tmp_path: Path) -> None:
         said = {(x["logger"], x["message"]) for x in logs}
         assert ("uvicorn.error", "Application startup complete.") in said
         assert ("uvicorn.error", "Application shutdown complete.") in said
+        # Two listeners, one process: its start and end are said once.
+        started = [
+            x for x in logs if x["message"].startswith(("Started server process", "Finished server process"))
+        ]
+        assert len(started) == 2, started
         ready = next(x for x in logs if x["message"].startswith("tokengate is ready"))
         assert ready["api"] == f"{url}/v1" and ready["dashboard"] == f"http://127.0.0.1:{ops_port}/dashboard"
         assert (

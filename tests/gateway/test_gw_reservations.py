@@ -192,7 +192,9 @@ async def test_growth_past_the_pool_is_an_overdraft_and_new_requests_wait_until_
             c.post(
                 "/v1/chat/completions",
                 json=chat(max_tokens=3900, user="holder"),
-                headers={"x-stub-delay": "2"},
+                # Long enough that the stream below grows past the pool while it still holds, even
+                # on a loaded machine where relaying 400 chunks takes several seconds.
+                headers={"x-stub-delay": "6"},
             )
         )
         await eventually(lambda: flight_at_least(gw, 3900), timeout_s=5)
