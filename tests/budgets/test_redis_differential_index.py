@@ -56,17 +56,17 @@ acquire = st.tuples(
     st.sampled_from([0, 0, 5, 15]),
     st.sampled_from([(P,), (Q,), (P, R), (Q, R), (R,), ()]),
 )
-operation = st.one_of(
-    acquire,
-    acquire,
-    acquire,
-    acquire,
-    differential.release,
-    differential.release,
-    st.tuples(st.just("adv"), st.sampled_from([0.3, 0.8, 1.2, 4.5])),
-    differential.reap,
-    differential.cancel,
-    differential.heartbeat,
+# Weighted by sampling a kind first (st.one_of does not weigh a strategy listed twice).
+OPERATION_KINDS: dict[str, st.SearchStrategy[tuple[Any, ...]]] = {
+    "acq": acquire,
+    "rel": differential.release,
+    "adv": st.tuples(st.just("adv"), st.sampled_from([0.3, 0.8, 1.2, 4.5])),
+    "reap": differential.reap,
+    "cancel": differential.cancel,
+    "hb": differential.heartbeat,
+}
+operation = st.sampled_from(["acq"] * 4 + ["rel"] * 2 + ["adv", "reap", "cancel", "hb"]).flatmap(
+    OPERATION_KINDS.__getitem__
 )
 
 
