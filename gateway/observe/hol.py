@@ -9,9 +9,11 @@ per-window p99 TTFT is correlated (Pearson) over the last N windows with an aggr
 
 The pair's score is the in-flight correlation (the aggressor's load is the cause; its p99 is
 only a symptom, measured on fewer windows and noisier), or the p99 one when the in-flight
-series is flat. It is 0 unless the victim's p99 really moved (its largest window p99 at least
-``min_swing`` times its smallest): a steady class's jitter can correlate with anything over a
-dozen windows, and it is not being blocked. Aggressors are only classes whose requests are on
+series is flat. It is 0 unless the victim's p99 really moved: its largest window p99 at least
+``min_swing`` times its smallest *and* at least ``min_swing_s`` seconds above it. A steady class's
+jitter can correlate with anything over a dozen windows, and it is not being blocked; the ratio
+alone is not enough, because a 15 ms p99 doubles on one scheduling hiccup (a 2x swing of 20 ms
+is noise on any real engine, where a long prefill stalls decodes for hundreds of milliseconds). Aggressors are only classes whose requests are on
 average larger than the victim's: a short class cannot head-of-line block a long one.
 Windows in which the victim completed nothing carry no p99 and are skipped.
 """
@@ -54,12 +56,14 @@ class HolPair:
     victim_p99_ttft_s: float | None  # in the latest window
     aggressor_p99_ttft_s: float | None
     aggressor_inflight_tokens: float  # latest window, time-weighted average
-    swing: float | None = None  # victim's max / median window p99 over the windows used
+    swing: float | None = None  # victim's max / min window p99 over the windows used
     min_swing: float = 0.0
+    swing_s: float = 0.0  # victim's max - min window p99 over the windows used
+    min_swing_s: float = 0.0
 
     @property
     def score(self) -> float:
-        if self.swing is None or self.swing < self.min_swing:
+        if self.swing is None or self.swing < self.min_swing or self.swing_s < self.min_swing_s:
             return 0.0
         r = self.r_inflight if self.r_inflight is not None else self.r_p99
         return 0.0 if r is None else r
@@ -73,6 +77,7 @@ class HolPair:
             "r_inflight": None if self.r_inflight is None else round(self.r_inflight, 4),
             "windows": self.windows,
             "swing": None if self.swing is None else round(self.swing, 2),
+            "swing_s": round(self.swing_s, 4),
             "victim_p99_ttft_s": self.victim_p99_ttft_s,
             "aggressor_p99_ttft_s": self.aggressor_p99_ttft_s,
             "aggressor_inflight_tokens": round(self.aggressor_inflight_tokens, 1),
@@ -85,11 +90,16 @@ def _mean_cost(ws: Sequence[ClassWindow]) -> float | None:
 
 
 def hol_pairs(
-    windows: ClassWindows, lookback: int = 12, min_windows: int = 6, min_swing: float = 2.0
+    windows: ClassWindows,
+    lookback: int = 12,
+    min_windows: int = 6,
+    min_swing: float = 2.0,
+    min_swing_s: float = 0.0,
 ) -> list[HolPair]:
     """Every (victim, aggressor) pair with a larger-cost aggressor, correlated over the last
     ``lookback`` windows; pairs with fewer than ``min_windows`` usable windows, or whose victim's
-    p99 never swung by ``min_swing`` x (max / min window p99), score 0."""
+    p99 never swung by ``min_swing`` x and ``min_swing_s`` seconds (max vs min window p99),
+    score 0."""
     recent = {k: windows.history(k)[-lookback:] for k in windows.classes()}
     cost = {k: _mean_cost(ws) for k, ws in recent.items()}
     out: list[HolPair] = []
@@ -118,6 +128,7 @@ def hol_pairs(
                     xs_p99.append(vw.ttft.p99)
                     ys_p99.append(aw.ttft.p99)
             swing = max(xs) / min(xs) if xs and min(xs) > 0 else None
+            swing_s = max(xs) - min(xs) if xs else 0.0
             r_in = pearson(xs, ys_in) if len(xs) >= min_windows else None
             r_p = pearson(xs_p99, ys_p99) if len(xs_p99) >= min_windows else None
             last_v = vws[-1] if vws else None
@@ -134,6 +145,8 @@ def hol_pairs(
                     aggressor_inflight_tokens=last_a.inflight_tokens_avg if last_a else 0.0,
                     swing=swing,
                     min_swing=min_swing,
+                    swing_s=swing_s,
+                    min_swing_s=min_swing_s,
                 )
             )
     out.sort(key=lambda p: p.score, reverse=True)

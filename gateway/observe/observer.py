@@ -138,7 +138,7 @@ class Observer:
             return
         self._seen_closed = self.windows.windows_closed
         h = self.settings.hol
-        self._pairs = hol_pairs(self.windows, h.lookback_windows, h.min_windows, h.min_swing)
+        self._pairs = hol_pairs(self.windows, h.lookback_windows, h.min_windows, h.min_swing, h.min_swing_s)
         self._readings = self.shape.readings()
 
     def hol(self) -> list[HolPair]:

@@ -7,7 +7,7 @@ Every key is optional. The gateway's config loader hands the raw mapping to
     observability:
       window_s: 10            # one rolling window
       windows: 30             # windows kept (history shown by /stats and the dashboard)
-      hol: {lookback_windows: 12, min_windows: 6, threshold: 0.7, min_swing: 2}
+      hol: {lookback_windows: 12, min_windows: 6, threshold: 0.7, min_swing: 2, min_swing_s: 0.05}
       shape: {window_requests: 2000, split_at: 10, two_services_at: 50, min_requests: 50}
       scrape: {interval_s: 5, timeout_s: 2, stale_after_s: 15, kv_threshold: 0.95, kv_soft: 0.8,
                thrash_preemptions_per_s: 1.0}
@@ -21,7 +21,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.fields import ConfigError, integer, mapping, opt_positive_number, positive_number, section
+from gateway.fields import (
+    ConfigError,
+    integer,
+    mapping,
+    number,
+    opt_positive_number,
+    positive_number,
+    section,
+)
 
 # Kept as a name for callers; errors are the config toolkit's, naming the field by its path.
 ObserveConfigError = ConfigError
@@ -36,6 +44,9 @@ class HolSettings:
     # The victim's largest window p99 must be at least this many times its smallest one: a class
     # whose p99 only jitters is not being blocked, whatever its jitter happens to correlate with.
     min_swing: float = 2.0
+    # ... and at least this many seconds above it: 15 ms -> 30 ms is a 2x swing and still noise.
+    # A long prefill that blocks a short class stalls it for hundreds of milliseconds.
+    min_swing_s: float = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,13 +89,16 @@ class ObserveSettings:
             return cls()
         d = section(raw, where, ("window_s", "windows", "hol", "shape", "scrape", "slos"))
         w = f"{where}.hol"
-        h = section(d.get("hol"), w, ("lookback_windows", "min_windows", "threshold", "min_swing"))
+        h = section(
+            d.get("hol"), w, ("lookback_windows", "min_windows", "threshold", "min_swing", "min_swing_s")
+        )
         hd = HolSettings()
         hol = HolSettings(
             lookback_windows=integer(h, "lookback_windows", w, hd.lookback_windows, minimum=2),
             min_windows=integer(h, "min_windows", w, hd.min_windows, minimum=2),
             threshold=positive_number(h, "threshold", w, hd.threshold, maximum=1.0),
             min_swing=positive_number(h, "min_swing", w, hd.min_swing),
+            min_swing_s=number(h, "min_swing_s", w, hd.min_swing_s, minimum=0.0),
         )
         if hol.min_windows > hol.lookback_windows:
             raise ConfigError(

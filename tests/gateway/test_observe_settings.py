@@ -39,6 +39,10 @@ def test_values() -> None:
         ),
         ({"hol": {"threshold": 2}}, "observability.hol.threshold: expected a number in (0, 1], got 2"),
         ({"hol": {"min_windows": 20}}, "observability.hol.min_windows: must be <= lookback_windows (12)"),
+        (
+            {"hol": {"min_swing_s": -0.1}},
+            "observability.hol.min_swing_s: expected a non-negative number, got -0.1",
+        ),
         ({"shape": {"split_at": 60}}, "observability.shape.two_services_at: must be >= split_at (60)"),
         ({"slos": {"short": {"ttft_p99": 1}}}, "observability.slos.short.ttft_p99: unknown key"),
         ({"slos": []}, "observability.slos: expected a mapping, got a list"),
