@@ -105,3 +105,7 @@ class Exchange:
         if not self.done and self.cancel_reason is None:
             self.cancel_reason = reason
             self.task.cancel()
+
+    def disconnected(self) -> None:
+        """The client hung up (called by the server's signal or the disconnect watcher)."""
+        self.cancel(CancelReason.DISCONNECT)

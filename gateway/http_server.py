@@ -14,6 +14,10 @@ same protocol with three limits added, each answered in OpenAI's error shape and
 The request body's own deadline (``body_timeout_s``) is enforced where the body is read
 (``gateway.proxy.read_body``), because only the app knows when it wants the body.
 
+Each request also gets its ``RequestSignals`` (``gateway.signals``) in ``scope["extensions"]``:
+whether its body is complete, and a callback for a lost connection, so the app needs neither a
+body timer for a body that came with the headers nor a task per request to watch for a hang-up.
+
 This subclasses uvicorn's ``HttpToolsProtocol`` and relies on its parser callbacks
 (``on_url``, ``on_header``, ``on_headers_complete``, ``on_message_begin``); the tests in
 ``tests/adversarial/test_slow_clients.py`` pin that behaviour over real sockets.
@@ -22,6 +26,7 @@ This subclasses uvicorn's ``HttpToolsProtocol`` and relies on its parser callbac
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -29,6 +34,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError
+from gateway.signals import SIGNALS, RequestSignals
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +69,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._in_headers = False
         self._header_timer: asyncio.TimerHandle | None = None
         self._refused = False
+        # One per request parsed and not yet answered, oldest first (more than one only when a
+        # client pipelines): a lost connection is every one of them's hang-up.
+        self._signals: deque[RequestSignals] = deque()
 
     # ---- connection ----
 
@@ -83,6 +92,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
         super().connection_lost(exc)
+        # uvicorn tells only its latest cycle; a request still running ahead of a pipelined one
+        # would otherwise go on upstream for a client that is gone.
+        while self._signals:
+            self._signals.popleft().disconnected()
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -103,6 +116,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        signals = RequestSignals()
+        self._signals.append(signals)
+        self.scope["extensions"] = {SIGNALS: signals}  # type: ignore[dict-item]
         self._raw_bytes = 0
         self._in_headers = True
         if self._header_timer is None:
@@ -129,6 +145,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         if not self._refused:
             super().on_message_complete()
+            if self._signals:  # empty when the answer went out before the body was all read
+                self._signals[-1].body_complete = True
+
+    def on_response_complete(self) -> None:
+        if self._signals:  # HTTP/1.1 answers in order: the oldest request is the one answered
+            self._signals.popleft()
+        super().on_response_complete()
 
     # ---- limits ----
 

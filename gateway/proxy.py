@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from time import perf_counter
@@ -34,6 +35,7 @@ from gateway.passthrough import PassthroughRoute
 from gateway.relay import UPSTREAM_ERRORS, Grow, relay_raw, relay_sse, relay_whole, upstream_failed
 from gateway.requestid import from_client, new_id
 from gateway.reservations import with_decode
+from gateway.signals import RequestSignals, request_signals
 from gateway.sse import usage_counts
 from gateway.upstream.client import REQUEST_DROP, classify_error
 from gateway.upstream.pools import Backend, NoBackend
@@ -69,16 +71,24 @@ async def _watch_disconnect(x: Exchange) -> None:
     while True:
         message = await x.receive()
         if message["type"] == "http.disconnect":
-            x.cancel(CancelReason.DISCONNECT)
+            x.disconnected()
             return
 
 
-async def read_body(receive: Receive, content_length: int, limit: int, deadlines: BodyDeadlines) -> bytes:
+async def read_body(
+    receive: Receive,
+    content_length: int,
+    limit: int,
+    deadlines: BodyDeadlines,
+    signals: RequestSignals | None = None,
+) -> bytes:
     """The whole request body, refusing (413) as soon as it is known to exceed ``limit``.
 
     A body must arrive within ``deadlines.total_s`` of the headers, with no gap between two of its
     chunks longer than ``deadlines.idle_s`` (408 otherwise): a client dripping its body, or one whose
     ``Content-Length`` promises more than it sends, holds a connection for seconds, not for ever.
+    When the server's ``signals`` say the body is already complete (it came with the headers, as
+    almost every API request's does), it is taken without arming that deadline.
     """
     if content_length > limit:
         raise ApiError(
@@ -86,12 +96,23 @@ async def read_body(receive: Receive, content_length: int, limit: int, deadlines
             f"Request body is {content_length} bytes, above the limit of {limit} bytes (limits.max_body_bytes)",
             code="request_too_large",
         )
+    first: MutableMapping[str, Any] | None = None
+    if signals is not None and signals.body_complete:
+        # Buffered whole by the server: receive() returns it at once, in one message.
+        first = await receive()
+        if first["type"] == "http.disconnect":
+            raise ClientGone
+        if not first.get("more_body", False):
+            whole: bytes = first.get("body", b"")
+            if len(whole) > limit:
+                raise _too_large(limit)
+            return whole
     loop = asyncio.get_running_loop()
     start = loop.time()
     final = start + deadlines.total_s
     try:
         async with asyncio.timeout(min(final, start + deadlines.idle_s)) as deadline:
-            message = await receive()
+            message = first if first is not None else await receive()
             if message["type"] == "http.disconnect":
                 raise ClientGone
             body: bytes = message.get("body", b"")
@@ -236,8 +257,15 @@ class Proxy:
             )
         self.authenticate(x)
         self._refuse_if_draining()
-        await self.read(x)
-        watcher = asyncio.create_task(_watch_disconnect(x))
+        signals = request_signals(x.scope)
+        await self.read(x, signals)
+        # A hang-up from here on cancels the request (and with it the upstream call): told by the
+        # gateway's own HTTP server, else seen by a task waiting on receive().
+        watcher = None
+        if signals is not None:
+            signals.on_disconnect = x.disconnected
+        else:
+            watcher = asyncio.create_task(_watch_disconnect(x))
         try:
             await self.price(x)
             self.classify(x)
@@ -248,7 +276,10 @@ class Proxy:
                 await self.release(x)
         finally:
             x.done = True
-            watcher.cancel()
+            if signals is not None:
+                signals.on_disconnect = None
+            if watcher is not None:
+                watcher.cancel()
 
     # ---- 1. authenticate ----
 
@@ -307,8 +338,8 @@ class Proxy:
 
     # ---- 2. read ----
 
-    async def read(self, x: Exchange) -> None:
-        x.raw = await read_body(x.receive, x.content_length, self.max_body, self.body_deadlines)
+    async def read(self, x: Exchange, signals: RequestSignals | None = None) -> None:
+        x.raw = await read_body(x.receive, x.content_length, self.max_body, self.body_deadlines, signals)
 
     # ---- 3. price ----
 

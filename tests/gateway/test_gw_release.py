@@ -7,9 +7,10 @@ import random
 import time
 
 import httpx
+import orjson
 import pytest
 
-from tests.conftest import GatewayFactory, RunningGateway, StubBackend, free_port, stub_pools
+from tests.conftest import GatewayFactory, RunningGateway, StubBackend, free_port, serve_asgi, stub_pools
 from tests.gateway.gw_support import RawRequest, chat
 from tests.support import eventually
 
@@ -100,6 +101,68 @@ async def test_disconnect_while_queued_withdraws_the_ticket(
     assert not any(r.headers.get("x-t") == "queued" for r in stub.requests)  # never reached the backend
     await holder.close()
     assert await gw.wait_idle() == {"tenant:t": 0, "backend:default": 0}
+
+
+async def test_a_hang_up_with_a_pipelined_request_behind_cancels_the_one_running(
+    gateway: RunningGateway, stub_backend: tuple[StubBackend, str]
+) -> None:
+    # uvicorn tells only its newest request (the pipelined one, not started) that the client is
+    # gone; the gateway's protocol tells every request it has parsed and not answered.
+    stub, _ = stub_backend
+    host, port = gateway.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    for tag, delay in (("first", "5"), ("second", "0")):
+        body = orjson.dumps(chat())
+        writer.write(
+            (
+                f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nx-stub-delay: {delay}\r\nx-t: {tag}\r\n\r\n"
+            ).encode()
+            + body
+        )
+    await writer.drain()
+    await eventually(lambda: any(r.headers.get("x-t") == "first" for r in stub.requests))
+    assert await holds_tokens(gateway, "backend:default")
+    closed_at = time.monotonic()
+    writer.close()
+    await writer.wait_closed()
+    upstream = stub.by_header("x-t", "first")
+    await eventually(lambda: upstream.cancelled_at is not None)
+    assert upstream.cancelled_at is not None and upstream.cancelled_at - closed_at < 0.1
+    assert await gateway.wait_idle() == ZERO
+    assert not any(r.headers.get("x-t") == "second" for r in stub.requests)
+    del reader
+
+
+async def test_a_hang_up_cancels_the_request_under_a_plain_asgi_server_too(
+    stub_backend: tuple[StubBackend, str],
+) -> None:
+    # Without the gateway's protocol there are no request signals: a task per request watches
+    # receive() for the disconnect instead.
+    from gateway.app import build_app
+    from gateway.config_loader import parse_config
+
+    stub, url = stub_backend
+    app = build_app(parse_config({"pools": stub_pools(url)}))
+    served = await serve_asgi(app, http="httptools")
+    try:
+        req = await RawRequest.post(
+            served.url, "/v1/chat/completions", chat(), {"x-stub-delay": "5", "x-t": "plain"}
+        )
+        await eventually(lambda: any(r.headers.get("x-t") == "plain" for r in stub.requests))
+        closed_at = time.monotonic()
+        await req.close()
+        upstream = stub.by_header("x-t", "plain")
+        await eventually(lambda: upstream.cancelled_at is not None)
+        assert upstream.cancelled_at is not None and upstream.cancelled_at - closed_at < 0.1
+
+        async def idle() -> bool:
+            snap = await app.store.snapshot()
+            return not any(p.in_flight for p in snap.pools.values())
+
+        await eventually(idle)
+    finally:
+        await served.stop()
 
 
 async def test_upstream_5xx_is_502_and_released(gateway: RunningGateway) -> None:

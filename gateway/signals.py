@@ -1,0 +1,47 @@
+"""What the gateway's HTTP server tells the app about one request without a ``receive()`` call.
+
+ASGI only offers ``receive()``: an app learns that its body is complete by reading it, and that its
+client hung up by having a task wait on ``receive()`` for ``http.disconnect``. Both cost every
+request a timer (the body deadline is armed even when the body came with the headers) and a task
+(the disconnect watcher, woken and cancelled once per request). The gateway's own protocol
+(``gateway.http_server``) knows both facts as they happen, so it puts a ``RequestSignals`` into
+the request's ``scope["extensions"]`` under ``SIGNALS``:
+
+* ``body_complete``: the whole body has been parsed (set before the app runs for a body that
+  arrived with its headers), so the first ``receive()`` returns it without waiting;
+* ``on_disconnect``: the app sets a callback; the protocol calls it once when the connection is
+  lost.
+
+Under any other ASGI server the key is absent and the app falls back to the timer and the task.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+SIGNALS = "tokengate.request_signals"
+
+_NO_EXTENSIONS: Mapping[str, Any] = {}
+
+
+class RequestSignals:
+    """One request's signals; written by the protocol, read (and ``on_disconnect`` set) by the app."""
+
+    __slots__ = ("body_complete", "on_disconnect")
+
+    def __init__(self) -> None:
+        self.body_complete = False
+        self.on_disconnect: Callable[[], None] | None = None
+
+    def disconnected(self) -> None:
+        """Called by the protocol when the connection is lost; runs the app's callback at most once."""
+        callback, self.on_disconnect = self.on_disconnect, None
+        if callback is not None:
+            callback()
+
+
+def request_signals(scope: Mapping[str, Any]) -> RequestSignals | None:
+    """The request's signals, or None when the server is not the gateway's own."""
+    found = (scope.get("extensions") or _NO_EXTENSIONS).get(SIGNALS)
+    return found if isinstance(found, RequestSignals) else None
