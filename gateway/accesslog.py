@@ -66,7 +66,11 @@ class Record:
         fields = self.fields(end)
         line = _text_line(fields) if _text else dumps(fields)
         try:
-            access_log.info(line)
+            handler = _sole_line_handler()
+            if handler is not None:
+                handler.write_line(line)  # what logging would do, without a LogRecord per request
+            else:
+                access_log.info(line)
         except Exception:  # a broken handler must not fail the request's bookkeeping
             logging.getLogger("tokengate").exception("writing the access log failed")
 
@@ -113,6 +117,19 @@ def _text_line(fields: dict[str, object]) -> str:
     )
 
 
+def _sole_line_handler() -> LineHandler | None:
+    """The access logger's own handler when it is the only place a line can go (as ``tokengate
+    serve`` sets it up): then the line is written directly. Anything else (a filter, another or a
+    propagating handler, as in tests with ``caplog``) gets the record through ``logging``."""
+    handlers = access_log.handlers
+    if len(handlers) != 1 or access_log.propagate or access_log.filters:
+        return None
+    h = handlers[0]
+    if type(h) is not LineHandler or h.filters or h.level > logging.INFO:
+        return None
+    return h
+
+
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000.0, 2)
 
@@ -140,6 +157,11 @@ class LineHandler(logging.Handler):
             self.stream.write(record.getMessage() + "\n")
         except Exception:
             self.handleError(record)
+
+    def write_line(self, line: str) -> None:
+        """``emit`` for a line that needs no record: under the handler's lock, as ``handle`` takes it."""
+        with self.lock if self.lock is not None else _NoLock():
+            self.stream.write(line + "\n")
 
     def flush(self) -> None:
         with self.lock if self.lock is not None else _NoLock():

@@ -220,3 +220,53 @@ def test_setup_logging_sends_uvicorns_lines_and_ours_through_one_json_formatter(
         ("uvicorn.error", "info", "Application startup complete."),
         ("tokengate", "warning", "backend b1 marked unhealthy"),
     ]
+
+
+def test_the_access_line_goes_straight_to_its_own_handler_when_nothing_else_could_see_it(
+    fresh_logging: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gateway.serve import setup_logging
+
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    setup_logging("info", True, "json")  # as `tokengate serve --access-log` runs
+    made: list[logging.LogRecord] = []
+    real_make = logging.Logger.makeRecord
+
+    def counting(self: logging.Logger, *a: Any, **k: Any) -> logging.LogRecord:
+        record = real_make(self, *a, **k)
+        made.append(record)
+        return record
+
+    monkeypatch.setattr(logging.Logger, "makeRecord", counting)
+    Record("POST", "/v1/chat/completions", start=0.0, request_id="tg-1-2", status=200).emit(0.25)
+    logging.getLogger("tokengate.access").handlers[0].flush()
+    [line] = out.getvalue().splitlines()
+    assert orjson.loads(line)["request_id"] == "tg-1-2"
+    assert made == []  # written by the handler itself: no LogRecord per request
+
+
+def test_a_filter_on_the_access_logger_still_sees_every_line(
+    fresh_logging: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gateway.serve import setup_logging
+
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    setup_logging("info", True, "json")
+    access = logging.getLogger("tokengate.access")
+    seen: list[str] = []
+
+    def keep_errors_only(record: logging.LogRecord) -> bool:
+        seen.append(record.getMessage())
+        return '"status":200' not in record.getMessage()
+
+    access.addFilter(keep_errors_only)
+    try:
+        Record("POST", "/v1/chat/completions", start=0.0, request_id="ok", status=200).emit(0.1)
+        Record("POST", "/v1/chat/completions", start=0.0, request_id="bad", status=429).emit(0.1)
+    finally:
+        access.removeFilter(keep_errors_only)
+    access.handlers[0].flush()
+    assert len(seen) == 2
+    assert [orjson.loads(x)["request_id"] for x in out.getvalue().splitlines()] == ["bad"]
