@@ -183,6 +183,7 @@ class Gateway:
                 overdrafts=self.metrics.overdrafts,
                 overdraft_tokens=self.metrics.overdraft_tokens,
                 extensions=self.metrics.extensions,
+                flush=self.metrics.flush,
                 used_tokens=self._used_tokens,
                 # Through self: a reconfiguration replaces the Reservations object.
                 learned=lambda: self.reservations.learned(),

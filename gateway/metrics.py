@@ -4,10 +4,17 @@ Observing sits on the hot path, so label children are bound once per (class, ten
 cached; per-pool and per-tier gauges are filled from a store snapshot at scrape time only.
 Tenant label cardinality is bounded: the first ``top_tenants`` configured tenants keep their
 name, every other tenant is ``other``. Time histograms carry class and tier, not tenant.
+
+The per-request children are buffered (``BufferedCounter``, ``BufferedHistogram``): an observation
+is a list index and an add (~0.2 us, against ~1 us for prometheus_client's locked child, eight to
+eleven of them per request), and the sums are handed to the prometheus_client children when the
+registry is collected. Everything runs on the event loop, scrapes included, so nothing is lost
+between the two.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -84,25 +91,112 @@ class PrefillGateCollector(Collector):
         yield from (tokens, limit, inside, waiting, held, waited)
 
 
+class BufferedCounter:
+    """A counter child's increments as a plain number until the registry is collected."""
+
+    __slots__ = ("_child", "_pending")
+
+    def __init__(self, child: Counter) -> None:
+        self._child = child
+        self._pending = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self._pending += amount
+
+    def flush(self) -> None:
+        if self._pending:
+            self._child.inc(self._pending)
+            self._pending = 0.0
+
+
+class BufferedHistogram:
+    """A histogram child's observations as bucket counts and a sum until the registry is collected."""
+
+    __slots__ = ("_bounds", "_child", "_counts", "_last", "_n", "_sum")
+
+    def __init__(self, child: Histogram) -> None:
+        self._child = child
+        self._bounds: tuple[float, ...] = tuple(child._upper_bounds)  # ends with +Inf
+        self._last = len(self._bounds) - 1
+        self._counts = [0] * len(self._bounds)
+        self._sum = 0.0
+        self._n = 0
+
+    def observe(self, amount: float) -> None:
+        # The first bucket whose upper bound is >= amount, as prometheus_client's `le` (NaN: +Inf).
+        self._counts[min(bisect_left(self._bounds, amount), self._last)] += 1
+        self._sum += amount
+        self._n += 1
+
+    def flush(self) -> None:
+        if not self._n:
+            return
+        buckets = self._child._buckets
+        counts = self._counts
+        for i, c in enumerate(counts):
+            if c:
+                buckets[i].inc(c)
+                counts[i] = 0
+        self._child._sum.inc(self._sum)
+        self._sum = 0.0
+        self._n = 0
+
+
 @dataclass(slots=True)
 class Bound:
     """Pre-bound label children for one (class, tenant, tier)."""
 
-    outcomes: dict[str, Counter]
-    queue_wait: Histogram
-    ttft: Histogram
-    backend: Histogram
-    e2e: Histogram
-    prompt_ratio: Histogram
-    output_ratio: Histogram
-    prompt_est: Counter
-    prompt_act: Counter
-    output_est: Counter
-    output_act: Counter
-    reservation_ratio: Histogram
-    overdrafts: Counter
-    overdraft_tokens: Counter
-    extensions: Counter
+    outcomes: dict[str, BufferedCounter]
+    queue_wait: BufferedHistogram
+    ttft: BufferedHistogram
+    backend: BufferedHistogram
+    e2e: BufferedHistogram
+    prompt_ratio: BufferedHistogram
+    output_ratio: BufferedHistogram
+    prompt_est: BufferedCounter
+    prompt_act: BufferedCounter
+    output_est: BufferedCounter
+    output_act: BufferedCounter
+    reservation_ratio: BufferedHistogram
+    overdrafts: BufferedCounter
+    overdraft_tokens: BufferedCounter
+    extensions: BufferedCounter
+
+    def flush(self) -> None:
+        for c in self.outcomes.values():
+            c.flush()
+        for m in (
+            self.queue_wait,
+            self.ttft,
+            self.backend,
+            self.e2e,
+            self.prompt_ratio,
+            self.output_ratio,
+            self.prompt_est,
+            self.prompt_act,
+            self.output_est,
+            self.output_act,
+            self.reservation_ratio,
+            self.overdrafts,
+            self.overdraft_tokens,
+            self.extensions,
+        ):
+            m.flush()
+
+
+class _FlushBuffered(Collector):
+    """Registered first, so every collection hands the buffered children's sums over before the
+    prometheus_client metrics are read."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> Sequence[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        self._metrics.flush()
+        return iter(())
 
 
 class GatewayMetrics:
@@ -112,6 +206,7 @@ class GatewayMetrics:
         self._named_tenants = frozenset(list(tenants)[:top_tenants])
         self._bound: dict[tuple[str, str, str], Bound] = {}
         r = self.registry
+        r.register(_FlushBuffered(self))
         self.requests = Counter(
             "tokengate_requests",
             "Requests by class, tenant, tier and outcome",
@@ -228,6 +323,7 @@ class GatewayMetrics:
         named = frozenset(list(tenants)[: self._top])
         if named != self._named_tenants:
             self._named_tenants = named
+            self.flush()
             self._bound.clear()  # children bound under the old naming
 
     def tenant_label(self, tenant: str) -> str:
@@ -241,23 +337,29 @@ class GatewayMetrics:
             self._bound[key] = b
         return b
 
+    def flush(self) -> None:
+        """Hand every buffered observation to its prometheus_client child (collection does this)."""
+        for b in self._bound.values():
+            b.flush()
+
     def _make(self, klass: str, tenant: str, tier: str) -> Bound:
+        c, h = BufferedCounter, BufferedHistogram
         return Bound(
-            outcomes={o: self.requests.labels(klass, tenant, tier, o) for o in OUTCOMES},
-            queue_wait=self.queue_wait.labels(klass, tier),
-            ttft=self.ttft.labels(klass, tier),
-            backend=self.backend_time.labels(klass, tier),
-            e2e=self.e2e.labels(klass, tier),
-            prompt_ratio=self.estimate_ratio.labels(klass, "prompt"),
-            output_ratio=self.estimate_ratio.labels(klass, "output"),
-            prompt_est=self.tokens_estimated.labels(klass, "prompt"),
-            prompt_act=self.tokens_actual.labels(klass, "prompt"),
-            output_est=self.tokens_estimated.labels(klass, "output"),
-            output_act=self.tokens_actual.labels(klass, "output"),
-            reservation_ratio=self.reservation_ratio.labels(klass, tenant),
-            overdrafts=self.overdrafts.labels(klass, tenant),
-            overdraft_tokens=self.overdraft_tokens.labels(klass, tenant),
-            extensions=self.extensions.labels(klass),
+            outcomes={o: c(self.requests.labels(klass, tenant, tier, o)) for o in OUTCOMES},
+            queue_wait=h(self.queue_wait.labels(klass, tier)),
+            ttft=h(self.ttft.labels(klass, tier)),
+            backend=h(self.backend_time.labels(klass, tier)),
+            e2e=h(self.e2e.labels(klass, tier)),
+            prompt_ratio=h(self.estimate_ratio.labels(klass, "prompt")),
+            output_ratio=h(self.estimate_ratio.labels(klass, "output")),
+            prompt_est=c(self.tokens_estimated.labels(klass, "prompt")),
+            prompt_act=c(self.tokens_actual.labels(klass, "prompt")),
+            output_est=c(self.tokens_estimated.labels(klass, "output")),
+            output_act=c(self.tokens_actual.labels(klass, "output")),
+            reservation_ratio=h(self.reservation_ratio.labels(klass, tenant)),
+            overdrafts=c(self.overdrafts.labels(klass, tenant)),
+            overdraft_tokens=c(self.overdraft_tokens.labels(klass, tenant)),
+            extensions=c(self.extensions.labels(klass)),
         )
 
     @staticmethod

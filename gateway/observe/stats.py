@@ -95,6 +95,8 @@ class ReservationSources:
     used_tokens: Callable[[], Mapping[str, int]]  # per backend pool: prompt + output in flight now
     learned: Callable[[], Sequence[Mapping[str, object]]]  # the learned estimates (Reservations.learned)
     tight_pools: Callable[[], Sequence[str]]  # pools reserving limits again (KV feedback)
+    # Hands the gateway's buffered per-request observations to the metrics above (GatewayMetrics.flush).
+    flush: Callable[[], None] = lambda: None
 
 
 @dataclass(slots=True)
@@ -293,6 +295,7 @@ def _reservations(res: ReservationSources | None, snap: StoreSnapshot | None) ->
     backend pool the share of capacity reservations hold beside what requests really occupy."""
     if res is None:
         return None
+    res.flush()
     used = res.used_tokens()
     tight = set(res.tight_pools())
     pools: list[dict[str, Any]] = []
