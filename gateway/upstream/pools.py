@@ -208,6 +208,10 @@ class BackendPool:
         With a load signal, free tokens are scaled by ``1 - penalty()`` and saturated backends are
         used only when no other one serves the model.
         """
+        if len(self.backends) == 1:  # the common pool of one: nothing to rank
+            b = self.backends[0]
+            ok = b.available and (model is None or b.serves(model)) and b not in exclude
+            return b if ok else None
         best: Backend | None = None
         best_key = (False, 0.0)
         for b in self.backends:
