@@ -45,6 +45,12 @@ class _Live:
     n: int  # grant order: expired leases are reaped in this order
 
 
+def _expire(fut: asyncio.Future[Lease | None]) -> None:
+    """A waiting ticket's deadline: its waiter wakes with None (a grant may have come first)."""
+    if not fut.done():
+        fut.set_result(None)
+
+
 class MemoryStore:
     """BudgetStore for one process. ``start()`` runs the lease reaper until ``close()``.
 
@@ -72,7 +78,7 @@ class MemoryStore:
         # skipped, so a reap looks only at leases that may have expired, not at every lease.
         self._expiry: list[tuple[float, str]] = []
         self._grants = itertools.count()
-        self._waiters: dict[int, asyncio.Future[Lease]] = {}
+        self._waiters: dict[int, asyncio.Future[Lease | None]] = {}  # None: its deadline passed
         self._rates: dict[str, ReleaseRate] = {}
         self._reap_interval_s = reap_interval_s
         self._reaper = BackgroundTask("budget-reaper", self._reap_forever, _log)
@@ -178,16 +184,23 @@ class MemoryStore:
             )
         wait_s = min(max_wait_s, state.layout.tiers[demand.tier].max_queue_wait_s)
         if wait_s > 0:
-            fut: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            fut: asyncio.Future[Lease | None] = loop.create_future()
             self._waiters[ticket.seq] = fut
+            # The future itself is awaited (asyncio.wait would add a waiter future, callbacks and a
+            # loop hop per grant); the deadline resolves it with None, after which no grant is
+            # handed to it (a grant racing the deadline finds it done and is given back).
+            timer = loop.call_later(wait_s, _expire, fut)
             try:
-                await asyncio.wait((fut,), timeout=wait_s)
+                lease = await fut
             except asyncio.CancelledError:
+                timer.cancel()
                 self._abandon(ticket.seq, fut)
                 raise
-            if fut.done():
-                return fut.result()
-            del self._waiters[ticket.seq]
+            timer.cancel()
+            if lease is not None:
+                return lease
+            self._waiters.pop(ticket.seq, None)
         now = self._clock()
         self._withdraw(ticket.seq, now)
         raise QueueTimeout(
@@ -318,16 +331,17 @@ class MemoryStore:
         if policy.withdraw(self._state, seq, now) is not None:
             self._grant(now)
 
-    def _abandon(self, seq: int, fut: asyncio.Future[Lease]) -> None:
+    def _abandon(self, seq: int, fut: asyncio.Future[Lease | None]) -> None:
         """The waiter was cancelled: withdraw its ticket, or give back a grant that raced it."""
         self._waiters.pop(seq, None)
         now = self._clock()
-        if fut.done():
-            if fut.cancelled():
-                return
+        if fut.done() and not fut.cancelled():  # (cancelled: by the task's cancel, while waiting)
             outcome: Lease | BaseException | None = fut.exception()
             if outcome is None:
                 outcome = fut.result()
+                if outcome is None:  # its deadline had passed: the ticket is still queued
+                    self._withdraw(seq, now)
+                    return
                 self._drop_lease(outcome.id, now, 0)  # never reached its caller: nothing served
                 self._grant(now)
             if self._on_unclaimed is not None:
