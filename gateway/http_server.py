@@ -118,7 +118,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_begin()
         signals = RequestSignals()
         self._signals.append(signals)
-        self.scope["extensions"] = {SIGNALS: signals}  # type: ignore[dict-item]
+        ext = self.scope.get("extensions")  # (none from uvicorn today; kept if it ever adds some)
+        self.scope["extensions"] = {**ext, SIGNALS: signals} if ext else {SIGNALS: signals}  # type: ignore[dict-item]
         self._raw_bytes = 0
         self._in_headers = True
         if self._header_timer is None:
