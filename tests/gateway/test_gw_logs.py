@@ -7,7 +7,7 @@ import io
 import logging
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -222,14 +222,25 @@ def test_setup_logging_sends_uvicorns_lines_and_ours_through_one_json_formatter(
     ]
 
 
-def test_the_access_line_goes_straight_to_its_own_handler_when_nothing_else_could_see_it(
-    fresh_logging: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def served_logging(fresh_logging: None, monkeypatch: pytest.MonkeyPatch) -> Callable[[], io.StringIO]:
+    """Sets logging up as `tokengate serve --access-log` does, stdout (the access lines) captured.
+    Called inside the test: pytest's own capture handlers differ between setup and call."""
     from gateway.serve import setup_logging
 
-    out = io.StringIO()
-    monkeypatch.setattr(sys, "stdout", out)
-    setup_logging("info", True, "json")  # as `tokengate serve --access-log` runs
+    def setup() -> io.StringIO:
+        out = io.StringIO()
+        monkeypatch.setattr(sys, "stdout", out)
+        setup_logging("info", True, "json")
+        return out
+
+    return setup
+
+
+def test_the_access_line_goes_straight_to_its_own_handler_when_nothing_else_could_see_it(
+    served_logging: Callable[[], io.StringIO], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = served_logging()
     made: list[logging.LogRecord] = []
     real_make = logging.Logger.makeRecord
 
@@ -247,13 +258,9 @@ def test_the_access_line_goes_straight_to_its_own_handler_when_nothing_else_coul
 
 
 def test_a_filter_on_the_access_logger_still_sees_every_line(
-    fresh_logging: None, monkeypatch: pytest.MonkeyPatch
+    served_logging: Callable[[], io.StringIO],
 ) -> None:
-    from gateway.serve import setup_logging
-
-    out = io.StringIO()
-    monkeypatch.setattr(sys, "stdout", out)
-    setup_logging("info", True, "json")
+    out = served_logging()
     access = logging.getLogger("tokengate.access")
     seen: list[str] = []
 

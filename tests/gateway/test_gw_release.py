@@ -58,19 +58,21 @@ async def test_disconnect_mid_stream_cancels_upstream_fast(
     assert 'outcome="client_disconnect"' in await _outcomes(gateway)
 
 
+async def hang_up_while_waiting_cancels_upstream_fast(url: str, stub: StubBackend, tag: str) -> None:
+    """A non-streaming request the backend takes 5 s to answer; the client hangs up once it is there."""
+    req = await RawRequest.post(url, "/v1/chat/completions", chat(), {"x-stub-delay": "5", "x-t": tag})
+    await eventually(lambda: any(r.headers.get("x-t") == tag for r in stub.requests))
+    closed_at = time.monotonic()
+    await req.close()
+    upstream = stub.by_header("x-t", tag)
+    await eventually(lambda: upstream.cancelled_at is not None)
+    assert upstream.cancelled_at is not None and upstream.cancelled_at - closed_at < 0.1
+
+
 async def test_disconnect_while_waiting_for_non_streaming_answer(
     gateway: RunningGateway, stub_backend: tuple[StubBackend, str]
 ) -> None:
-    stub, _ = stub_backend
-    req = await RawRequest.post(
-        gateway.url, "/v1/chat/completions", chat(), {"x-stub-delay": "5", "x-t": "wait"}
-    )
-    await eventually(lambda: any(r.headers.get("x-t") == "wait" for r in stub.requests))
-    closed_at = time.monotonic()
-    await req.close()
-    upstream = stub.by_header("x-t", "wait")
-    await eventually(lambda: upstream.cancelled_at is not None)
-    assert upstream.cancelled_at is not None and upstream.cancelled_at - closed_at < 0.1
+    await hang_up_while_waiting_cancels_upstream_fast(gateway.url, stub_backend[0], "wait")
     assert await gateway.wait_idle() == ZERO
 
 
@@ -146,15 +148,7 @@ async def test_a_hang_up_cancels_the_request_under_a_plain_asgi_server_too(
     app = build_app(parse_config({"pools": stub_pools(url)}))
     served = await serve_asgi(app, http="httptools")
     try:
-        req = await RawRequest.post(
-            served.url, "/v1/chat/completions", chat(), {"x-stub-delay": "5", "x-t": "plain"}
-        )
-        await eventually(lambda: any(r.headers.get("x-t") == "plain" for r in stub.requests))
-        closed_at = time.monotonic()
-        await req.close()
-        upstream = stub.by_header("x-t", "plain")
-        await eventually(lambda: upstream.cancelled_at is not None)
-        assert upstream.cancelled_at is not None and upstream.cancelled_at - closed_at < 0.1
+        await hang_up_while_waiting_cancels_upstream_fast(served.url, stub, "plain")
 
         async def idle() -> bool:
             snap = await app.store.snapshot()
