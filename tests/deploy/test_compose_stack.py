@@ -219,11 +219,20 @@ async def test_a_tenant_budget_is_shared_by_both_replicas(running: Running) -> N
 async def test_prometheus_has_tokengate_series_from_every_replica_and_the_rules_loaded(
     running: Running,
 ) -> None:
+    want = {"gateway-1:9091": "1", "gateway-2:9091": "1", "backend-short:8001": "1", "backend-long:8002": "1"}
     async with httpx.AsyncClient(timeout=30) as client:
-        up = await promql(client, running.prometheus, "up")
-        targets = {r["metric"]["instance"]: r["value"][1] for r in up}
-        assert targets == {"gateway-1:9091": "1", "gateway-2:9091": "1", "backend-short:8001": "1",
-                           "backend-long:8002": "1"}, targets  # fmt: skip
+        targets: dict[str, str] = {}
+
+        async def every_target_up() -> bool:
+            # Each target's first scrape lands within one scrape interval of the stack's start.
+            nonlocal targets
+            up = await promql(client, running.prometheus, "up")
+            targets = {r["metric"]["instance"]: r["value"][1] for r in up}
+            return targets == want
+
+        with contextlib.suppress(AssertionError):
+            await eventually(every_target_up, timeout_s=30, interval_s=1)
+        assert targets == want, targets
         rows = await promql(client, running.prometheus, "sum by (instance) (tokengate_requests_total)")
         assert {r["metric"]["instance"] for r in rows} == {"gateway-1:9091", "gateway-2:9091"}
         capacity = await promql(
