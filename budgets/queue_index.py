@@ -244,27 +244,22 @@ class QueueIndex:
     def reposition(self, tenant: str, counter: float) -> None:
         """The tenant's counter changed: move its active heads to their new rank."""
         for head in self.by_tenant.get(tenant, ()):
-            group, key = head.group, head.key
-            if group is None or key is None:
-                continue
-            new = (counter, key[1], key[2])
-            if new == key:
-                continue  # same rank: a second heap entry would only be a duplicate
-            head.key = new
-            if head.old:
-                group.push_old(new)  # the old entry is stale now
-            else:
-                group.young.remove(key)
-                group.young.add(new)
+            if head.key is not None:
+                self._rerank(head, (counter, head.key[1], head.key[2]))
 
     def reseq(self, head: Head, rank_seq: int) -> None:
         """The lowest seq of the head's queue changed (shortest_first: an earlier ticket left while
         this head stays): rank it with the new one. Its age class stays."""
         head.rank_seq = rank_seq
+        if head.key is not None:
+            self._rerank(head, (head.key[0], rank_seq, head.key[2]))
+
+    @staticmethod
+    def _rerank(head: Head, new: Key) -> None:
+        """Give an active head its new rank key in its group (old heads: a fresh heap entry)."""
         group, key = head.group, head.key
-        if group is None or key is None:
-            return
-        new = (key[0], rank_seq, key[2])
+        if group is None or key is None or new == key:
+            return  # inactive, or the same rank: a second heap entry would only be a duplicate
         head.key = new
         if head.old:
             group.push_old(new)  # the old entry is stale now

@@ -58,3 +58,16 @@ class RawRequest:
 
 def chat(content: str = "hello", **extra: object) -> dict[str, object]:
     return {"model": "stub-model", "messages": [{"role": "user", "content": content}], **extra}
+
+
+def dead_then_live(live_url: str, **pool: object) -> dict[str, object]:
+    """A pool of two equal backends, an unreachable one (``dead``, listed first, so picked first) and
+    ``live_url`` (``live``); ``pool``: more settings of the pool."""
+    from tests.conftest import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    backends = [
+        {"url": dead, "capacity_tokens": 100_000, "models": ["stub-model"], "name": "dead"},
+        {"url": live_url, "capacity_tokens": 100_000, "models": ["stub-model"], "name": "live"},
+    ]
+    return {"default": {"backends": backends, **pool}}

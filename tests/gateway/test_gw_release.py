@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from tests.conftest import GatewayFactory, RunningGateway, StubBackend, free_port, serve_asgi, stub_pools
-from tests.gateway.gw_support import RawRequest, chat
+from tests.gateway.gw_support import RawRequest, chat, dead_then_live
 from tests.support import eventually
 
 ZERO = {"tenant:default": 0, "backend:default": 0}
@@ -196,18 +196,9 @@ async def test_connect_failure_retries_the_pools_next_backend(
     stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
 ) -> None:
     stub, url = stub_backend
-    dead = f"http://127.0.0.1:{free_port()}"
     gw = await gateway_factory(
         {
-            # Equal capacity: the dead backend is listed first, so it is picked first.
-            "pools": {
-                "default": {
-                    "backends": [
-                        {"url": dead, "capacity_tokens": 100_000, "models": ["stub-model"], "name": "dead"},
-                        {"url": url, "capacity_tokens": 100_000, "models": ["stub-model"], "name": "live"},
-                    ]
-                }
-            },
+            "pools": dead_then_live(url),  # the dead backend is picked first
             "health": {"failure_threshold": 2, "cooldown_s": 60},
         }
     )

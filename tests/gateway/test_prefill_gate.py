@@ -12,8 +12,8 @@ import pytest
 
 from gateway.config_loader import ConfigError, parse_config
 from gateway.upstream.gate import PrefillGate
-from tests.conftest import GatewayFactory, RunningGateway, StubBackend, free_port, stub_pools
-from tests.gateway.gw_support import RawRequest, chat
+from tests.conftest import GatewayFactory, RunningGateway, StubBackend, stub_pools
+from tests.gateway.gw_support import RawRequest, chat, dead_then_live
 from tests.support import eventually
 
 ZERO = {"tenant:default": 0, "backend:default": 0}
@@ -314,18 +314,9 @@ async def test_a_connect_failure_leaves_one_backends_gate_before_trying_the_next
     stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
 ) -> None:
     stub, url = stub_backend
-    dead = f"http://127.0.0.1:{free_port()}"
     gw = await gateway_factory(
         {
-            "pools": {
-                "default": {
-                    "backends": [
-                        {"url": dead, "capacity_tokens": 100_000, "models": ["stub-model"], "name": "dead"},
-                        {"url": url, "capacity_tokens": 100_000, "models": ["stub-model"], "name": "live"},
-                    ],
-                    "prefill_gate_tokens": 1,
-                }
-            },
+            "pools": dead_then_live(url, prefill_gate_tokens=1),
             "health": {"failure_threshold": 5, "cooldown_s": 60},
         }
     )
