@@ -37,6 +37,7 @@ _REDIS_KEYS = (
     "replicas",
     "poll_interval_s",
     "max_connections",
+    "lua",
 )
 
 
@@ -72,6 +73,9 @@ def parse_store(v: Any, where: str = "store") -> StoreConfig:
         replicas=integer(m, "replicas", where, d.replicas, minimum=1),
         poll_interval_s=positive_number(m, "poll_interval_s", where, d.poll_interval_s),
         max_connections=integer(m, "max_connections", where, d.max_connections, minimum=1),
+        lua="scripts"
+        if choice(m, "lua", where, d.lua, ("functions", "scripts")) == "scripts"
+        else "functions",
     )
     return StoreConfig(kind="redis", redis=options)
 

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +47,11 @@ class RedisServer:
     """One redis-server process: ``start``, ``kill`` (SIGKILL), ``restart`` (same port, empty data),
     ``stop`` (kill and remove its directory)."""
 
-    def __init__(self, port: int | None = None, workdir: Path | None = None) -> None:
+    def __init__(
+        self, port: int | None = None, workdir: Path | None = None, extra_args: Sequence[str] = ()
+    ) -> None:
         self.port = port or free_port()
+        self.extra_args = list(extra_args)  # more config directives, e.g. ("--rename-command", "FCALL", "")
         self._own_dir = workdir is None
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="tg-redis-"))
         self.proc: subprocess.Popen[bytes] | None = None
@@ -84,6 +88,7 @@ class RedisServer:
             "warning",
             "--logfile",
             str(self.workdir / "redis.log"),
+            *self.extra_args,
         ]
         self.proc = subprocess.Popen(
             args,

@@ -68,6 +68,7 @@ class Failover:
         self._epoch: str | None = None  # Redis's incarnation token as last seen (see sync_epoch)
         self._pending_release: dict[str, int | None] = {}
         self._pending_withdraw: dict[int, str] = {}
+        self._pending_abandon: set[str] = set()
 
     @property
     def down(self) -> bool:
@@ -88,6 +89,12 @@ class Failover:
     def defer_withdraw(self, seq: int, lease_id: str) -> None:
         """A withdrawal Redis has not applied: the recovery applies it (a grant it finds is given back)."""
         self._pending_withdraw[seq] = lease_id
+
+    def defer_abandon(self, lease_id: str) -> None:
+        """An acquire whose reply was lost (sent, then Redis timed out or the connection broke): it
+        may have run, granting a lease or queuing a ticket nobody waits for. The recovery takes
+        back whichever it finds, instead of leaving a lease to its TTL."""
+        self._pending_abandon.add(lease_id)
 
     # ---- Redis's incarnation ----
 
@@ -166,8 +173,12 @@ class Failover:
     async def _apply_pending(self) -> None:
         # Until these loops find nothing left, callers may still add to them (releases and
         # withdrawals wait for the recovery while the store is down).
-        while self._pending_withdraw or self._pending_release:
-            if self._pending_withdraw:
+        while self._pending_abandon or self._pending_withdraw or self._pending_release:
+            if self._pending_abandon:
+                lease_id = next(iter(self._pending_abandon))
+                await self._transport.eval("withdraw", ["", lease_id, "1"], internal=True)
+                self._pending_abandon.discard(lease_id)
+            elif self._pending_withdraw:
                 seq, lease_id = next(iter(self._pending_withdraw.items()))
                 await self._transport.eval("withdraw", [str(seq), lease_id, "1"], internal=True)
                 self._pending_withdraw.pop(seq, None)

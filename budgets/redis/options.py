@@ -6,6 +6,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 FailMode = Literal["closed", "open"]
+# How the Lua code runs: one Redis 7 function library (FCALL; falls back to scripts on Redis 6),
+# or EVALSHA scripts always (budgets/redis/scripts.py).
+LuaMode = Literal["functions", "scripts"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +24,7 @@ class RedisOptions:
     # How often a down store probes Redis (defaults to poll_interval_s).
     probe_interval_s: float | None = None
     max_connections: int = 32
+    lua: LuaMode = "functions"
     # Reap / liveness / layout-poll period; default min(poll_interval_s, lease TTL / 4).
     maintenance_interval_s: float | None = None
     # After Redis lost its data, the longest a recovered replica holds new grants back while the

@@ -15,7 +15,7 @@ The rules that keep replies matched to their requests:
   arrives late can never be taken for the answer to a later request. The next call reconnects.
 - **Errors.** Connection failures raise ``ConnectionError`` (an ``OSError``), expiries raise
   ``TimeoutError``: what the store already treats as "Redis unavailable". An error reply raises
-  ``ReplyError`` (``NoScriptError`` for NOSCRIPT); ``LOADING`` / ``MASTERDOWN`` count as
+  ``ReplyError`` (``NoScriptError`` for NOSCRIPT and "Function not found"); ``LOADING`` / ``MASTERDOWN`` count as
   unavailable, as in redis-py.
 
 A request that may have reached Redis is never retried here: a script call is not idempotent.
@@ -42,7 +42,8 @@ class ReplyError(Exception):
 
 
 class NoScriptError(ReplyError):
-    """EVALSHA of a script Redis does not have (restarted or flushed): load it and retry."""
+    """EVALSHA of a script, or FCALL of a function, Redis does not have (restarted or flushed):
+    nothing ran; load the code and send the call again."""
 
 
 class RespConnectionError(ConnectionError):
@@ -76,7 +77,7 @@ class CommandPrefix:
 
 def _reply_exception(err: Exception) -> Exception:
     msg = str(err)
-    if msg.startswith("NOSCRIPT"):
+    if msg.startswith(("NOSCRIPT", "ERR Function not found")):
         return NoScriptError(msg)
     if msg.startswith(_UNAVAILABLE):
         return RespConnectionError(msg)

@@ -177,8 +177,13 @@ class RedisStore:
 
     @property
     def script_reloads(self) -> int:
-        """Scripts loaded again after Redis answered NOSCRIPT (restarted or flushed; observability)."""
+        """Lua code loaded again after Redis had lost it (restarted or flushed; observability)."""
         return self._transport.script_reloads
+
+    @property
+    def lua_mode(self) -> str:
+        """``functions`` (the Redis 7 function library) or ``scripts`` (EVALSHA; Redis 6)."""
+        return self._transport.lua_mode
 
     @property
     def ops_per_batch(self) -> float:
@@ -330,7 +335,8 @@ class RedisStore:
                 return await self._wait(reply, lease_id, demand, max_wait_s, started)
             except Down:
                 # Marked down where it was raised: the next turn goes to the fallback (or to
-                # Redis again, if a recovery has already run meanwhile).
+                # Redis again, if a recovery has already run meanwhile), under a new lease id.
+                lease_id = self._new_lease_id()
                 continue
 
     def _new_lease_id(self) -> str:
@@ -436,6 +442,11 @@ class RedisStore:
             reply = await asyncio.shield(fut)
         except asyncio.CancelledError:
             await self._finish_cleanup(self._abandon_enqueued(fut, lease_id))
+            raise
+        except Down:
+            # The call may have run before Redis went away: its grant or ticket is taken back
+            # by the recovery (and the caller's next try uses a new lease id).
+            self._failover.defer_abandon(lease_id)
             raise
         return replies.acquire(reply)
 

@@ -31,7 +31,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from budgets.redis.batch import FastSend, ScriptBatcher, SendAgain
 from budgets.redis.keys import KeyLayout
 from budgets.redis.options import RedisOptions
-from budgets.redis.resp import NoScriptError, RespConnection, address_from_url
+from budgets.redis.resp import RespConnection, address_from_url
 from budgets.redis.scripts import ScriptRunner
 
 
@@ -70,7 +70,7 @@ class Transport:
             if address is not None
             else None
         )
-        self._scripts = ScriptRunner()
+        self._scripts = ScriptRunner(functions=options.lua == "functions")
         self._batcher = ScriptBatcher(
             self._eval_batch,
             max_in_flight=max(1, options.max_connections // 2),
@@ -79,8 +79,13 @@ class Transport:
 
     @property
     def script_reloads(self) -> int:
-        """NOSCRIPT answers seen (a restarted or flushed Redis)."""
+        """Lua code loaded again after Redis had lost it (a restarted or flushed Redis)."""
         return self._scripts.reloads
+
+    @property
+    def lua_mode(self) -> str:
+        """How the Lua code runs now: ``functions`` (FCALL) or ``scripts`` (EVALSHA)."""
+        return self._scripts.mode
 
     @property
     def ops_per_batch(self) -> float:
@@ -162,8 +167,8 @@ class Transport:
             for payload in mine:
                 self._on_wake(payload)
             return reply  # type: ignore[no-any-return]
-        if isinstance(err, NoScriptError):
-            raise SendAgain("script not loaded") from err  # nothing ran: reload and retry
+        if self._scripts.must_resend(err):
+            raise SendAgain("code not loaded") from err  # nothing ran: reload and retry
         if isinstance(err, (OSError, TimeoutError, asyncio.CancelledError)):
             self._on_down(err)
             raise Down(str(err)) from err

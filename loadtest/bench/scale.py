@@ -48,7 +48,7 @@ from budgets import policy
 from budgets.memory import MemoryStore
 from budgets.redis import RedisOptions, RedisStore
 from budgets.redis.keys import SEP, pack_demand
-from budgets.redis.scripts import load_scripts
+from budgets.redis.scripts import ScriptRunner
 from budgets.types import BudgetLayout, Demand, PolicySpec, PoolSpec, TenantSpec, TierSpec
 from loadtest.bench import percentile_ms
 from loadtest.redis_server import RedisServer, used_cpu_seconds
@@ -290,20 +290,28 @@ def memory_bytes(n: int) -> dict[str, float]:
 class Driver:
     """Script calls as a replica makes them, pipelined, on a fresh key prefix."""
 
-    def __init__(self, url: str, lay: BudgetLayout) -> None:
+    def __init__(self, url: str, lay: BudgetLayout, lua: str = "functions") -> None:
         self.url = url
         self.layout = lay
         self.prefix = f"scale-{uuid.uuid4().hex[:8]}"
         self.store = RedisStore(lay, RedisOptions(url=url, key_prefix=self.prefix), replica_id=OWNER)
         self.client = Redis.from_url(url, decode_responses=True)
-        self.scripts = load_scripts()
+        self.runner = ScriptRunner(functions=lua == "functions")
         self.key = self.store.keys.layout
         self.ids = 0
 
     async def start(self) -> None:
-        await self.store.start()  # writes the layout, loads nothing else
-        for script in self.scripts.values():
+        await self.store.start()  # writes the layout (and loads the function library)
+        if self.runner.library is not None:
+            await self.client.function_load(self.runner.library.code, replace=True)
+        for script in self.runner.scripts.values():
             await self.client.script_load(script.source)
+
+    def command(self, name: str) -> tuple[str, str]:
+        """``FCALL <function>`` or ``EVALSHA <sha>``: how this driver runs entry ``name``."""
+        if self.runner.library is not None:
+            return "FCALL", self.runner.library.functions[name]
+        return "EVALSHA", self.runner.scripts[name].sha
 
     async def close(self) -> None:
         await self.store.close()
@@ -312,7 +320,7 @@ class Driver:
     async def run(self, calls: Sequence[tuple[str, list[str]]]) -> list[Any]:
         pipe = self.client.pipeline(transaction=False)
         for name, args in calls:
-            pipe.execute_command("EVALSHA", self.scripts[name].sha, 1, self.key, "", OWNER, *args)
+            pipe.execute_command(*self.command(name), 1, self.key, "", OWNER, *args)
         return list(await pipe.execute())
 
     async def batch(self, calls: Sequence[tuple[str, list[str]]]) -> tuple[list[Any], list[str]]:
@@ -321,9 +329,7 @@ class Driver:
         args: list[str] = []
         for name, op in calls:
             args += [name, str(len(op)), *op]
-        reply = await self.client.execute_command(
-            "EVALSHA", self.scripts["batch"].sha, 1, self.key, "", OWNER, *args
-        )
+        reply = await self.client.execute_command(*self.command("batch"), 1, self.key, "", OWNER, *args)
         return list(reply[0]), list(reply[1])
 
     def acquire(self, tenant: int) -> tuple[str, list[str]]:
@@ -351,7 +357,7 @@ async def script_durations(client: Redis) -> list[float]:
         command = e["command"]
         if isinstance(command, bytes):
             command = command.decode("latin-1")
-        if command.upper().startswith("EVALSHA"):  # not the commands the scripts ran
+        if command.upper().startswith(("EVALSHA", "FCALL")):  # not the commands the scripts ran
             out.append(e["duration"] / 1e6)
     return out
 
@@ -367,11 +373,11 @@ def granted_seqs(wakes: Sequence[str]) -> list[int]:
 
 
 async def redis_cycles(
-    url: str, tenants: int, tickets: int, seconds: float, window: int, batched: bool
+    url: str, tenants: int, tickets: int, seconds: float, window: int, batched: bool, lua: str
 ) -> dict[str, Any]:
     """``batched``: each round is one ``batch`` script call (the releases and the new acquires);
-    else one script call per operation, pipelined."""
-    d = Driver(url, scale_layout(tenants))
+    else one script call per operation, pipelined. ``lua``: ``functions`` or ``scripts``."""
+    d = Driver(url, scale_layout(tenants), lua)
     await d.start()
     try:
         held: deque[str] = deque()
@@ -444,10 +450,10 @@ async def redis_cycles(
         await d.close()
 
 
-async def redis_fast_path(url: str, tenants: int, seconds: float, window: int) -> dict[str, Any]:
+async def redis_fast_path(url: str, tenants: int, seconds: float, window: int, lua: str) -> dict[str, Any]:
     """Acquire+release with nothing queued; then the domain's bytes per live lease and per idle
     tenant, before and after ``idle_forget_s`` forgets them."""
-    d = Driver(url, scale_layout(tenants, pool_tokens=10**12, idle_forget_s=1.0))
+    d = Driver(url, scale_layout(tenants, pool_tokens=10**12, idle_forget_s=1.0), lua)
     await d.start()
     try:
 
@@ -518,7 +524,7 @@ async def run_all(args: argparse.Namespace, url: str) -> dict[str, Any]:
             print_row(results["cycles"][-1])
         if "redis" in args.stores:
             for batched in (False, True):
-                row = await redis_cycles(url, tenants, tickets, args.seconds, args.window, batched)
+                row = await redis_cycles(url, tenants, tickets, args.seconds, args.window, batched, args.lua)
                 results["cycles"].append(row)
                 print_row(row)
     for tenants in sorted({t for t, _ in sizes(args.sizes)}):
@@ -527,7 +533,7 @@ async def run_all(args: argparse.Namespace, url: str) -> dict[str, Any]:
             print(results["fast_path"][-1])
         if "redis" in args.stores:
             results["fast_path"].append(
-                await redis_fast_path(url, tenants, min(args.seconds, 2.0), args.window)
+                await redis_fast_path(url, tenants, min(args.seconds, 2.0), args.window, args.lua)
             )
             print(results["fast_path"][-1])
     return results
@@ -561,6 +567,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=32, help="redis: cycles per pipelined round trip")
     parser.add_argument("--memory-max-tickets", type=int, default=100_000, help="beyond: the policy alone")
     parser.add_argument("--stores", default="memory,redis", help="memory,redis (default both)")
+    parser.add_argument(
+        "--lua", default="functions", choices=("functions", "scripts"), help="redis: FCALL or EVALSHA"
+    )
     parser.add_argument("--bytes-sample", type=int, default=20_000, help="in-process bytes: sample size")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)

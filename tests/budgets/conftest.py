@@ -13,7 +13,7 @@ import pytest
 
 from budgets.memory import MemoryStore
 from budgets.types import BudgetLayout, BudgetStore
-from tests.budgets.redis_fixtures import redis_store_factory
+from tests.budgets.redis_fixtures import redis_scripts_store_factory, redis_store_factory
 from tests.budgets.support import FakeClock
 
 StoreFactory = Callable[[BudgetLayout], Awaitable[BudgetStore]]
@@ -26,8 +26,9 @@ async def _memory(layout: BudgetLayout, clock: FakeClock) -> BudgetStore:
 FACTORIES: dict[str, Callable[[BudgetLayout, FakeClock], Awaitable[BudgetStore]]] = {
     "memory": _memory,
     "redis": redis_store_factory,
+    "redis-scripts": redis_scripts_store_factory,
 }
-STORE_KINDS = ["memory", "redis"]
+STORE_KINDS = ["memory", "redis", "redis-scripts"]
 
 
 @pytest.fixture

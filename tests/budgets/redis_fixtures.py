@@ -53,14 +53,28 @@ def session_redis() -> RedisServer:
 
 
 async def redis_store_factory(layout: BudgetLayout, clock: Callable[[], float]) -> BudgetStore:
-    """The contract suite's factory: a RedisStore on a fresh key prefix, driven by the test clock."""
+    """The contract suite's factory: a RedisStore on a fresh key prefix, driven by the test clock
+    (its Lua code as a Redis 7 function library, the default)."""
+    return _contract_store(layout, clock, "functions")
+
+
+async def redis_scripts_store_factory(layout: BudgetLayout, clock: Callable[[], float]) -> BudgetStore:
+    """The same with the Lua code run as EVALSHA scripts (what a Redis 6 gets)."""
+    return _contract_store(layout, clock, "scripts")
+
+
+def _contract_store(layout: BudgetLayout, clock: Callable[[], float], lua: str) -> BudgetStore:
     from budgets.redis import RedisOptions, RedisStore
 
     # Own grants reach a waiter in the script reply, so the suite needs no polling; a poll in
     # flight could also hand a waiter its grant while the test is about to cancel it, which the
     # suite's "serve n, then cancel the rest" pattern does not expect.
     options = RedisOptions(
-        url=session_redis().url, key_prefix=unique_prefix(), poll_interval_s=5.0, maintenance_interval_s=0.02
+        url=session_redis().url,
+        key_prefix=unique_prefix(),
+        poll_interval_s=5.0,
+        maintenance_interval_s=0.02,
+        lua="scripts" if lua == "scripts" else "functions",
     )
     return RedisStore(layout, options, clock=clock)
 

@@ -16,7 +16,7 @@ from tests.budgets.support import layout, shared
 def test_defaults_and_full_section() -> None:
     assert parse_store(None).kind == "memory"
     redis = parse_store({"kind": "redis"}).redis
-    assert redis is not None and redis.fail_mode == "closed"
+    assert redis is not None and redis.fail_mode == "closed" and redis.lua == "functions"
     opts = parse_store(
         {
             "kind": "redis",
@@ -27,6 +27,7 @@ def test_defaults_and_full_section() -> None:
             "replicas": 3,
             "poll_interval_s": 0.5,
             "max_connections": 8,
+            "lua": "scripts",
         }
     ).redis
     assert opts is not None
@@ -42,6 +43,7 @@ def test_defaults_and_full_section() -> None:
         0.5,
         8,
     )
+    assert opts.lua == "scripts"
 
 
 @pytest.mark.parametrize(
@@ -57,6 +59,7 @@ def test_defaults_and_full_section() -> None:
         ({"replicas": 0}, "store.replicas: expected a positive integer, got 0"),
         ({"replicas": True}, "store.replicas: expected a positive integer, got true"),
         ({"poll_interval_s": "fast"}, "store.poll_interval_s: expected a number, got 'fast'"),
+        ({"lua": "eval"}, "store.lua: expected one of 'functions', 'scripts', got 'eval'"),
     ],
 )
 def test_invalid_sections_name_the_field(options: dict[str, Any], message: str) -> None:

@@ -1,5 +1,5 @@
 -- acquire.lua: validate, fast-path grant, or enqueue + grant pass (MemoryStore.acquire up to the wait).
--- A (ARGV after now-override and replica): lease id, tenant, tier, prefill, decode, pools (LSEP-joined)
+-- A (args after now-override and replica): lease id, tenant, tier, prefill, decode, pools (LSEP-joined)
 -- Reply: {'G', granted_at, queued_s} | {'Q', seq, enqueued_at, max_queue_wait_s}
 --      | {'FULL', queued, max_queue_len, retry_after} | {'E', kind, name[, limit]} | {'NOLAYOUT'}
 local function acquire_main(A)

@@ -1,7 +1,7 @@
 -- apply_layout.lua: write a layout (MemoryStore.apply_layout): replace the specs, bump the version
 -- when the digest changed, fail waiting tickets that can now never be granted (their owners are
 -- told by pub/sub), run a grant pass, announce the version on the layout channel.
--- A (ARGV after now-override and replica): digest, json, pw, dw, backfill, ttl, max_scan, idle_forget_s,
+-- A (args after now-override and replica): digest, json, pw, dw, backfill, ttl, max_scan, idle_forget_s,
 -- tier order, queue order (order LSEP max_defer_s LSEP defer_s_per_token), pools, tiers, tenants
 -- Reply: {changed 0/1, version}
 local function apply_layout_main(A)

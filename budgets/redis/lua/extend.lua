@@ -2,7 +2,7 @@
 -- Never queues: the stream that outgrew its reservation is already running. An overdrawn pool
 -- grants nothing new until releases bring it back under its limit (no grant pass is needed: more
 -- in flight can only block grants). A reservation is not service: no counter moves.
--- A (ARGV after now-override and replica): lease id, tokens
+-- A (args after now-override and replica): lease id, tokens
 -- Reply: the overdraft (>= 0: how far the fullest pool is now above its capacity, at most tokens),
 -- or -1 when the lease is not live (released, reaped, or lost in a restart).
 local function extend_main(A)

@@ -1,6 +1,6 @@
 -- heartbeat.lua: extend live leases (MemoryStore.heartbeat) and report the ones Redis does not
 -- know (lost in a restart, or reaped after missed heartbeats) so the owner can restore them.
--- A (ARGV after now-override and replica): lease ids...
+-- A (args after now-override and replica): lease ids...
 -- Reply: {'NOLAYOUT'} | list of unknown, non-tombstoned lease ids
 local function heartbeat_main(A)
   local now = script_now()

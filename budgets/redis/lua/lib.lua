@@ -1,4 +1,4 @@
--- lib.lua: shared by every tokengate script (the loader prepends it to each entry script).
+-- lib.lua: shared by every tokengate script (the loader puts it before the entry files).
 --
 -- This is a port of budgets/policy.py (and the retry estimate of budgets/retry.py). The Python
 -- module's docstring is the specification; every function here names its Python counterpart and
@@ -6,41 +6,53 @@
 -- both sides; counters are stored with %.17g so they round-trip exactly). The index that keeps a
 -- grant pass O(log n) (budgets/queue_index.py) lives in sorted sets: see "the index" below.
 --
--- KEYS[1] is "{tg:<prefix>}:layout"; every other key is derived from its hash tag, so all keys of
--- one budget domain share one cluster slot. ARGV[1] is always the clock override: empty in
--- production (server TIME is used), a number only when a test drives the store's clock. ARGV[2]
+-- keys[1] is "{tg:<prefix>}:layout"; every other key is derived from its hash tag, so all keys of
+-- one budget domain share one cluster slot. args[1] is always the clock override: empty in
+-- production (server TIME is used), a number only when a test drives the store's clock. args[2]
 -- is always the calling replica. Each entry file defines ``<name>_main(A)`` with ``A`` = its own
--- arguments (ARGV[3..]); the loader appends the call and ``return { reply, LOCAL }``: the reply
--- plus the wake-ups meant for the caller itself. ``batch`` runs several acquire/release
--- operations in one call (see batch.lua).
+-- arguments (args[3..]); the loader (budgets/redis/scripts.py) wraps it as
+-- ``begin(keys, args); return { <name>_main(own_args(args)), LOCAL }``: the reply plus the
+-- wake-ups meant for the caller itself. ``batch`` runs several acquire/release operations in one
+-- call (see batch.lua).
 
-local T = string.sub(KEYS[1], 1, -8) -- strip ":layout"
-local K = {
-  layout = KEYS[1],
-  spec = T .. ':spec',
-  used = T .. ':used',
-  vtc = T .. ':vtc',
-  tleases = T .. ':tleases',
-  twait = T .. ':twait',
-  tierq = T .. ':tierq',
-  rate = T .. ':rate',
-  leases = T .. ':leases',
-  lexp = T .. ':lexp',
-  gone = T .. ':gone',
-  reaped = T .. ':reaped',
-  seq = T .. ':seq',
-  tickets = T .. ':tickets',
-  replicas = T .. ':replicas',
-  -- derived state: the index of the grant pass (budgets/queue_index.py) and the lift bases
-  vb = T .. ':vb',
-  vl = T .. ':vl',
-  idle = T .. ':idle',
-  ahead = T .. ':ahead',
-  heads = T .. ':heads',
-  age = T .. ':age',
-  gtiers = T .. ':gtiers',
-  clock = T .. ':clock',
+-- Per-call state, set by ``begin`` (at the end of this file) before every entry function runs:
+-- T the hash-tagged key prefix, K the domain's keys, ARGS the call's arguments, and the caches
+-- below. Nothing here is read before ``begin``, so the same source serves both ways of running
+-- it: as a Redis 7 function library (loaded once, ``begin`` per FCALL) and as EVAL scripts.
+local T, K, ARGS
+
+-- The keys of one budget domain (a pure function of its layout key).
+local function keyset(layout)
+  local T = string.sub(layout, 1, -8) -- strip ":layout"
+  return {
+    T = T,
+    layout = layout,
+    spec = T .. ':spec',
+    used = T .. ':used',
+    vtc = T .. ':vtc',
+    tleases = T .. ':tleases',
+    twait = T .. ':twait',
+    tierq = T .. ':tierq',
+    rate = T .. ':rate',
+    leases = T .. ':leases',
+    lexp = T .. ':lexp',
+    gone = T .. ':gone',
+    reaped = T .. ':reaped',
+    seq = T .. ':seq',
+    tickets = T .. ':tickets',
+    replicas = T .. ':replicas',
+    -- derived state: the index of the grant pass (budgets/queue_index.py) and the lift bases
+    vb = T .. ':vb',
+    vl = T .. ':vl',
+    idle = T .. ':idle',
+    ahead = T .. ':ahead',
+    heads = T .. ':heads',
+    age = T .. ':age',
+    gtiers = T .. ':gtiers',
+    clock = T .. ':clock',
 }
+end
+
 local SEP = '\31'
 local LSEP = '\30'
 local RATE_TAU = 10.0 -- budgets.retry.RATE_TAU_S
@@ -83,10 +95,10 @@ local function clock(arg)
 end
 
 -- One instant per script call: every operation of a batch happens "at the same time".
-local now_c = nil
+local now_c
 local function script_now()
   if now_c == nil then
-    now_c = clock(ARGV[1])
+    now_c = clock(ARGS[1])
   end
   return now_c
 end
@@ -125,8 +137,7 @@ end
 -- Grants and failures of the caller's own tickets travel back in the reply instead of pub/sub,
 -- so the caller hands them to its waiters the moment the script returns (as the memory store
 -- does synchronously); other owners are told on their channel.
-local CALLER = ARGV[2]
-local LOCAL = {}
+local CALLER, LOCAL
 local function notify(owner, payload)
   if owner == CALLER then
     LOCAL[#LOCAL + 1] = payload
@@ -142,8 +153,8 @@ end
 -- tenant ("n:<name>" = "weight|max_queue_len"). A call fetches the policy plus every spec its
 -- demand names with a single HMGET.
 
-local P = nil
-local spec_c = {} -- field -> parsed spec, or false when absent
+local P
+local spec_c -- field -> parsed spec, or false when absent
 
 local function parse_spec(field, v)
   if not v then
@@ -248,7 +259,7 @@ end
 
 -- ---- state (cached per script call, written through) ----
 
-local used_c = {}
+local used_c
 local function used(name)
   local u = used_c[name]
   if u == nil then
@@ -304,7 +315,7 @@ end
 -- Counters live in the sorted set T:vtc (tenant -> counter): the score is the double itself, so
 -- reads are exact, and the lowest counter of all (lift rule 3) is its first entry. T:vb and T:vl
 -- hold the counters of backlogged tenants and of tenants with live leases (lift rules 1 and 2).
-local vtc_c = {}
+local vtc_c
 local function vtc(tenant) -- nil when the tenant has no counter
   local c = vtc_c[tenant]
   if c == nil then
@@ -320,7 +331,7 @@ end
 
 -- Waiting tickets (T:twait) and live leases (T:tleases) per tenant, cached per script call and
 -- written through by ``count_add``.
-local counts_c = { [K.twait] = {}, [K.tleases] = {} }
+local counts_c
 local function count(key, tenant)
   local c = counts_c[key]
   local n = c[tenant]
@@ -422,7 +433,7 @@ local function bytes_before(a, b)
   return #a < #b
 end
 
-local clock_c = nil
+local clock_c
 local function pass_clock()
   if clock_c == nil then
     local v = redis.call('GET', K.clock)
@@ -712,6 +723,19 @@ local function load_ticket(seq)
     owner = f[7],
     lease = f[8],
   }
+end
+
+-- The seq of ``owner``'s waiting ticket for ``lease_id``, nil when there is none. Walks the owner's
+-- tickets: only the recovery of a lost acquire reply asks (withdraw.lua).
+local function owned_ticket(owner, lease_id)
+  local seqs = redis.call('SMEMBERS', rtkey(owner))
+  for i = 1, #seqs do
+    local v = redis.call('HGET', K.tickets, seqs[i])
+    if v and split(v, SEP)[8] == lease_id then
+      return seqs[i]
+    end
+  end
+  return nil
 end
 
 -- lease record: demand(5) SEP owner SEP granted_at SEP queued_s
@@ -1344,4 +1368,40 @@ local function upgrade(now)
   end
   reindex()
   redis.call('HSET', K.layout, 'index', INDEX_FORMAT)
+end
+
+-- ---- entry ----
+
+-- Keys per layout key, kept across calls when the library stays loaded (a Redis 7 function).
+local keysets = {}
+local keysets_n = 0
+
+-- Every entry function starts here: the call's keys and arguments, and fresh per-call caches.
+local function begin(keys, args)
+  local layout = keys[1]
+  K = keysets[layout]
+  if K == nil then
+    if keysets_n >= 64 then
+      keysets, keysets_n = {}, 0
+    end
+    K = keyset(layout)
+    keysets[layout] = K
+    keysets_n = keysets_n + 1
+  end
+  T = K.T
+  ARGS = args
+  CALLER = args[2]
+  LOCAL = {}
+  now_c, clock_c, P = nil, nil, nil
+  spec_c, used_c, vtc_c = {}, {}, {}
+  counts_c = { [K.twait] = {}, [K.tleases] = {} }
+end
+
+-- An entry's own arguments: ARGV after the clock override and the caller.
+local function own_args(args)
+  local A = {}
+  for i = 3, #args do
+    A[i - 2] = args[i]
+  end
+  return A
 end

@@ -3,7 +3,7 @@
 -- forget tenants idle for idle_forget_s (policy.forget_idle), at most ``limit`` per call.
 -- Reaped ids are remembered for a while (T:reaped) so a late release can tell "reaped" (False)
 -- from "lost in a restart" and a late heartbeat can still re-register a request that is running.
--- A (ARGV after now-override and the caller, alive by definition): max leases per call
+-- A (args after now-override and the caller, alive by definition): max leases per call
 -- Reply: {leases reaped, tickets withdrawn, more left (0/1: leases or idle tenants)}
 local function reap_main(A)
   local now = script_now()

@@ -1,5 +1,5 @@
 -- release.lua: return a lease's tokens and run a grant pass (MemoryStore.release).
--- A (ARGV after now-override and replica): lease id, reported completion tokens ('' when unknown;
+-- A (args after now-override and replica): lease id, reported completion tokens ('' when unknown;
 -- clamped to the reserved decode, see served_output)
 -- Reply: 1 when the lease was live, -1 when it was reaped (expired), 0 when unknown (already
 -- released, never granted, or lost in a restart). The last two leave a tombstone so a racing

@@ -2,7 +2,7 @@
 -- Unconditional on purpose: the requests are running on the GPU whatever Redis remembers, so the
 -- pools must count them; if that overcommits a pool, new grants wait until it drains. The tenant's
 -- counter is not charged again (it was charged at grant, or was lost with the restart).
--- A (ARGV after now-override and replica): then per lease: id, tenant, tier, prefill, decode, pools, queued_s
+-- A (args after now-override and replica): then per lease: id, tenant, tier, prefill, decode, pools, queued_s
 -- Reply: number of leases re-created
 local function restore_main(A)
   local now = script_now()

@@ -1,5 +1,5 @@
 -- status.lua: a waiter's poll (the fallback for a lost pub/sub message).
--- A (ARGV after now-override and replica): seq, lease id
+-- A (args after now-override and replica): seq, lease id
 -- Reply: {'W'} still waiting | {'G', granted_at, queued_s} | {'U'} unknown (store lost it)
 local function status_main(A)
   if redis.call('HEXISTS', K.tickets, A[1]) == 1 then

@@ -1,5 +1,8 @@
--- withdraw.lua: a waiter gives up (timeout or cancellation).
--- A (ARGV after now-override and replica): seq, lease id, release_if_granted ('1' for a cancelled waiter)
+-- withdraw.lua: a waiter gives up (timeout or cancellation), or an acquire whose reply was lost
+-- (Redis timed out or the connection broke after it was sent) is taken back by the recovery.
+-- A (args after now-override and replica): seq ('' when the reply was lost: the ticket, if the
+-- acquire queued one, is found among the caller's by lease id), lease id, release_if_granted ('1'
+-- for a cancelled waiter or a lost reply)
 -- Reply: {'W', retry_after} withdrawn | {'G', granted_at, queued_s} the grant won the race (kept)
 --      | {'R'} the grant won the race and was released | {'U'} unknown (store lost it)
 local function withdraw_main(A)
@@ -7,7 +10,11 @@ local function withdraw_main(A)
   if not load_policy() then
     return { 'U' }
   end
-  local tk = withdraw(A[1], now)
+  local seq = A[1]
+  if seq == '' then
+    seq = owned_ticket(CALLER, A[2])
+  end
+  local tk = seq and withdraw(seq, now)
   if tk ~= nil then
     -- A withdrawn ticket may have been holding pools for itself: others may now be granted.
     grant_pass(now, nil)

@@ -1,0 +1,146 @@
+"""How the Redis store runs its Lua code (budgets/redis/scripts.py): a Redis 7 function library by
+default, EVALSHA scripts on a server without FCALL or FUNCTION, and code Redis lost (flushed,
+restarted) loaded again without running an operation twice. Every test uses a real redis-server;
+"Redis 6" is a Redis 7 with the commands renamed away, which answers exactly as an old one does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+from redis.asyncio import Redis
+
+from budgets.redis.scripts import ENTRY_SCRIPTS, load_library, load_scripts
+from budgets.types import BudgetLayout
+from loadtest.redis_server import RedisServer
+from tests.budgets.redis_fixtures import StoreMaker, make_store, redis_server, unique_prefix
+from tests.budgets.support import assert_idle, demand, in_flight, layout, private, shared
+
+__all__ = ["make_store", "redis_server"]  # fixtures used below
+
+P = "backend:p"
+
+
+def small_layout() -> BudgetLayout:
+    return layout([shared(P, 100), private("tenant:a", 100)], ["a", "b"], lease_ttl_s=10.0)
+
+
+def server_without(*commands: str) -> Iterator[RedisServer]:
+    args: list[str] = []
+    for command in commands:
+        args += ["--rename-command", command, ""]
+    server = RedisServer(extra_args=args)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_without_fcall() -> Iterator[RedisServer]:
+    yield from server_without("FCALL", "FCALL_RO", "FUNCTION")
+
+
+@pytest.fixture
+def redis_without_function_load() -> Iterator[RedisServer]:
+    yield from server_without("FUNCTION")
+
+
+def test_the_library_holds_every_entry_under_names_that_change_with_the_code() -> None:
+    library = load_library()
+    assert set(library.functions) == set(ENTRY_SCRIPTS)
+    assert library.code.startswith(f"#!lua name={library.name}\n")
+    digest = library.name.removeprefix("tokengate_")
+    assert all(fn == f"tg_{digest}_{name}" for name, fn in library.functions.items())
+    # the scripts are built from the same files: the digest covers lib.lua and every entry file
+    assert all("local function grant_pass(" in script.source for script in load_scripts().values())
+
+
+async def test_the_store_runs_the_function_library_on_redis_7(
+    redis_server: RedisServer, make_store: StoreMaker
+) -> None:
+    store = make_store(redis_server, small_layout())
+    await store.start()
+    lease = await store.acquire(demand("a", 10, P), 1)
+    assert store.lua_mode == "functions"
+    client = Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        names = [
+            dict(zip(lib[::2], lib[1::2], strict=True))["library_name"]
+            for lib in await client.function_list()
+        ]
+    finally:
+        await client.aclose()
+    assert load_library().name in names
+    assert await store.release(lease.id)
+    await assert_idle(store)
+
+
+@pytest.mark.parametrize(("lua", "flush"), [("functions", "FUNCTION"), ("scripts", "SCRIPT")])
+async def test_code_redis_lost_is_loaded_again_and_the_call_runs_once(
+    redis_server: RedisServer, make_store: StoreMaker, lua: str, flush: str
+) -> None:
+    store = make_store(redis_server, small_layout(), lua=lua)
+    await store.start()
+    client = Redis.from_url(redis_server.url)
+    try:
+        await client.execute_command(flush, "FLUSH")
+    finally:
+        await client.aclose()
+    lease = await store.acquire(demand("a", 10, P), 1)
+    assert store.script_reloads >= 1
+    assert store.lua_mode == lua
+    assert await in_flight(store, P) == 10  # charged once, not once per attempt
+    assert await store.release(lease.id)
+    await assert_idle(store)
+
+
+async def test_a_redis_without_fcall_gets_scripts_and_the_same_decisions(
+    redis_without_fcall: RedisServer, make_store: StoreMaker
+) -> None:
+    store = make_store(redis_without_fcall, small_layout())
+    await store.start()
+    assert store.lua_mode == "scripts"
+    first = await store.acquire(demand("a", 60, P), 1)
+    second = await store.acquire(demand("b", 30, P), 1)
+    waiting = asyncio.ensure_future(store.acquire(demand("b", 30, P), 5))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()  # 90 of 100 in flight: the third waits
+    assert await store.release(first.id)
+    third = await asyncio.wait_for(waiting, 2)
+    assert await in_flight(store, P) == 60
+    for lease in (second, third):
+        assert await store.release(lease.id)
+    await assert_idle(store)
+
+
+async def test_a_redis_that_refuses_function_load_gets_scripts(
+    redis_without_function_load: RedisServer, make_store: StoreMaker
+) -> None:
+    store = make_store(redis_without_function_load, small_layout())
+    await store.start()
+    lease = await store.acquire(demand("a", 10, P), 1)
+    assert store.lua_mode == "scripts"
+    assert await store.release(lease.id)
+    await assert_idle(store)
+
+
+async def test_replicas_loading_the_library_at_once_all_succeed(
+    redis_server: RedisServer, make_store: StoreMaker
+) -> None:
+    client = Redis.from_url(redis_server.url)
+    try:
+        await client.function_flush()
+    finally:
+        await client.aclose()
+    prefix = unique_prefix()
+    replicas = [make_store(redis_server, small_layout(), prefix=prefix) for _ in range(4)]
+    await asyncio.gather(*(r.start() for r in replicas))
+    leases = await asyncio.gather(*(r.acquire(demand("a", 10, P), 1) for r in replicas))
+    assert await in_flight(replicas[0], P) == 40
+    for replica, lease in zip(replicas, leases, strict=True):
+        assert await replica.release(lease.id)
+    await assert_idle(replicas[0])
