@@ -32,6 +32,7 @@ from typing import Any
 
 from budgets.memory import MemoryStore
 from budgets.redis import RedisOptions, RedisStore
+from budgets.redis.options import LuaMode
 from budgets.types import BudgetLayout, BudgetStore, Demand, PolicySpec, PoolSpec, TenantSpec, TierSpec
 from loadtest.bench import percentile_ms
 from loadtest.redis_server import RedisServer, used_cpu_seconds
@@ -56,8 +57,8 @@ def demand(i: int) -> Demand:
     return Demand(t, "standard", ("backend:main", f"tenant:{t}"), prefill=200, decode=100)
 
 
-def redis_store(url: str, prefix: str) -> RedisStore:
-    return RedisStore(bench_layout(), RedisOptions(url=url, key_prefix=prefix))
+def redis_store(url: str, prefix: str, lua: LuaMode) -> RedisStore:
+    return RedisStore(bench_layout(), RedisOptions(url=url, key_prefix=prefix, lua=lua))
 
 
 # ---- latency ----
@@ -76,9 +77,9 @@ async def cycle_latencies(store: BudgetStore, n: int) -> tuple[list[float], list
     return acq, rel
 
 
-async def latency(url: str, n: int, rounds: int) -> dict[str, Any]:
+async def latency(url: str, n: int, rounds: int, lua: LuaMode) -> dict[str, Any]:
     mem = MemoryStore(bench_layout())
-    red = redis_store(url, f"bench-{uuid.uuid4().hex[:8]}")
+    red = redis_store(url, f"bench-{uuid.uuid4().hex[:8]}", lua)
     await mem.start()
     await red.start()
     samples: dict[str, dict[str, list[float]]] = {
@@ -113,8 +114,10 @@ async def latency(url: str, n: int, rounds: int) -> dict[str, Any]:
 # ---- throughput ----
 
 
-async def run_workers(url: str, prefix: str, concurrency: int, duration: float) -> dict[str, float]:
-    store = redis_store(url, prefix)
+async def run_workers(
+    url: str, prefix: str, concurrency: int, duration: float, lua: LuaMode
+) -> dict[str, float]:
+    store = redis_store(url, prefix, lua)
     await store.start()
     cycles = 0
     stop_at = 0.0
@@ -141,9 +144,11 @@ async def run_workers(url: str, prefix: str, concurrency: int, duration: float) 
         await store.close()
 
 
-def _worker_main(url: str, prefix: str, concurrency: int, duration: float, start_at: float, out: Any) -> None:
+def _worker_main(
+    url: str, prefix: str, concurrency: int, duration: float, lua: LuaMode, start_at: float, out: Any
+) -> None:
     time.sleep(max(0.0, start_at - time.time()))
-    out.put(asyncio.run(run_workers(url, prefix, concurrency, duration)))
+    out.put(asyncio.run(run_workers(url, prefix, concurrency, duration, lua)))
 
 
 def redis_cpu(url: str) -> float:
@@ -152,13 +157,13 @@ def redis_cpu(url: str) -> float:
     return used_cpu_seconds(redis.Redis.from_url(url))
 
 
-def throughput(url: str, processes: int, concurrency: int, duration: float) -> dict[str, float]:
+def throughput(url: str, processes: int, concurrency: int, duration: float, lua: LuaMode) -> dict[str, float]:
     prefix = f"bench-{uuid.uuid4().hex[:8]}"
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     start_at = time.time() + 3.0  # all processes imported and connected before the clock starts
     procs = [
-        ctx.Process(target=_worker_main, args=(url, prefix, concurrency, duration, start_at, out))
+        ctx.Process(target=_worker_main, args=(url, prefix, concurrency, duration, lua, start_at, out))
         for _ in range(processes)
     ]
     for p in procs:
@@ -191,13 +196,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="latency: interleaved rounds")
     parser.add_argument("--concurrency", type=int, default=32, help="throughput: callers per process")
     parser.add_argument("--duration", type=float, default=5.0, help="throughput: seconds per run")
+    parser.add_argument(
+        "--lua", default="functions", choices=("functions", "scripts"), help="the store's store.lua"
+    )
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
+    lua: LuaMode = "scripts" if args.lua == "scripts" else "functions"
     private = None if args.url else RedisServer().start()
     url = args.url or private.url  # type: ignore[union-attr]
     try:
-        results: dict[str, Any] = {"latency": asyncio.run(latency(url, args.cycles, args.rounds))}
-        results["throughput"] = [throughput(url, n, args.concurrency, args.duration) for n in (1, 2)]
+        results: dict[str, Any] = {"latency": asyncio.run(latency(url, args.cycles, args.rounds, lua))}
+        results["throughput"] = [throughput(url, n, args.concurrency, args.duration, lua) for n in (1, 2)]
     finally:
         if private is not None:
             private.stop()
