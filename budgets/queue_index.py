@@ -198,7 +198,9 @@ class QueueIndex:
         names = ticket.demand.pools
         split = self.split.get(names)
         if split is None:
-            if len(self.split) > 4096:  # one entry per tenant and class at most: keep it small
+            # One entry per pool set (a tenant's demands share theirs): bounded by the heads there
+            # are, so that thousands of waiting tenants do not recompute theirs on every new head.
+            if len(self.split) > 4096 and len(self.split) > 2 * len(self.heads):
                 self.split.clear()
             pools = layout.pools
             shared = tuple(sorted(n for n in names if pools[n].shared))

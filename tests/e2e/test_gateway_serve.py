@@ -56,6 +56,10 @@ async def test_serve_with_embedded_backend_and_sigterm(tmp_path: Path) -> None:
             assert (await c.get("/metrics")).status_code == 404  # operator data is not on the API port
             ops = await c.get(f"http://127.0.0.1:{ops_port}/metrics")
             assert ops.status_code == 200 and "tokengate_requests_total" in ops.text
+            # The start-up heap is frozen out of full collections, which are counted.
+            assert 'python_gc_collections_total{generation="2"}' in ops.text
+            frozen = next(x for x in ops.text.splitlines() if x.startswith("tokengate_gc_frozen_objects "))
+            assert float(frozen.split()[1]) > 10_000
         proc.send_signal(signal.SIGTERM)
         out, err = await asyncio.wait_for(proc.communicate(), 20)
         # uvicorn re-raises the signal it handled once the graceful shutdown is done.
