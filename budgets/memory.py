@@ -45,12 +45,6 @@ class _Live:
     n: int  # grant order: expired leases are reaped in this order
 
 
-def _expire(fut: asyncio.Future[Lease | None]) -> None:
-    """A waiting ticket's deadline: its waiter wakes with None (a grant may have come first)."""
-    if not fut.done():
-        fut.set_result(None)
-
-
 class MemoryStore:
     """BudgetStore for one process. ``start()`` runs the lease reaper until ``close()``.
 
@@ -79,6 +73,13 @@ class MemoryStore:
         self._expiry: list[tuple[float, str]] = []
         self._grants = itertools.count()
         self._waiters: dict[int, asyncio.Future[Lease | None]] = {}  # None: its deadline passed
+        # Waiters' deadlines (loop time, seq) in one heap, lazily (a granted waiter's entry stays
+        # until it comes up), and one loop timer for the earliest: a timer per waiter cost a
+        # TimerHandle, its arguments and a slot in the loop's own heap (ordered by a Python-level
+        # comparison) for every waiting request, all walked by each full garbage collection.
+        self._deadlines: list[tuple[float, int]] = []
+        self._deadline_timer: asyncio.TimerHandle | None = None
+        self._deadline_at = float("inf")
         self._rates: dict[str, ReleaseRate] = {}
         self._reap_interval_s = reap_interval_s
         self._reaper = BackgroundTask("budget-reaper", self._reap_forever, _log)
@@ -104,6 +105,10 @@ class MemoryStore:
         self._started = False
         await self._reaper.stop()
         waiters, self._waiters = self._waiters, {}
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+            self._deadline_timer, self._deadline_at = None, float("inf")
+        self._deadlines.clear()
         now = self._clock()
         for seq, fut in waiters.items():
             policy.withdraw(self._state, seq, now)
@@ -190,14 +195,12 @@ class MemoryStore:
             # The future itself is awaited (asyncio.wait would add a waiter future, callbacks and a
             # loop hop per grant); the deadline resolves it with None, after which no grant is
             # handed to it (a grant racing the deadline finds it done and is given back).
-            timer = loop.call_later(wait_s, _expire, fut)
+            self._add_deadline(loop, loop.time() + wait_s, ticket.seq)
             try:
                 lease = await fut
             except asyncio.CancelledError:
-                timer.cancel()
                 self._abandon(ticket.seq, fut)
                 raise
-            timer.cancel()
             if lease is not None:
                 return lease
             self._waiters.pop(ticket.seq, None)
@@ -277,6 +280,35 @@ class MemoryStore:
         self._leases[lease.id] = _Live(lease, expires_at, next(self._grants))
         heapq.heappush(self._expiry, (expires_at, lease.id))
         return lease
+
+    def _add_deadline(self, loop: asyncio.AbstractEventLoop, deadline: float, seq: int) -> None:
+        heap = self._deadlines
+        heapq.heappush(heap, (deadline, seq))
+        if len(heap) > 64 and len(heap) > 3 * len(self._waiters):
+            waiting = self._waiters
+            self._deadlines = heap = [entry for entry in heap if entry[1] in waiting]
+            heapq.heapify(heap)
+        if deadline < self._deadline_at:
+            self._arm_deadline(loop, deadline)
+
+    def _arm_deadline(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+        self._deadline_timer = loop.call_at(at, self._expire_due, loop)
+        self._deadline_at = at
+
+    def _expire_due(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The earliest deadline came: every waiter whose deadline has passed wakes with None."""
+        self._deadline_timer, self._deadline_at = None, float("inf")
+        # Within a millisecond counts as come: uvloop's timers have millisecond resolution and may
+        # fire that much early (a timer per waiter expired its waiter then too).
+        heap, waiters, now = self._deadlines, self._waiters, loop.time() + 0.001
+        while heap and heap[0][0] <= now:
+            fut = waiters.get(heapq.heappop(heap)[1])
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+        if heap:
+            self._arm_deadline(loop, heap[0][0])
 
     def _expire_at(self, expires_at: float, lease_id: str) -> None:
         heapq.heappush(self._expiry, (expires_at, lease_id))

@@ -307,6 +307,43 @@ async def test_queue_timeout_withdraws_the_ticket(store_factory: StoreFactory, c
     await assert_idle(store)
 
 
+async def test_each_waiter_times_out_at_its_own_deadline_whatever_the_arrival_order(
+    store_factory: StoreFactory,
+) -> None:
+    store = await store_factory(layout([shared(P, 100)], ["a", "b", "c"]))
+    blocker = await store.acquire(demand("c", 100, P), 1)
+    order: list[str] = []
+    at: list[float] = []
+    loop = asyncio.get_running_loop()
+
+    async def wait(label: str, tenant: str, max_wait_s: float) -> None:
+        with pytest.raises(QueueTimeout):
+            await store.acquire(demand(tenant, 10, P), max_wait_s)
+        order.append(label)
+        at.append(loop.time())
+
+    tasks = []
+    for label, tenant, wait_s in (("late", "a", 0.6), ("early", "b", 0.05), ("middle", "a", 0.25)):
+        before = await waiting(store)
+        tasks.append(asyncio.create_task(wait(label, tenant, wait_s)))
+        await wait_queued(store, before + 1)
+    await asyncio.gather(*tasks)
+    assert order == ["early", "middle", "late"]
+    # each at its own time (0.2 s and 0.35 s apart), not all at the first or the last deadline
+    assert at[1] - at[0] > 0.08 and at[2] - at[1] > 0.08, at
+    # A waiter granted long before its deadline leaves nothing that fires for a later one.
+    granted = asyncio.create_task(store.acquire(demand("a", 10, P), 30))
+    await wait_queued(store, 1)
+    await store.release(blocker.id)
+    lease = await asyncio.wait_for(granted, 5)
+    full = await store.acquire(demand("c", 90, P), 1)
+    with pytest.raises(QueueTimeout):
+        await store.acquire(demand("b", 10, P), max_wait_s=0.05)
+    for held in (lease, full):
+        await store.release(held.id)
+    await assert_idle(store)
+
+
 async def test_retry_after_when_nothing_moves_is_the_tier_wait(store_factory: StoreFactory) -> None:
     store = await store_factory(layout([shared(P, 100)], ["a", "b"]))
     blocker = await store.acquire(demand("b", 100, P), 1)
