@@ -13,7 +13,8 @@ import time
 import pytest
 from redis.asyncio import Redis
 
-from budgets.types import BudgetLayout, QueueTimeout, StoreUnavailable
+from budgets.redis import RedisStore
+from budgets.types import BudgetLayout, Demand, QueueTimeout, StoreUnavailable
 from tests.budgets.redis_fixtures import (
     RedisServer,
     StoreMaker,
@@ -75,25 +76,29 @@ async def test_fail_closed_answers_fast_while_redis_is_down_and_recovers(
     await assert_idle(store)
 
 
+async def acquire_while_hung(server: RedisServer, store: RedisStore, d: Demand) -> None:
+    """An acquire sent to a hung Redis (SIGSTOP) fails fast with StoreUnavailable; then Redis
+    resumes (running what it had read) and the store recovers."""
+    assert server.proc is not None
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            await store.acquire(d, 5)
+        assert time.monotonic() - started < 1.5
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    await eventually(store.healthy, timeout_s=5)
+
+
 async def test_fail_closed_times_out_on_a_hung_redis(
     fresh_redis: RedisServer, make_store: StoreMaker
 ) -> None:
     store = make_store(fresh_redis, small_layout())
     await store.start()
-    assert fresh_redis.proc is not None
-    os.kill(fresh_redis.proc.pid, signal.SIGSTOP)
-    try:
-        started = time.monotonic()
-        with pytest.raises(StoreUnavailable):
-            await store.acquire(demand("a", 10, P), 5)
-        assert time.monotonic() - started < 1.5
-    finally:
-        os.kill(fresh_redis.proc.pid, signal.SIGCONT)
-
-    async def healthy() -> bool:
-        return await store.healthy()
-
-    await eventually(healthy, timeout_s=5)
+    # The acquire reaches Redis and runs when it resumes: its lease must not hold tokens until
+    # the TTL, nobody will release it.
+    await acquire_while_hung(fresh_redis, store, demand("a", 10, P))
     lease = await store.acquire(demand("a", 10, P), 1)
     assert await store.release(lease.id)
     await assert_idle(store)
@@ -108,18 +113,7 @@ async def test_an_acquire_that_queued_while_redis_hung_leaves_no_ticket_behind(
     store = make_store(fresh_redis, small_layout())
     await store.start()
     full = await store.acquire(demand("b", 100, P), 1)
-    assert fresh_redis.proc is not None
-    os.kill(fresh_redis.proc.pid, signal.SIGSTOP)
-    try:
-        with pytest.raises(StoreUnavailable):
-            await store.acquire(demand("a", 10, P), 5)
-    finally:
-        os.kill(fresh_redis.proc.pid, signal.SIGCONT)
-
-    async def healthy() -> bool:
-        return await store.healthy()
-
-    await eventually(healthy, timeout_s=5)
+    await acquire_while_hung(fresh_redis, store, demand("a", 10, P))
     assert await store.release(full.id)
     await assert_idle(store)  # well before the 10 s lease TTL
 
