@@ -16,8 +16,8 @@ entry file per operation, each defining ``<name>_main(A)``. They run in one of t
 Both wrap an entry as ``begin(keys, args); return { <name>_main(own_args(args)), LOCAL }`` (the
 reply plus the wake-ups for the calling replica; budgets/redis/replies.py parses the replies).
 
-The runner starts with the library. ``FCALL`` answered "unknown command" (Redis < 7) or a
-``FUNCTION LOAD`` refused (an ACL, say) switches it to scripts for good. Code Redis has lost (a
+The runner starts with the library. ``FCALL`` answered "unknown command" (Redis < 7) or NOPERM
+(an ACL without it), or a ``FUNCTION LOAD`` refused, switches it to scripts for good. Code Redis has lost (a
 restart without persistence, ``FUNCTION FLUSH``, ``SCRIPT FLUSH``) is answered "Function not
 found" or ``NOSCRIPT``; nothing ran, so the runner loads the code and sends the call once more.
 
@@ -36,7 +36,7 @@ from importlib import resources
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
 
 from budgets.redis import resp
 
@@ -112,9 +112,10 @@ def load_library() -> Library:
     return Library(name, f"#!lua name={name}\n{body}{registrations}", functions)
 
 
-def _unknown_command(message: str) -> bool:
-    # Redis < 7 answers FCALL with "ERR unknown command `FCALL`, with args beginning with: ...".
-    return "unknown command" in message.lower()
+def _no_fcall(message: str) -> bool:
+    """FCALL cannot run here: Redis < 7 ("ERR unknown command `FCALL`, ...") or an ACL without it
+    ("NOPERM ..."). A NOPERM about keys fails the same way as a script and is raised from there."""
+    return "unknown command" in message.lower() or message.startswith("NOPERM")
 
 
 class ScriptRunner:
@@ -139,10 +140,10 @@ class ScriptRunner:
 
     def must_resend(self, err: BaseException) -> bool:
         """True after an error reply that means nothing ran and the call should be sent again
-        through ``call_resp``: the code is missing, or Redis has no FCALL (now: scripts)."""
+        through ``call_resp``: the code is missing, or FCALL cannot run here (now: scripts)."""
         if isinstance(err, resp.NoScriptError):
             return True
-        if self.library is not None and isinstance(err, resp.ReplyError) and _unknown_command(str(err)):
+        if self.library is not None and isinstance(err, resp.ReplyError) and _no_fcall(str(err)):
             self._use_scripts(str(err))
             return True
         return False
@@ -155,8 +156,8 @@ class ScriptRunner:
         except NoScriptError:  # redis-py's class for NOSCRIPT
             self.reloads += 1
         except ResponseError as err:
-            message = str(err)
-            if self.library is not None and _unknown_command(message):
+            message = str(err)  # redis-py strips the code: "ERR " and "NOPERM " are not in it
+            if self.library is not None and (isinstance(err, NoPermissionError) or _no_fcall(message)):
                 self._use_scripts(message)
             elif message.startswith("Function not found"):
                 self.reloads += 1

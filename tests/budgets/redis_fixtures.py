@@ -113,7 +113,8 @@ async def make_store() -> AsyncIterator[StoreMaker]:
     def make(
         server: RedisServer, lay: BudgetLayout, prefix: str | None = None, **options: object
     ) -> RedisStore:
-        opts = RedisOptions(url=server.url, key_prefix=prefix or unique_prefix(), **{**FAST, **options})  # type: ignore[arg-type]
+        given = {"url": server.url, "key_prefix": prefix or unique_prefix(), **FAST, **options}
+        opts = RedisOptions(**given)  # type: ignore[arg-type]
         store = RedisStore(lay, opts)
         made.append(store)
         return store

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 from redis.asyncio import Redis
 
-from budgets.redis.scripts import ENTRY_SCRIPTS, load_library, load_scripts
+from budgets.redis.scripts import ENTRY_SCRIPTS, ScriptRunner, load_library, load_scripts
 from budgets.types import BudgetLayout
 from loadtest.redis_server import RedisServer
 from tests.budgets.redis_fixtures import StoreMaker, make_store, redis_server, unique_prefix
@@ -128,6 +128,32 @@ async def test_a_redis_that_refuses_function_load_gets_scripts(
     await assert_idle(store)
 
 
+async def user_without_functions(server: RedisServer) -> str:
+    """A URL for a new ACL user who may run scripts but not FCALL or FUNCTION."""
+    user = f"tg{unique_prefix()}".replace("-", "")
+    client = Redis.from_url(server.url)
+    try:
+        await client.function_flush()
+        await client.execute_command(
+            "ACL", "SETUSER", user, "on", ">pw", "~*", "&*", "+@all", "-fcall", "-fcall_ro", "-function"
+        )
+    finally:
+        await client.aclose()
+    return server.url.replace("redis://", f"redis://{user}:pw@")
+
+
+async def test_a_user_whose_acl_allows_scripts_but_not_functions_gets_scripts(
+    redis_server: RedisServer, make_store: StoreMaker
+) -> None:
+    url = await user_without_functions(redis_server)
+    store = make_store(redis_server, small_layout(), url=url)
+    await store.start()
+    lease = await store.acquire(demand("a", 10, P), 1)
+    assert store.lua_mode == "scripts"
+    assert await store.release(lease.id)
+    await assert_idle(store)
+
+
 async def test_replicas_loading_the_library_at_once_all_succeed(
     redis_server: RedisServer, make_store: StoreMaker
 ) -> None:
@@ -144,3 +170,33 @@ async def test_replicas_loading_the_library_at_once_all_succeed(
     for replica, lease in zip(replicas, leases, strict=True):
         assert await replica.release(lease.id)
     await assert_idle(replicas[0])
+
+
+async def _status_via_redis_py(url: str, runner: ScriptRunner) -> object:
+    """One call through redis-py (the transport of rediss:// URLs): the status of an unknown ticket."""
+    client = Redis.from_url(url, decode_responses=True)
+    try:
+        return await runner.call(client, "status", [f"{{tg:{unique_prefix()}}}:layout"], ["", "r", "1", "L1"])
+    finally:
+        await client.aclose()
+
+
+async def test_redis_py_calls_load_lost_code_and_fall_back_like_the_lean_connection(
+    redis_server: RedisServer, redis_without_fcall: RedisServer
+) -> None:
+    client = Redis.from_url(redis_server.url)
+    try:
+        await client.function_flush()
+    finally:
+        await client.aclose()
+    runner = ScriptRunner()
+    first = await _status_via_redis_py(redis_server.url, runner)
+    assert (runner.mode, runner.reloads) == ("functions", 1)
+    assert await _status_via_redis_py(redis_server.url, runner) == first  # loaded: no reload
+    assert runner.reloads == 1
+    old = ScriptRunner()
+    assert await _status_via_redis_py(redis_without_fcall.url, old) == first
+    assert old.mode == "scripts"
+    denied = ScriptRunner()
+    assert await _status_via_redis_py(await user_without_functions(redis_server), denied) == first
+    assert denied.mode == "scripts"
