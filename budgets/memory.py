@@ -80,6 +80,7 @@ class MemoryStore:
         self._deadlines: list[tuple[float, int]] = []
         self._deadline_timer: asyncio.TimerHandle | None = None
         self._deadline_at = float("inf")
+        self._deadline_loop: asyncio.AbstractEventLoop | None = None  # the timer's
         self._rates: dict[str, ReleaseRate] = {}
         self._reap_interval_s = reap_interval_s
         self._reaper = BackgroundTask("budget-reaper", self._reap_forever, _log)
@@ -288,14 +289,15 @@ class MemoryStore:
             waiting = self._waiters
             self._deadlines = heap = [entry for entry in heap if entry[1] in waiting]
             heapq.heapify(heap)
-        if deadline < self._deadline_at:
-            self._arm_deadline(loop, deadline)
+        # (A store used from a new event loop re-arms there: the old loop's timer may never run.)
+        if deadline < self._deadline_at or loop is not self._deadline_loop:
+            self._arm_deadline(loop, heap[0][0])
 
     def _arm_deadline(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
         if self._deadline_timer is not None:
             self._deadline_timer.cancel()
         self._deadline_timer = loop.call_at(at, self._expire_due, loop)
-        self._deadline_at = at
+        self._deadline_at, self._deadline_loop = at, loop
 
     def _expire_due(self, loop: asyncio.AbstractEventLoop) -> None:
         """The earliest deadline came: every waiter whose deadline has passed wakes with None."""
