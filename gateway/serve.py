@@ -64,6 +64,8 @@ class DrainingServer(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
+        if self.started:
+            freeze_startup_heap()
         if self.started and self.on_started is not None:
             self.on_started()
 
@@ -185,7 +187,7 @@ async def serve_async(
         server = DrainingServer(
             _uvicorn_config(app, log_level),
             app,
-            on_started=lambda: _started(app, (api[0], api[1]), ops_at, embedded, log_format),
+            on_started=lambda: _announce(app, (api[0], api[1]), ops_at, embedded, log_format),
         )
         try:
             await server.serve(sockets=[api_sock])
@@ -196,17 +198,6 @@ async def serve_async(
         api_sock.close()
         if embedded is not None:
             await embedded.stop()
-
-
-def _started(
-    app: Gateway,
-    api: tuple[str, int],
-    ops: tuple[str, int] | None,
-    embedded: Embedded | None,
-    log_format: LogFormat,
-) -> None:
-    freeze_startup_heap()
-    _announce(app, api, ops, embedded, log_format)
 
 
 def _url_host(host: str) -> str:

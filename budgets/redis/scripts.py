@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -138,49 +138,55 @@ class ScriptRunner:
             _log.warning("redis: running the budget code as EVALSHA scripts, not functions (%s)", why)
             self.library = None
 
-    def must_resend(self, err: BaseException) -> bool:
-        """True after an error reply that means nothing ran and the call should be sent again
-        through ``call_resp``: the code is missing, or FCALL cannot run here (now: scripts)."""
-        if isinstance(err, resp.NoScriptError):
+    def _resend_after(self, message: str, *, missing: bool, denied: bool = False) -> bool:
+        """Whether a call answered with this error ran nothing and should be sent again: the code
+        is missing (load it), or FCALL cannot run here (``denied``, or Redis < 7: now scripts)."""
+        if missing:
             return True
-        if self.library is not None and isinstance(err, resp.ReplyError) and _no_fcall(str(err)):
-            self._use_scripts(str(err))
+        if self.library is not None and (denied or _no_fcall(message)):
+            self._use_scripts(message)
             return True
         return False
+
+    def must_resend(self, err: BaseException) -> bool:
+        """``_resend_after`` for an error of the lean connection; the call is sent again through
+        ``call_resp``."""
+        if not isinstance(err, resp.ReplyError):
+            return False
+        return self._resend_after(str(err), missing=isinstance(err, resp.NoScriptError))
+
+    async def _load(self, execute: Callable[..., Awaitable[Any]], name: str) -> None:
+        """Load the library (or entry ``name``'s script) with either transport's ``execute``."""
+        if self.library is not None:
+            try:
+                await execute("FUNCTION", "LOAD", self.library.code)
+                return
+            except (ResponseError, resp.ReplyError) as err:
+                if "already exists" in str(err):
+                    return  # another replica loaded it first
+                self._use_scripts(f"FUNCTION LOAD: {err}")
+        await execute("SCRIPT", "LOAD", self.scripts[name].source)
 
     # ---- redis-py ----
 
     async def call(self, client: Redis, name: str, keys: Sequence[str], args: Sequence[str]) -> Any:
         try:
             return await self._send(client, name, keys, args)
-        except NoScriptError:  # redis-py's class for NOSCRIPT
-            self.reloads += 1
         except ResponseError as err:
-            message = str(err)  # redis-py strips the code: "ERR " and "NOPERM " are not in it
-            if self.library is not None and (isinstance(err, NoPermissionError) or _no_fcall(message)):
-                self._use_scripts(message)
-            elif message.startswith("Function not found"):
-                self.reloads += 1
-            else:
+            # redis-py strips the code ("ERR ", "NOPERM ") and has its own classes for some.
+            message = str(err)
+            missing = isinstance(err, NoScriptError) or message.startswith("Function not found")
+            if not self._resend_after(message, missing=missing, denied=isinstance(err, NoPermissionError)):
                 raise
-        await self._load(client, name)
+            if missing:
+                self.reloads += 1
+        await self._load(client.execute_command, name)
         return await self._send(client, name, keys, args)
 
     async def _send(self, client: Redis, name: str, keys: Sequence[str], args: Sequence[str]) -> Any:
         if self.library is not None:
             return await client.fcall(self.library.functions[name], len(keys), *keys, *args)  # type: ignore[misc]
         return await client.evalsha(self.scripts[name].sha, len(keys), *keys, *args)  # type: ignore[misc]
-
-    async def _load(self, client: Redis, name: str) -> None:
-        if self.library is not None:
-            try:
-                await client.function_load(self.library.code)  # type: ignore[misc]
-                return
-            except ResponseError as err:
-                if "already exists" in str(err):
-                    return  # another replica loaded it first
-                self._use_scripts(f"FUNCTION LOAD: {err}")
-        await client.script_load(self.scripts[name].source)  # type: ignore[misc]
 
     # ---- the lean connection ----
 
@@ -212,16 +218,5 @@ class ScriptRunner:
                 raise
             if isinstance(err, resp.NoScriptError):
                 self.reloads += 1
-        await self._load_resp(conn, name)
+        await self._load(conn.execute, name)
         return await conn.request(self._payload(name, key, args))
-
-    async def _load_resp(self, conn: resp.RespConnection, name: str) -> None:
-        if self.library is not None:
-            try:
-                await conn.execute("FUNCTION", "LOAD", self.library.code)
-                return
-            except resp.ReplyError as err:
-                if "already exists" in str(err):
-                    return
-                self._use_scripts(f"FUNCTION LOAD: {err}")
-        await conn.execute("SCRIPT", "LOAD", self.scripts[name].source)

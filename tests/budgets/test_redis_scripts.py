@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 from redis.asyncio import Redis
 
+from budgets.redis import RedisStore
 from budgets.redis.scripts import ENTRY_SCRIPTS, ScriptRunner, load_library, load_scripts
 from budgets.types import BudgetLayout
 from loadtest.redis_server import RedisServer
@@ -25,6 +26,14 @@ P = "backend:p"
 
 def small_layout() -> BudgetLayout:
     return layout([shared(P, 100), private("tenant:a", 100)], ["a", "b"], lease_ttl_s=10.0)
+
+
+async def serves_one_request(store: RedisStore, lua_mode: str) -> None:
+    """A request is admitted and returned, with the Lua code running as ``lua_mode``."""
+    lease = await store.acquire(demand("a", 10, P), 1)
+    assert store.lua_mode == lua_mode
+    assert await store.release(lease.id)
+    await assert_idle(store)
 
 
 def server_without(*commands: str) -> Iterator[RedisServer]:
@@ -64,8 +73,7 @@ async def test_the_store_runs_the_function_library_on_redis_7(
 ) -> None:
     store = make_store(redis_server, small_layout())
     await store.start()
-    lease = await store.acquire(demand("a", 10, P), 1)
-    assert store.lua_mode == "functions"
+    await serves_one_request(store, "functions")
     client = Redis.from_url(redis_server.url, decode_responses=True)
     try:
         names = [
@@ -75,8 +83,6 @@ async def test_the_store_runs_the_function_library_on_redis_7(
     finally:
         await client.aclose()
     assert load_library().name in names
-    assert await store.release(lease.id)
-    await assert_idle(store)
 
 
 @pytest.mark.parametrize(("lua", "flush"), [("functions", "FUNCTION"), ("scripts", "SCRIPT")])
@@ -122,10 +128,7 @@ async def test_a_redis_that_refuses_function_load_gets_scripts(
 ) -> None:
     store = make_store(redis_without_function_load, small_layout())
     await store.start()
-    lease = await store.acquire(demand("a", 10, P), 1)
-    assert store.lua_mode == "scripts"
-    assert await store.release(lease.id)
-    await assert_idle(store)
+    await serves_one_request(store, "scripts")
 
 
 async def user_without_functions(server: RedisServer) -> str:
@@ -148,10 +151,7 @@ async def test_a_user_whose_acl_allows_scripts_but_not_functions_gets_scripts(
     url = await user_without_functions(redis_server)
     store = make_store(redis_server, small_layout(), url=url)
     await store.start()
-    lease = await store.acquire(demand("a", 10, P), 1)
-    assert store.lua_mode == "scripts"
-    assert await store.release(lease.id)
-    await assert_idle(store)
+    await serves_one_request(store, "scripts")
 
 
 async def test_replicas_loading_the_library_at_once_all_succeed(
