@@ -155,9 +155,15 @@ class _Protocol(asyncio.Protocol):
 
     # -- requests --
 
+    @property
+    def open(self) -> bool:
+        """Writable: not torn down, and the transport is not closing (a reset can close the
+        transport before connection_lost has run)."""
+        return not self.closed and self._transport is not None and not self._transport.is_closing()
+
     def send(self, payload: bytes) -> asyncio.Future[Any]:
         """Write one request; the future gets its reply (or the connection's failure)."""
-        if self.closed or self._transport is None or self._transport.is_closing():
+        if not self.open:
             raise RespConnectionError("redis connection is closed")
         fut = self._loop.create_future()
         deadline = self._loop.time() + self._op_timeout_s
@@ -212,7 +218,7 @@ class RespConnection:
 
     @property
     def connected(self) -> bool:
-        return self._proto is not None and not self._proto.closed
+        return self._proto is not None and self._proto.open
 
     async def execute(self, *args: str | bytes) -> Any:
         return await self.request(encode_command(args))
@@ -220,14 +226,14 @@ class RespConnection:
     async def request(self, payload: bytes) -> Any:
         """Send one encoded command and wait for its reply (bounded by ``op_timeout_s``)."""
         proto = self._proto
-        if proto is None or proto.closed:
+        if proto is None or not proto.open:
             proto = await self._connect()
         return await proto.send(payload)
 
     def send_nowait(self, payload: bytes) -> asyncio.Future[Any] | None:
         """Send on the open connection and return the reply's future; None when not connected."""
         proto = self._proto
-        if proto is None or proto.closed:
+        if proto is None or not proto.open:
             return None
         return proto.send(payload)
 
@@ -238,7 +244,7 @@ class RespConnection:
             self._connecting = asyncio.Lock()
         async with self._connecting:
             proto = self._proto
-            if proto is not None and not proto.closed:
+            if proto is not None and proto.open:
                 return proto  # another caller connected meanwhile
             self._proto = None
             loop = asyncio.get_running_loop()

@@ -157,7 +157,11 @@ class Transport:
         if self._is_down() or self._resp is None:
             return None  # _eval_batch raises Down (or the recovery is the one talking to Redis)
         argv = [self._now_arg(), self._replica, *args]
-        return self._scripts.send_resp_nowait(self._resp, "batch", self._keys.layout, argv)
+        try:
+            return self._scripts.send_resp_nowait(self._resp, "batch", self._keys.layout, argv)
+        except (OSError, TimeoutError) as err:  # the write itself failed: an outage, as in eval
+            self._on_down(err)
+            raise Down(str(err)) from err
 
     def _batch_finish(self, wire: asyncio.Future[Any]) -> Sequence[Any]:
         """eval's reply handling for a batch sent by _batch_start."""

@@ -228,6 +228,22 @@ async def test_closed_connection_refuses_requests(redis_server: RedisServer, con
         await conn.execute("PING")
 
 
+async def test_a_connection_reset_before_connection_lost_runs_is_not_written_to(
+    redis_server: RedisServer, connect: Maker
+) -> None:
+    # A reset read by the event loop closes the transport at once but calls connection_lost on a
+    # later turn; a batch flushed in between used to raise from send_nowait (a 500 in CI).
+    conn = connect(redis_server)
+    assert await conn.execute("PING") == "PONG"
+    proto = conn._proto
+    assert proto is not None and proto._transport is not None
+    proto._transport.close()  # what the loop does on ECONNRESET, before connection_lost
+    assert not conn.connected
+    assert conn.send_nowait(encode_command(("PING",))) is None  # the caller takes the async path
+    assert await conn.execute("ECHO", "again") == "again"  # which opens a new connection
+    assert conn.connects == 2
+
+
 def test_works_on_uvloop(redis_server: RedisServer) -> None:
     # The gateway runs on uvloop, whose transports differ from asyncio's.
     async def main() -> None:
