@@ -163,12 +163,13 @@ class _Protocol(asyncio.Protocol):
 
     def send(self, payload: bytes) -> asyncio.Future[Any]:
         """Write one request; the future gets its reply (or the connection's failure)."""
-        if not self.open:
+        transport = self._transport
+        if self.closed or transport is None or transport.is_closing():
             raise RespConnectionError("redis connection is closed")
         fut = self._loop.create_future()
         deadline = self._loop.time() + self._op_timeout_s
         self._pending.append((fut, deadline))
-        self._transport.write(payload)
+        transport.write(payload)
         if self._timer is None:
             self._timer = self._loop.call_at(deadline, self._check_deadline)
         return fut
