@@ -66,6 +66,7 @@ from budgets.types import (
 _log = logging.getLogger(__name__)
 
 _REAP_BATCH = 1000
+EARLY_WAKES = 1024  # wake-ups kept for waiters not registered yet
 
 
 @dataclass(slots=True)
@@ -96,6 +97,8 @@ class RedisStore:
         self._ids = itertools.count(1)
         self._held: HeldLeases = {}
         self._waiters: dict[int, _Waiter] = {}
+        # Wake-ups that came before their waiter registered (below, _on_wake), oldest first.
+        self._early: dict[int, replies.WakeUp] = {}
         self._listeners: list[Callable[[BudgetLayout], None]] = []
         self._releasing: dict[str, asyncio.Future[Any]] = {}  # write-behind releases on their way
         self._last_beat_sent = 0.0  # loop time of the last liveness refresh sent (see _granted_after)
@@ -378,7 +381,7 @@ class RedisStore:
         wait_s = min(max_wait_s, ticket.max_wait_s)
         deadline = started + wait_s
         waiter = _Waiter(seq, lease_id, demand)
-        self._waiters[seq] = waiter
+        self._register(waiter)
         try:
             while True:
                 remaining = deadline - loop.time()
@@ -407,7 +410,7 @@ class RedisStore:
                         return self._hold(lease_id, demand, again, started)
                     self._waiters.pop(seq, None)
                     seq = waiter.seq = again.seq
-                    self._waiters[seq] = waiter
+                    self._register(waiter)
             left = replies.withdraw(await self._transport.eval("withdraw", [str(seq), lease_id, "0"]))
             if isinstance(left, Granted):
                 return self._hold(lease_id, demand, left, self._granted_after(started))
@@ -738,7 +741,23 @@ class RedisStore:
     def _on_wake(self, data: str) -> None:
         seq, outcome = replies.wake_up(data)
         waiter = self._waiters.get(seq)
-        if waiter is not None and not waiter.future.done():
+        if waiter is None:
+            # The grant can overtake its own ticket: a release's reply (or another replica's
+            # message) is handled as it is read, while the acquire that queued the ticket has
+            # its reply but has not resumed to register yet. Kept for it, not dropped (it would
+            # otherwise wait for its next poll). Bounded: a wake-up whose waiter never comes (it
+            # was cancelled meanwhile and withdraws by itself) is dropped once it is the oldest.
+            early = self._early
+            early[seq] = outcome
+            if len(early) > EARLY_WAKES:
+                del early[next(iter(early))]
+        elif not waiter.future.done():
+            waiter.future.set_result(outcome)
+
+    def _register(self, waiter: _Waiter) -> None:
+        self._waiters[waiter.seq] = waiter
+        outcome = self._early.pop(waiter.seq, None)
+        if outcome is not None and not waiter.future.done():
             waiter.future.set_result(outcome)
 
 

@@ -14,6 +14,7 @@ import pytest
 from redis.asyncio import Redis
 
 from budgets.redis import RedisStore
+from budgets.redis.replies import Queued
 from budgets.types import BudgetLayout, Demand, QueueTimeout, StoreUnavailable
 from tests.budgets.redis_fixtures import (
     RedisServer,
@@ -193,6 +194,30 @@ async def test_lost_wakeup_is_found_by_polling(redis_server: RedisServer, make_s
     lease = await asyncio.wait_for(task, 2.0)
     assert await a.release(lease.id)
     await assert_idle(a)  # a store reads its own (write-behind) releases
+
+
+async def test_a_grant_that_overtakes_its_own_queued_reply_is_kept_for_the_waiter(
+    redis_server: RedisServer, make_store: StoreMaker
+) -> None:
+    # The order a busy event loop can produce: the acquire script has queued the ticket and
+    # replied, but before the acquire resumes to register its waiter, a release's reply carrying
+    # the grant is read. The two halves of acquire are run by hand to force that order; with
+    # polling every 30 s, a grant dropped on arrival would leave the waiter stuck.
+    store = make_store(redis_server, small_layout(), poll_interval_s=30.0)
+    await store.start()
+    blocker = await store.acquire(demand("b", 100, P), 1)
+    d = demand("a", 50, P)
+    lease_id = store._new_lease_id()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    ticket = await store._enqueue(lease_id, d)
+    assert isinstance(ticket, Queued)
+    await store.release(blocker.id)  # write-behind: its reply wakes ticket.seq ...
+    await store._transport.drain(1.0)  # ... and has been read here, with nobody waiting for it yet
+    lease = await asyncio.wait_for(store._wait(ticket, lease_id, d, 10, started), 1.0)
+    assert lease.id == lease_id
+    assert await store.release(lease.id)
+    await assert_idle(store)
 
 
 async def test_dead_replica_returns_its_tokens_and_tickets(
