@@ -170,6 +170,19 @@ checks it against the earlier pass):
    is promoted over several passes instead of in one long one, and each of them backfills like a
    young head until its turn. Old stays old, so that nothing is ever demoted.
 
+Settled: the pass that has nothing to do costs nothing
+-----------------------------------------------------
+A pass that runs to its end (not cut short by ``max_scan``) leaves the state *settled*: run again
+on the same heads, counters, in-flight tokens and layout, it would grant nothing (a pass grants
+until no eligible head fits, and holds only ever prevent grants). Everything that changes what a
+pass looks at unsettles the state: a release, an extension, a grant, a counter set, a withdrawal, a
+layout change, forgetting idle tenants, and an enqueue that makes a new head. An enqueue behind an
+existing head does not (it changes no head, rank, room or hold), and neither does time, except
+through promotions. So a pass on a settled state that promotes nothing returns at once, with
+exactly the decision a full pass would make. This is the common case under load: on a saturated pool
+every acquire queues behind its tenant's own head, and its pass used to cost as much as the pass
+after a release. (tests/budgets/test_policy_properties.py checks every such pass against a full one.)
+
 Forgetting idle tenants (bounded memory)
 ----------------------------------------
 A tenant with no waiting ticket and no live lease since ``idle_since[t]`` is *idle*. ``forget_idle``
@@ -249,6 +262,9 @@ class PolicyState:
     lease_min: LazyMin = field(default_factory=LazyMin)  # counters of tenants with live leases
     all_min: LazyMin = field(default_factory=LazyMin)  # every counter
     tier_order: tuple[BudgetLayout | None, tuple[str, ...]] = (None, ())  # (layout, tiers by rank)
+    # The last grant pass ran to its end and nothing it looks at has changed since: the next pass
+    # can only grant after a promotion (see "Settled" in the module docstring).
+    settled: bool = False
 
 
 # ---- limits and validation ----
@@ -346,6 +362,7 @@ def prompt_service(layout: BudgetLayout, demand: Demand) -> float:
 
 
 def set_counter(state: PolicyState, tenant: str, value: float) -> None:
+    state.settled = False
     """Set a tenant's counter (tests, restores): the only way to change one from outside, since the
     index ranks heads by counter."""
     _set_counter(state, tenant, value)
@@ -414,6 +431,7 @@ def _charge(state: PolicyState, demand: Demand) -> None:
 def release(state: PolicyState, demand: Demand, actual_decode: int | None, now: float | None = None) -> None:
     """Return a lease's tokens; charge the tenant's VTC for the output it was served. ``now`` (the
     store clock) dates the tenant's idleness when this was its last lease."""
+    state.settled = False
     cost = demand.cost
     for name in demand.pools:
         left = state.in_flight.get(name, 0) - cost
@@ -450,6 +468,7 @@ def extend(state: PolicyState, demand: Demand, tokens: int) -> tuple[Demand, int
     back under its limit, which the grant pass does by itself (a demand fits only under the limit).
     A reservation is not service: no fair-share counter moves.
     """
+    state.settled = False
     over = 0
     for name in demand.pools:
         used = state.in_flight.get(name, 0) + tokens
@@ -495,6 +514,7 @@ def forget_idle(state: PolicyState, now: float, limit: int | None = None) -> int
         heapq.heappop(heap)
         del since_of[tenant]
         counters.pop(tenant, None)
+        state.settled = False
         n += 1
     base = state.all_min
     if n and len(base.heap) > 64 and len(base.heap) > 3 * len(counters):  # drop what forgotten tenants left
@@ -509,6 +529,7 @@ def grant_immediately(state: PolicyState, demand: Demand) -> bool:
     """The fast path: grant now iff nothing at all is waiting and the demand fits."""
     if state.waiting or not fits(state, demand):
         return False
+    state.settled = False
     lift(state, demand.tenant)
     _charge(state, demand)
     return True
@@ -537,6 +558,7 @@ def enqueue(state: PolicyState, demand: Demand, now: float) -> Ticket:
     fifo = state.queues.get(key)
     pol = state.layout.policy
     if fifo is None:
+        state.settled = False  # a new head
         state.queues[key] = deque((ticket,))
         if pol.tenant_queue_order != "fifo":
             state.ordered[key] = [(order_key(pol, ticket), ticket.seq)]
@@ -549,6 +571,7 @@ def enqueue(state: PolicyState, demand: Demand, now: float) -> Ticket:
             order = state.ordered[key]
             bisect.insort(order, (order_key(pol, ticket), ticket.seq))
             if order[0][1] == ticket.seq:  # it goes before the head: it is the head now
+                state.settled = False
                 index = state.index
                 index.remove(index.heads[key])
                 index.add(
@@ -622,6 +645,7 @@ def withdraw(state: PolicyState, seq: int, now: float | None = None) -> Ticket |
     ticket = state.waiting.get(seq)
     if ticket is None:
         return None
+    state.settled = False
     key = (ticket.demand.tier, ticket.demand.tenant)
     fifo = state.queues[key]
     order = state.ordered.get(key) if state.ordered else None
@@ -704,6 +728,7 @@ def reindex(state: PolicyState) -> None:
     change, which may change the order). A ticket that was head and still is keeps its age class;
     a ticket that only now becomes head (its predecessor was dropped, or the order changed) is
     classed as usual."""
+    state.settled = False
     index = state.index
     was_old = {head.ticket.seq: head.old for head in index.heads.values()}
     index.clear()
@@ -750,7 +775,9 @@ def grant_pass(state: PolicyState, now: float) -> list[Ticket]:
     layout = state.layout
     index = state.index
     budget = layout.policy.max_scan
-    index.promote(now, layout.policy.backfill_limit_s, budget)
+    if not index.promote(now, layout.policy.backfill_limit_s, budget) and state.settled:
+        return []
+    state.settled = False  # until this pass reaches its end
     pools = layout.pools
     in_flight = state.in_flight
     granted: list[Ticket] = []
@@ -839,6 +866,7 @@ def grant_pass(state: PolicyState, now: float) -> list[Ticket]:
                 held_lower.update(best_group.pools)
                 contributed.add(id(best_group))
         held_all |= held_lower
+    state.settled = True
     return granted
 
 

@@ -288,25 +288,27 @@ class QueueIndex:
             elif head.group is None and ok:
                 self._activate(head, counters[head.tenant])
 
-    def promote(self, now: float, backfill: float, limit: int) -> None:
+    def promote(self, now: float, backfill: float, limit: int) -> int:
         """Young heads that have waited ``backfill`` by ``now`` become old, oldest first (by enqueue
-        time, then seq), at most ``limit`` of them."""
+        time, then seq), at most ``limit`` of them; returns how many."""
         age, heads = self.age, self.heads
-        while age and limit > 0:
+        promoted = 0
+        while age and promoted < limit:
             enq, _, _, head = age[0]
             if head.old or heads.get((head.tier, head.tenant)) is not head:
                 heapq.heappop(age)  # stale: granted, withdrawn, or already old
                 continue
             if not now - enq >= backfill:
-                return
+                break
             heapq.heappop(age)
-            limit -= 1
+            promoted += 1
             head.old = True
             group, key = head.group, head.key
             if group is not None and key is not None:  # active (a parked head only keeps the flag)
                 group.young.remove(key)
                 group.n_old += 1
                 group.push_old(key)
+        return promoted
 
     def clear(self) -> None:
         self.heads.clear()

@@ -77,6 +77,7 @@ class Model:
         self.state = PolicyState(dataclasses.replace(lay, policy=policy_spec))
         self.leases: list[Demand] = []
         self.now = 0.0
+        self.skips_checked = 0  # passes that ran on a settled state (checked against a full one)
 
     def demand(self, tenant: str, tier: str, pools: tuple[str, ...], prefill: int, decode: int) -> Demand:
         own = (f"tenant:{tenant}",) if tenant in ("a", "b") else ()
@@ -98,7 +99,16 @@ class Model:
         counters = dict(self.state.counters)
         pending = len(self.state.waiting)
         waiting = list(self.state.waiting.values())
+        full = None
+        if self.state.settled:
+            # A settled state may skip the pass: it must decide exactly what a full pass decides.
+            twin = copy.deepcopy(self.state)
+            twin.settled = False
+            full = [t.seq for t in policy.grant_pass(twin, self.now)], twin.counters, twin.in_flight
         tickets = policy.grant_pass(self.state, self.now)
+        if full is not None:
+            assert full == ([t.seq for t in tickets], self.state.counters, self.state.in_flight)
+            self.skips_checked += 1
         self.check_order(waiting, tickets)
         grants = [t.demand for t in tickets]
         self.check_grants(before, grants)
