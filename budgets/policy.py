@@ -362,9 +362,9 @@ def prompt_service(layout: BudgetLayout, demand: Demand) -> float:
 
 
 def set_counter(state: PolicyState, tenant: str, value: float) -> None:
-    state.settled = False
     """Set a tenant's counter (tests, restores): the only way to change one from outside, since the
     index ranks heads by counter."""
+    state.settled = False
     _set_counter(state, tenant, value)
 
 

@@ -142,6 +142,23 @@ class OpsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class GcConfig:
+    """The process's garbage collector, as ``gc.set_threshold(threshold0, threshold1, threshold2)``.
+
+    Python's defaults (700, 10, 10) run a young collection every ~700 net new container objects
+    and a full one every 100 young ones (when a quarter of the heap is new). Every request in
+    flight or waiting is a few dozen containers, so under load the defaults walk the whole heap
+    (every waiting request) several times a second: 59 µs of collector per request, and one
+    200+ ms stall per full collection with 100,000 waiters (docs/benchmarks.md, "Garbage
+    collection"). Reference counting still frees everything that is not a cycle at once.
+    """
+
+    threshold0: int = 10_000
+    threshold1: int = 10
+    threshold2: int = 100
+
+
+@dataclass(frozen=True, slots=True)
 class LoggingConfig:
     # Adopt a client's x-request-id as the request's id (only when every client is trusted to send
     # unique ids); otherwise the gateway makes its own and logs the client's as client_request_id.
@@ -219,6 +236,7 @@ class GatewayConfig:
     upstream: UpstreamConfig = UpstreamConfig()
     embedded_backend: EmbeddedBackendConfig = EmbeddedBackendConfig()
     drain_timeout_s: float = 30.0
+    gc: GcConfig = GcConfig()
     # Inject max_tokens = the reserved per-choice decode when the client set neither max_tokens
     # nor max_completion_tokens, so the backend cannot run past what was reserved.
     enforce_max_tokens: bool = True

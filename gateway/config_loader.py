@@ -33,6 +33,7 @@ from gateway.config import (
     EmbeddedBackendConfig,
     FairnessConfig,
     GatewayConfig,
+    GcConfig,
     HealthConfig,
     LeasesConfig,
     LimitsConfig,
@@ -183,6 +184,7 @@ def parse_config(data: Any) -> GatewayConfig:
         upstream=_upstream(root.get("upstream")),
         embedded_backend=embedded,
         drain_timeout_s=number(root, "drain_timeout_s", "", 30.0, minimum=0.0),
+        gc=_gc(root.get("gc")),
         enforce_max_tokens=boolean(root, "enforce_max_tokens", "", True),
         observability=_observability(root.get("observability")),
     )
@@ -241,6 +243,7 @@ _TOP_KEYS = (
     "upstream",
     "embedded_backend",
     "drain_timeout_s",
+    "gc",
     "enforce_max_tokens",
     "observability",
 )
@@ -635,6 +638,17 @@ def _logging(v: Any) -> LoggingConfig:
 def _metrics_section(v: Any) -> MetricsConfig:
     m = section(v, "metrics", ("top_tenants",))
     return MetricsConfig(top_tenants=integer(m, "top_tenants", "metrics", 20, minimum=0))
+
+
+def _gc(v: Any) -> GcConfig:
+    m = section(v, "gc", ("threshold0", "threshold1", "threshold2"))
+    d = GcConfig()
+    # threshold0 = 0 would switch the collector off: reference cycles would never be freed.
+    return GcConfig(
+        threshold0=integer(m, "threshold0", "gc", d.threshold0, minimum=1),
+        threshold1=integer(m, "threshold1", "gc", d.threshold1, minimum=1),
+        threshold2=integer(m, "threshold2", "gc", d.threshold2, minimum=1),
+    )
 
 
 def _health(v: Any) -> HealthConfig:

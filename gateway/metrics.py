@@ -202,7 +202,8 @@ class _FlushBuffered(Collector):
 
 class _FrozenHeap(Collector):
     """How many objects start-up froze out of the garbage collector's full collections
-    (gateway.serve.freeze_startup_heap); 0 when the app is not run by ``tokengate serve``."""
+    (gateway.serve.freeze_startup_heap; 0 when the app is not run by ``tokengate serve``), and the
+    collector's thresholds (gateway.serve.tune_collector)."""
 
     def describe(self) -> Sequence[Any]:
         return []
@@ -213,6 +214,14 @@ class _FrozenHeap(Collector):
             "Objects kept out of full garbage collections since start-up (gc.freeze)",
             value=gc.get_freeze_count(),
         )
+        thresholds = GaugeMetricFamily(
+            "tokengate_gc_threshold",
+            "The garbage collector's thresholds (gc.get_threshold(); config gc.threshold0..2)",
+            labels=["generation"],
+        )
+        for generation, value in enumerate(gc.get_threshold()):
+            thresholds.add_metric([str(generation)], value)
+        yield thresholds
 
 
 class GatewayMetrics:

@@ -30,7 +30,7 @@ import uvicorn
 from gateway import accesslog
 from gateway.accesslog import LineHandler
 from gateway.app import Gateway, build_app
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, GcConfig
 from gateway.config_loader import load_raw, parse_config
 from gateway.embedded import Embedded, start_embedded, with_embedded_pool
 from gateway.fields import ConfigError
@@ -54,6 +54,11 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
+def tune_collector(settings: GcConfig) -> None:
+    """The collector's thresholds from the config (``gc``; see GcConfig for why not Python's)."""
+    gc.set_threshold(settings.threshold0, settings.threshold1, settings.threshold2)
+
+
 class DrainingServer(uvicorn.Server):
     def __init__(
         self, config: uvicorn.Config, gateway: Gateway, on_started: Callable[[], None] | None = None
@@ -65,6 +70,7 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         if self.started:
+            tune_collector(self.gateway.config.gc)
             freeze_startup_heap()
         if self.started and self.on_started is not None:
             self.on_started()
@@ -413,6 +419,7 @@ def app_from_env() -> Gateway:
     GuardedHttpToolsProtocol.limits = connection_limits(config)
     app = build_app(config, raw=raw)
     app.config_path = path
+    tune_collector(config.gc)
     freeze_startup_heap()  # before the app's own start-up (uvicorn runs it next), not after
     return app
 

@@ -8,8 +8,10 @@ sockets to them, instant answers), runs its start-up, then:
 * **heap**: container objects the collector tracks, and the median time of a full collection
   (``gc.collect()``, five times), before and after ``gateway.serve.freeze_startup_heap``;
 * **under load**: ``--requests`` chat requests at ``--concurrency`` through the ASGI app (httpx's
-  ASGI transport, the upstream over real sockets), first with nothing frozen, then frozen, each
-  phase counting collections per generation and their time (``gc.callbacks``).
+  ASGI transport, the upstream over real sockets), first with nothing frozen on Python's default
+  thresholds, then frozen, then frozen on the config's ``gc`` thresholds
+  (``gateway.serve.tune_collector``: what ``tokengate serve`` runs), each phase counting
+  collections per generation and their time (``gc.callbacks``).
 
 Results and the command: docs/benchmarks.md, "Garbage collection".
 """
@@ -30,7 +32,7 @@ import httpx
 from gateway.app import build_app
 from gateway.config_loader import parse_config
 from gateway.embedded import start_embedded, with_embedded_pool
-from gateway.serve import freeze_startup_heap
+from gateway.serve import freeze_startup_heap, tune_collector
 
 
 def full_collection_ms(times: int = 5) -> float:
@@ -91,6 +93,7 @@ async def load(client: httpx.AsyncClient, requests: int, concurrency: int) -> di
 
 async def run(requests: int, concurrency: int) -> dict[str, Any]:
     config = parse_config({"embedded_backend": {"port": 0, "time_scale": 0.0}})
+    gc.set_threshold(700, 10, 10)  # Python's defaults, whatever the caller set
     embedded = await start_embedded(config)
     app = build_app(with_embedded_pool(config, embedded))
     await app.startup()
@@ -108,6 +111,11 @@ async def run(requests: int, concurrency: int) -> dict[str, Any]:
             out["frozen_objects"] = gc.get_freeze_count()
             out["full_collection_ms_frozen"] = full_collection_ms()
             out["frozen"] = await load(client, requests, concurrency)
+            defaults = gc.get_threshold()
+            tune_collector(config.gc)
+            out["thresholds"] = gc.get_threshold()
+            out["frozen_tuned"] = await load(client, requests, concurrency)
+            gc.set_threshold(*defaults)
             gc.unfreeze()
     finally:
         await app.shutdown()
@@ -131,14 +139,15 @@ def main(argv: list[str] | None = None) -> int:
         f"{out['full_collection_ms']:.1f} ms, {out['full_collection_ms_frozen']:.2f} ms with "
         f"{out['frozen_objects']:,} frozen"
     )
-    for phase in ("unfrozen", "frozen"):
+    for phase in ("unfrozen", "frozen", "frozen_tuned"):
         p = out[phase]
         gens = ", ".join(
             f"gen{g}: {p[f'gen{g}']['collections']} ({p[f'gen{g}']['total_ms']:.1f} ms, "
             f"longest {p[f'gen{g}']['longest_ms']:.1f} ms)"
             for g in range(3)
         )
-        print(f"{phase:>8}: {p['requests']:,} requests in {p['seconds']:.1f} s; collections {gens}")
+        print(f"{phase:>12}: {p['requests']:,} requests in {p['seconds']:.1f} s; collections {gens}")
+    print(f"(frozen_tuned: thresholds {out['thresholds']}, config gc)")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0

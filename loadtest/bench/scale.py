@@ -25,6 +25,10 @@ the granted tenant then queues a new ticket, so the backlog stays the same size.
 * **memory**: bytes per idle tenant, per waiting ticket and per live lease, in process
   (``tracemalloc``) and in Redis (``MEMORY USAGE`` of every key of the domain), and what an idle
   tenant costs once ``idle_forget_s`` has forgotten it.
+
+The process runs on the collector thresholds ``tokengate serve`` sets (config ``gc``; ``--gc
+python`` for Python's own): a memory-store waiter is a handful of container objects, and how often
+the collector walks them all is part of what a cycle costs in the gateway.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ from budgets.redis import RedisOptions, RedisStore
 from budgets.redis.keys import SEP, pack_demand
 from budgets.redis.scripts import ScriptRunner
 from budgets.types import BudgetLayout, Demand, PolicySpec, PoolSpec, TenantSpec, TierSpec
+from gateway.config import GcConfig
+from gateway.serve import tune_collector
 from loadtest.bench import percentile_ms
 from loadtest.redis_server import RedisServer, used_cpu_seconds
 
@@ -570,11 +576,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--lua", default="functions", choices=("functions", "scripts"), help="redis: FCALL or EVALSHA"
     )
+    parser.add_argument(
+        "--gc",
+        default="gateway",
+        choices=("gateway", "python"),
+        help="collector thresholds: the gateway's (config gc defaults, what tokengate serve runs) or Python's",
+    )
     parser.add_argument("--bytes-sample", type=int, default=20_000, help="in-process bytes: sample size")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     if args.quick:
         args.sizes, args.seconds = QUICK_SIZES, 2.0
+    if args.gc == "gateway":
+        tune_collector(GcConfig())
+    print(f"gc thresholds: {gc.get_threshold()} ({args.gc})")
     private = None if args.url or "redis" not in args.stores else RedisServer().start()
     url = args.url or (private.url if private else "")
     try:

@@ -60,6 +60,9 @@ async def test_serve_with_embedded_backend_and_sigterm(tmp_path: Path) -> None:
             assert 'python_gc_collections_total{generation="2"}' in ops.text
             frozen = next(x for x in ops.text.splitlines() if x.startswith("tokengate_gc_frozen_objects "))
             assert float(frozen.split()[1]) > 10_000
+            # ... and the collector runs on the config's thresholds (gc: defaults), not Python's.
+            assert 'tokengate_gc_threshold{generation="0"} 10000.0' in ops.text
+            assert 'tokengate_gc_threshold{generation="2"} 100.0' in ops.text
         proc.send_signal(signal.SIGTERM)
         out, err = await asyncio.wait_for(proc.communicate(), 20)
         # uvicorn re-raises the signal it handled once the graceful shutdown is done.

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import DEFAULT_TIERS, GatewayConfig
+from gateway.config import DEFAULT_TIERS, GatewayConfig, GcConfig
 from gateway.config_loader import ConfigError, check_workers, hash_key, load_config, parse_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -176,6 +176,8 @@ def test_example_configs_load() -> None:
         ({"fairness": {"max_defer_s": -1}}, "fairness.max_defer_s: expected a non-negative number, got -1"),
         ({"fairness": {"defer_s_per_token": "fast"}}, "fairness.defer_s_per_token: expected a number"),
         ([1, 2], "config: expected a mapping, got a list"),
+        ({"gc": {"threshold0": 0}}, "gc.threshold0: expected a positive integer, got 0"),
+        ({"gc": {"threshold": 5}}, "gc.threshold: unknown key (did you mean"),
         ({"models": {"m*": {"tokenizer": "hf:/nonexistent/tokenizer.json"}}}, "models.m*.tokenizer:"),
         ({"models": {"m*": {"tokenizer": "tiktoken:no_such_encoding"}}}, "models.m*.tokenizer:"),
     ],
@@ -239,6 +241,11 @@ def test_without_pools_classes_name_the_embedded_pools() -> None:
         parse_config({"classes": [{"name": "x", "pool": "default"}]})
     one = parse_config({"embedded_backend": {"split": False}, "classes": [{"name": "x", "pool": "default"}]})
     assert one.embedded_backend.pool_names == ("default",)
+
+
+def test_gc_section_defaults_and_overrides() -> None:
+    assert parse_config({}).gc == GcConfig(threshold0=10_000, threshold1=10, threshold2=100)
+    assert parse_config({"gc": {"threshold0": 700, "threshold2": 10}}).gc == GcConfig(700, 10, 10)
 
 
 def test_logging_section() -> None:
