@@ -13,13 +13,14 @@ import pytest
 from redis.asyncio import Redis
 
 from budgets.redis import RedisStore
+from budgets.redis.keys import pack_demand
 from budgets.redis.scripts import ENTRY_SCRIPTS, ScriptRunner, load_library, load_scripts
 from budgets.types import BudgetLayout
 from loadtest.redis_server import RedisServer
-from tests.budgets.redis_fixtures import StoreMaker, make_store, redis_server, unique_prefix
+from tests.budgets.redis_fixtures import StoreMaker, fresh_redis, make_store, redis_server, unique_prefix
 from tests.budgets.support import assert_idle, demand, in_flight, layout, private, shared
 
-__all__ = ["make_store", "redis_server"]  # fixtures used below
+__all__ = ["fresh_redis", "make_store", "redis_server"]  # fixtures used below
 
 P = "backend:p"
 
@@ -200,3 +201,32 @@ async def test_redis_py_calls_load_lost_code_and_fall_back_like_the_lean_connect
     denied = ScriptRunner()
     assert await _status_via_redis_py(await user_without_functions(redis_server), denied) == first
     assert denied.mode == "scripts"
+
+
+async def test_a_layout_kept_by_the_library_is_not_used_for_another_layout_after_a_flush(
+    fresh_redis: RedisServer, make_store: StoreMaker
+) -> None:
+    # The library keeps parsed layouts across calls, by version and digest. FLUSHALL empties the
+    # data and leaves the library loaded; the next layout written starts again at version 1, so
+    # only the digest tells it from the one kept. It is written here by a replica running EVALSHA
+    # scripts (another Lua state, as a replica of an older version would), so nothing in the
+    # library hears of it; the library's next call must still use it.
+    prefix = unique_prefix()
+    roomy = make_store(fresh_redis, small_layout(), prefix)
+    await roomy.start()
+    lease = await roomy.acquire(demand("a", 80, P), 1)  # fits 100: the library keeps this layout
+    assert await roomy.release(lease.id)
+    await roomy.close()
+    raw = Redis.from_url(fresh_redis.url, decode_responses=True)
+    await raw.flushall()
+    tight = layout([shared(P, 50), private("tenant:a", 100)], ["a", "b"], lease_ttl_s=10.0)
+    other = make_store(fresh_redis, tight, prefix, lua="scripts")
+    await other.start()
+    await other.close()
+    assert await raw.hget(roomy._keys.layout, "ver") == "1"
+    acquire = load_library().functions["acquire"]
+    reply = await raw.fcall(
+        acquire, 1, roomy._keys.layout, "", "r1", "r1-1", *pack_demand(demand("a", 80, P))
+    )
+    assert reply[0][0] == "E", reply  # NeverFits under the new layout (80 > 50), not a grant
+    await raw.aclose()

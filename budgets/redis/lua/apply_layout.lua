@@ -10,7 +10,7 @@ local function apply_layout_main(A)
   local changed = 0
   if redis.call('HGET', K.layout, 'digest') ~= digest or redis.call('EXISTS', K.spec) == 0 then
     changed = 1
-    local ver = redis.call('HINCRBY', K.layout, 'ver', 1)
+    local ver = redis.call('HINCRBY', K.layout, 'ver', '1')
     redis.call('HSET', K.layout, 'digest', digest, 'json', A[2])
     -- T:spec: the policy, then p:/t:/n: fields for pools, tiers and tenants (see lib.lua).
     local fields = {

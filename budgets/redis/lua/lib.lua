@@ -50,6 +50,9 @@ local function keyset(layout)
     age = T .. ':age',
     gtiers = T .. ':gtiers',
     clock = T .. ':clock',
+    -- not key names: group_of's cache
+    groups = {},
+    groups_n = 0,
 }
 end
 
@@ -119,7 +122,7 @@ end
 
 -- The seq of the lowest (order key, seq) of a shortest_first queue, nil when it is empty.
 local function oq_first(oq)
-  local m = redis.call('ZRANGE', oq, 0, 0)[1]
+  local m = redis.call('ZRANGE', oq, '0', '0')[1]
   if m == nil then
     return nil
   end
@@ -155,6 +158,13 @@ end
 
 local P
 local spec_c -- field -> parsed spec, or false when absent
+
+-- Parsed layouts kept across calls while the library stays loaded (a Redis 7 function library;
+-- EVAL scripts start empty every call): layout key -> { stamp, P, spec }. The stamp is the
+-- layout's version and digest: apply_layout bumps the version whenever it rewrites T:spec, and
+-- a Redis that lost its data counts versions from 1 again, where the digest tells layouts apart.
+local layouts = {}
+local layouts_n = 0
 
 local function parse_spec(field, v)
   if not v then
@@ -197,6 +207,18 @@ end
 -- Within one script call (a batch) the policy is read once; later calls fetch only new specs.
 local function load_policy(d)
   local fields = {}
+  local ver, stamp -- of the layout, when it is not in ``layouts`` yet
+  if P == nil then
+    local v = redis.call('HMGET', K.layout, 'ver', 'digest')
+    if v[1] and v[2] then
+      local c = layouts[K.layout]
+      if c and c.stamp == v[1] .. SEP .. v[2] then
+        P, spec_c = c.P, c.spec
+      else
+        ver, stamp = v[1], v[1] .. SEP .. v[2]
+      end
+    end
+  end
   if P == nil then
     fields = { 'ver', 'pw', 'dw', 'backfill', 'ttl', 'max_scan', 'tiers', 'idle', 'qo' }
   end
@@ -235,6 +257,15 @@ local function load_policy(d)
     P.sf = qo[1] == 'shortest_first'
     P.max_defer = tonumber(qo[2] or '10')
     P.per_token = tonumber(qo[3] or '0.01')
+    if stamp and P.ver == ver then -- T:spec is the one that version wrote
+      if layouts_n >= 64 then
+        layouts, layouts_n = {}, 0
+      end
+      if layouts[K.layout] == nil then
+        layouts_n = layouts_n + 1
+      end
+      layouts[K.layout] = { stamp = stamp, P = P, spec = spec_c }
+    end
   end
   for i = first, #fields do
     spec_c[fields[i]] = parse_spec(fields[i], v[i])
@@ -244,8 +275,10 @@ end
 
 local function reset_layout_cache()
   P = nil
-  for k in pairs(spec_c) do
-    spec_c[k] = nil
+  spec_c = {} -- a new table: the one kept in ``layouts`` may be another call's
+  if layouts[K.layout] ~= nil then
+    layouts[K.layout] = nil
+    layouts_n = layouts_n - 1
   end
 end
 
@@ -362,7 +395,7 @@ end
 
 -- The lowest score of a sorted set whose member is not ``skip``; nil when there is none.
 local function lowest(key, skip)
-  local v = redis.call('ZRANGE', key, 0, 1, 'WITHSCORES')
+  local v = redis.call('ZRANGE', key, '0', '1', 'WITHSCORES')
   if v[1] and v[1] ~= skip then
     return tonumber(v[2])
   end
@@ -481,9 +514,9 @@ local function activate(h, counter)
   h.counter = counter
   local m = rank_member(counter, h.rs, h.tenant)
   if h.old then
-    redis.call('ZADD', gkey('o', h.tier, h.gid), 0, m)
+    redis.call('ZADD', gkey('o', h.tier, h.gid), '0', m)
   else
-    redis.call('ZADD', gkey('y', h.tier, h.gid), 0, m)
+    redis.call('ZADD', gkey('y', h.tier, h.gid), '0', m)
     redis.call('ZADD', gkey('c', h.tier, h.gid), h.cost, h.tenant)
   end
   if redis.call('SADD', gtkey(h.tier), h.gid) == 1 then
@@ -581,7 +614,7 @@ local function reposition(tenant, counter)
       if not h.parked then
         local kind = h.old and 'o' or 'y'
         redis.call('ZREM', gkey(kind, h.tier, h.gid), rank_member(h.counter, h.rs, tenant))
-        redis.call('ZADD', gkey(kind, h.tier, h.gid), 0, rank_member(counter, h.rs, tenant))
+        redis.call('ZADD', gkey(kind, h.tier, h.gid), '0', rank_member(counter, h.rs, tenant))
         h.counter = counter
         store_head(h)
       end
@@ -594,7 +627,7 @@ local function reseq(h, rs)
   if not h.parked then
     local kind = h.old and 'o' or 'y'
     redis.call('ZREM', gkey(kind, h.tier, h.gid), rank_member(h.counter, h.rs, h.tenant))
-    redis.call('ZADD', gkey(kind, h.tier, h.gid), 0, rank_member(h.counter, rs, h.tenant))
+    redis.call('ZADD', gkey(kind, h.tier, h.gid), '0', rank_member(h.counter, rs, h.tenant))
   end
   h.rs = rs
   store_head(h)
@@ -682,7 +715,7 @@ local function promote(now, limit)
       local m = rank_member(h.counter, h.rs, h.tenant)
       redis.call('ZREM', gkey('y', h.tier, h.gid), m)
       redis.call('ZREM', gkey('c', h.tier, h.gid), h.tenant)
-      redis.call('ZADD', gkey('o', h.tier, h.gid), 0, m)
+      redis.call('ZADD', gkey('o', h.tier, h.gid), '0', m)
     end
     h.old = true
     store_head(h)
@@ -939,7 +972,7 @@ local function enqueue(d, now, owner, lease_id)
     redis.call('ZREM', K.idle, d.tenant)
     redis.call('ZADD', K.vb, fmt(vtc(d.tenant)), d.tenant)
   end
-  redis.call('HINCRBY', K.tierq, d.tier, 1)
+  redis.call('HINCRBY', K.tierq, d.tier, '1')
   add_ahead(d, 1)
   local qk = qkey(d.tier, d.tenant)
   local n = redis.call('RPUSH', qk, seq)
@@ -948,7 +981,7 @@ local function enqueue(d, now, owner, lease_id)
     redis.call('ZADD', oq, fmt(order_key(d, now)), oq_member(seq))
     if n > 1 and oq_first(oq) == seq then -- it goes before the head: it is the head now
       remove_head(load_head(head_key(d.tier, d.tenant)))
-      add_head({ seq = seq, d = d, enq = now }, pass_clock(), false, tonumber(redis.call('LINDEX', qk, 0)))
+      add_head({ seq = seq, d = d, enq = now }, pass_clock(), false, tonumber(redis.call('LINDEX', qk, '0')))
     end
   end
   if n == 1 then
@@ -959,7 +992,7 @@ local function enqueue(d, now, owner, lease_id)
 end
 
 local function decr_or_drop(key, field)
-  if tonumber(redis.call('HINCRBY', key, field, -1)) <= 0 then
+  if tonumber(redis.call('HINCRBY', key, field, '-1')) <= 0 then
     redis.call('HDEL', key, field)
     return true
   end
@@ -984,11 +1017,11 @@ end
 -- was the first ticket.
 local function leave_queue(qk, oq, seq)
   redis.call('ZREM', oq, oq_member(seq))
-  if tonumber(redis.call('LINDEX', qk, 0)) == seq then
+  if tonumber(redis.call('LINDEX', qk, '0')) == seq then
     redis.call('LPOP', qk)
     return true
   end
-  redis.call('LREM', qk, 1, seq)
+  redis.call('LREM', qk, '1', seq)
   return false
 end
 
@@ -1008,19 +1041,19 @@ local function withdraw(seq, now)
       remove_head(h)
     elseif h.seq == tk.seq then
       remove_head(h)
-      add_head(load_ticket(nxt), pass_clock(), false, tonumber(redis.call('LINDEX', qk, 0)))
+      add_head(load_ticket(nxt), pass_clock(), false, tonumber(redis.call('LINDEX', qk, '0')))
     elseif first then
-      reseq(h, tonumber(redis.call('LINDEX', qk, 0)))
+      reseq(h, tonumber(redis.call('LINDEX', qk, '0')))
     end
-  elseif tonumber(redis.call('LINDEX', qk, 0)) == tk.seq then
+  elseif tonumber(redis.call('LINDEX', qk, '0')) == tk.seq then
     redis.call('LPOP', qk)
     remove_head(load_head(head_key(tk.d.tier, tk.d.tenant)))
-    local nxt = redis.call('LINDEX', qk, 0)
+    local nxt = redis.call('LINDEX', qk, '0')
     if nxt then
       add_head(load_ticket(nxt), pass_clock(), false)
     end
   else
-    redis.call('LREM', qk, 1, tk.seq)
+    redis.call('LREM', qk, '1', tk.seq)
   end
   forget(tk, now)
   return tk
@@ -1048,15 +1081,28 @@ local function grant_ticket(tk, now, own)
   return queued
 end
 
--- A group of the pass: its keys and shared pools.
+-- A group of the pass: its keys and shared pools. A pure function of the domain, tier and group,
+-- read only by the pass, so kept across calls (per keyset, bounded).
 local function group_of(tier, gid)
-  return {
-    gid = gid,
-    pools = split(gid, LSEP),
-    y = gkey('y', tier, gid),
-    c = gkey('c', tier, gid),
-    o = gkey('o', tier, gid),
-  }
+  local groups = K.groups
+  local id = tier .. SEP .. gid
+  local g = groups[id]
+  if g == nil then
+    if K.groups_n >= 4096 then
+      groups = {}
+      K.groups, K.groups_n = groups, 0
+    end
+    g = {
+      gid = gid,
+      pools = split(gid, LSEP),
+      y = gkey('y', tier, gid),
+      c = gkey('c', tier, gid),
+      o = gkey('o', tier, gid),
+    }
+    groups[id] = g
+    K.groups_n = K.groups_n + 1
+  end
+  return g
 end
 
 local function held_by(g, held)
@@ -1095,19 +1141,19 @@ local function next_candidate(live, t, cursor, held_lower, contributed)
   for i = 1, #live do
     local g = live[i]
     local room = room_of(g, t)
-    local cand = redis.call('ZRANGE', g.o, 0, 0)[1]
+    local cand = redis.call('ZRANGE', g.o, '0', '0')[1]
     local cand_old = cand ~= nil
     local succ
     if cursor == nil then
-      succ = redis.call('ZRANGE', g.y, 0, 0)[1]
+      succ = redis.call('ZRANGE', g.y, '0', '0')[1]
       if cand == nil and succ == nil then
         redis.call('SREM', gtkey(t.name), g.gid) -- emptied since (deactivate leaves it)
       end
     else
-      succ = redis.call('ZRANGEBYLEX', g.y, '(' .. cursor, '+', 'LIMIT', 0, 1)[1]
+      succ = redis.call('ZRANGEBYLEX', g.y, '(' .. cursor, '+', 'LIMIT', '0', '1')[1]
     end
     if succ then
-      if tonumber(redis.call('ZRANGE', g.c, 0, 0, 'WITHSCORES')[2]) <= room then
+      if tonumber(redis.call('ZRANGE', g.c, '0', '0', 'WITHSCORES')[2]) <= room then
         if cand == nil or ranked_before(succ, cand) then
           cand, cand_old = succ, false
         end
@@ -1140,14 +1186,14 @@ local function grant_head(h, tk, now, own, live, held_all)
     nxt = oq_first(oq)
   else
     redis.call('LPOP', qk)
-    nxt = redis.call('LINDEX', qk, 0)
+    nxt = redis.call('LINDEX', qk, '0')
   end
   remove_head(h)
   forget(tk, now)
   charge(tk.d)
   local queued = grant_ticket(tk, now, own)
   if nxt then
-    local nh = add_head(load_ticket(nxt), now, false, tonumber(redis.call('LINDEX', qk, 0)))
+    local nh = add_head(load_ticket(nxt), now, false, tonumber(redis.call('LINDEX', qk, '0')))
     if not nh.parked then
       local known = false
       for i = 1, #live do
@@ -1306,12 +1352,12 @@ local function reindex()
     local qk = qkey(tk.d.tier, tk.d.tenant)
     if not seen[qk] then
       seen[qk] = true
-      local rs = tonumber(redis.call('LINDEX', qk, 0))
+      local rs = tonumber(redis.call('LINDEX', qk, '0'))
       local head_seq = rs
       local oq = oqkey(tk.d.tier, tk.d.tenant)
       redis.call('DEL', oq)
       if P.sf then -- the order keys under the new settings
-        local members = redis.call('LRANGE', qk, 0, -1)
+        local members = redis.call('LRANGE', qk, '0', '-1')
         for j = 1, #members do
           local other = load_ticket(members[j])
           redis.call('ZADD', oq, fmt(order_key(other.d, other.enq)), oq_member(other.seq))
@@ -1344,7 +1390,7 @@ local function upgrade(now)
     end
   end
   redis.call('DEL', K.vb, K.vl, K.idle, K.ahead)
-  local counters = redis.call('ZRANGE', K.vtc, 0, -1, 'WITHSCORES')
+  local counters = redis.call('ZRANGE', K.vtc, '0', '-1', 'WITHSCORES')
   for i = 1, #counters, 2 do
     local tenant, c = counters[i], counters[i + 1]
     local b, l = backlogged(tenant), leased(tenant)
