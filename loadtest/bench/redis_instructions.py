@@ -202,11 +202,15 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes:
             for tree in trees:
                 r = _point(tree, mode, tenants, tickets, args.seconds, args.keep)
-                per_cycle = r["per_call"] * (2 if mode in ("single", "fast") else 1 / 32)
+                if r.get("cycles"):  # the driver's count of the window's cycles
+                    per_cycle = f"{r['instructions'] / r['cycles']:,.0f} per cycle ({r['cycles']} cycles)"
+                else:  # older trees' scale.py: from the calls (2 per cycle, or 32 cycles per batch)
+                    per_cycle = (
+                        f"~{r['per_call'] * (2 if mode in ('single', 'fast') else 1 / 32):,.0f} per cycle"
+                    )
                 print(
                     f"{mode:6s} {tenants:>7} tenants {tickets:>8} tickets  {tree}: "
-                    f"{r['per_call']:>12,.0f} instructions per script call "
-                    f"({r['calls']} calls; ~{per_cycle:,.0f} per cycle)"
+                    f"{r['per_call']:>12,.0f} instructions per script call ({r['calls']} calls), {per_cycle}"
                 )
     return 0
 

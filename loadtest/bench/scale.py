@@ -447,6 +447,7 @@ async def redis_cycles(
             "store": "redis-batch" if batched else "redis",
             "tenants": tenants,
             "tickets": tickets,
+            "cycles": cycles,
             "cycles_per_s": cycles / wall,
             "redis_cpu_us_per_cycle": cpu / max(1, cycles) * 1e6,
             "script": summary(durations),

@@ -157,7 +157,33 @@ end
 -- demand names with a single HMGET.
 
 local P
-local spec_c -- field -> parsed spec, or false when absent
+local spec_c -- field -> parsed spec, or false when absent (kept across calls: below)
+local spec_x -- this call's tenant specs beyond KEPT_TENANTS
+local kept -- this call's entry of ``layouts`` (below), once known
+
+-- Up to KEPT_TENANTS tenant specs are kept with a layout (pools and tiers always): with 100,000
+-- tenants, keeping them all held ~680 B each in the functions' Lua heap (68 MB); the rest are read
+-- per call, as they were before anything was kept.
+local KEPT_TENANTS = 10000
+
+local function remember(field, v)
+  if kept ~= nil and string.byte(field) == 110 then -- 'n:', a tenant
+    if kept.tenants >= KEPT_TENANTS then
+      spec_x[field] = v
+      return
+    end
+    kept.tenants = kept.tenants + 1
+  end
+  spec_c[field] = v
+end
+
+local function known_spec(field)
+  local v = spec_c[field]
+  if v == nil then
+    v = spec_x[field]
+  end
+  return v
+end
 
 -- Parsed layouts kept across calls while the library stays loaded (a Redis 7 function library;
 -- EVAL scripts start empty every call): layout key -> { stamp, P, spec }. The stamp is the
@@ -183,10 +209,10 @@ local function parse_spec(field, v)
 end
 
 local function spec(field)
-  local v = spec_c[field]
+  local v = known_spec(field)
   if v == nil then
     v = parse_spec(field, redis.call('HGET', K.spec, field))
-    spec_c[field] = v
+    remember(field, v)
   end
   return v
 end
@@ -213,7 +239,7 @@ local function load_policy(d)
     if v[1] and v[2] then
       local c = layouts[K.layout]
       if c and c.stamp == v[1] .. SEP .. v[2] then
-        P, spec_c = c.P, c.spec
+        P, spec_c, kept = c.P, c.spec, c
       else
         ver, stamp = v[1], v[1] .. SEP .. v[2]
       end
@@ -229,7 +255,7 @@ local function load_policy(d)
       want[#want + 1] = 'p:' .. d.pools[i]
     end
     for i = 1, #want do
-      if spec_c[want[i]] == nil then
+      if known_spec(want[i]) == nil then
         fields[#fields + 1] = want[i]
       end
     end
@@ -264,17 +290,23 @@ local function load_policy(d)
       if layouts[K.layout] == nil then
         layouts_n = layouts_n + 1
       end
-      layouts[K.layout] = { stamp = stamp, P = P, spec = spec_c }
+      kept = { stamp = stamp, P = P, spec = spec_c, tenants = 0 }
+      for field in pairs(spec_c) do
+        if string.byte(field) == 110 then
+          kept.tenants = kept.tenants + 1
+        end
+      end
+      layouts[K.layout] = kept
     end
   end
   for i = first, #fields do
-    spec_c[fields[i]] = parse_spec(fields[i], v[i])
+    remember(fields[i], parse_spec(fields[i], v[i]))
   end
   return true
 end
 
 local function reset_layout_cache()
-  P = nil
+  P, kept = nil, nil
   spec_c = {} -- a new table: the one kept in ``layouts`` may be another call's
   if layouts[K.layout] ~= nil then
     layouts[K.layout] = nil
@@ -1439,7 +1471,8 @@ local function begin(keys, args)
   CALLER = args[2]
   LOCAL = {}
   now_c, clock_c, P = nil, nil, nil
-  spec_c, used_c, vtc_c = {}, {}, {}
+  spec_c, spec_x, used_c, vtc_c = {}, {}, {}, {}
+  kept = nil
   counts_c = { [K.twait] = {}, [K.tleases] = {} }
 end
 
