@@ -151,8 +151,23 @@ def build_tokengate(engine: Engine, target: str = "gateway") -> str:
             log(f"image {tag}: torch from the host's wheel folder {wheels}")
         _run([engine.cli, "build", *extra, "--target", target, "-t", tag, "."], timeout=1800)
         log(f"image {tag}: built in {time.monotonic() - start:.0f} s")
+        _drop_older_builds(engine, name, tag)
     _run([engine.cli, "tag", tag, f"localhost/{name}:latest"], timeout=60)
     return tag
+
+
+def _drop_older_builds(engine: Engine, name: str, keep: str) -> None:
+    """Remove the images of earlier build contexts: every change builds a new ctx- tag (1-2 GB with
+    torch), and a developer's disk filled up with them."""
+    listed = _run(
+        [engine.cli, "images", "--format", "{{.Repository}}:{{.Tag}}", f"localhost/{name}"],
+        timeout=60,
+        check=False,
+    )
+    old = [t for t in listed.split() if t.startswith(f"localhost/{name}:ctx-") and t != keep]
+    if old:
+        _run([engine.cli, "rmi", *old], timeout=300, check=False)  # one still in use stays
+        log(f"image {keep}: removed {len(old)} image(s) of earlier build contexts")
 
 
 def local_torch_wheels() -> Path | None:
