@@ -37,6 +37,15 @@ async def serves_one_request(store: RedisStore, lua_mode: str) -> None:
     await assert_idle(store)
 
 
+async def flush_functions(server: RedisServer) -> None:
+    """FUNCTION FLUSH: the library is gone, as after a restart without persistence."""
+    client = Redis.from_url(server.url)
+    try:
+        await client.function_flush()
+    finally:
+        await client.aclose()
+
+
 def server_without(*commands: str) -> Iterator[RedisServer]:
     args: list[str] = []
     for command in commands:
@@ -158,11 +167,7 @@ async def test_a_user_whose_acl_allows_scripts_but_not_functions_gets_scripts(
 async def test_replicas_loading_the_library_at_once_all_succeed(
     redis_server: RedisServer, make_store: StoreMaker
 ) -> None:
-    client = Redis.from_url(redis_server.url)
-    try:
-        await client.function_flush()
-    finally:
-        await client.aclose()
+    await flush_functions(redis_server)
     prefix = unique_prefix()
     replicas = [make_store(redis_server, small_layout(), prefix=prefix) for _ in range(4)]
     await asyncio.gather(*(r.start() for r in replicas))
@@ -185,11 +190,7 @@ async def _status_via_redis_py(url: str, runner: ScriptRunner) -> object:
 async def test_redis_py_calls_load_lost_code_and_fall_back_like_the_lean_connection(
     redis_server: RedisServer, redis_without_fcall: RedisServer
 ) -> None:
-    client = Redis.from_url(redis_server.url)
-    try:
-        await client.function_flush()
-    finally:
-        await client.aclose()
+    await flush_functions(redis_server)
     runner = ScriptRunner()
     first = await _status_via_redis_py(redis_server.url, runner)
     assert (runner.mode, runner.reloads) == ("functions", 1)
