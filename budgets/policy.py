@@ -462,6 +462,7 @@ def release(state: PolicyState, demand: Demand, actual_decode: int | None, now: 
 
 def extend(state: PolicyState, demand: Demand, tokens: int) -> tuple[Demand, int]:
     """Grow a live lease's output reservation by ``tokens`` in every pool it holds; never queues.
+    Waiting heads that name a private pool it grew in are checked again, like after a grant.
 
     Returns the grown demand and the overdraft: how far the fullest of its pools now is above its
     capacity (0 when the growth fit). An overdrawn pool grants nothing new until releases bring it
@@ -476,6 +477,10 @@ def extend(state: PolicyState, demand: Demand, tokens: int) -> tuple[Demand, int
         spec = state.layout.pools.get(name)
         if spec is not None:
             over = max(over, min(tokens, used - spec.capacity))
+    if tokens and state.index.private:
+        # A private pool that grew may no longer fit its tenant's waiting head: park it, or the
+        # next pass grants it past the tenant's budget (the pass checks only shared room).
+        _private_changed(state, demand)
     return replace(demand, decode=demand.decode + tokens), over
 
 

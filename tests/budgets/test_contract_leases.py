@@ -174,6 +174,29 @@ async def test_growth_past_capacity_is_an_overdraft_and_the_pool_admits_nothing_
     assert await in_flight(store, P) == 5
 
 
+async def test_growth_on_a_tenant_budget_holds_back_that_tenants_waiting_request(
+    store_factory: StoreFactory, clock: FakeClock
+) -> None:
+    # Tenant a's next request (40) fits its budget (100) beside its running stream (50) and waits
+    # only for the shared pool P. The stream then grows by 30 (80 of a's 100): when P frees, the
+    # waiting request must not be granted, or a holds 120 of a budget of 100.
+    store = await store_factory(layout([shared(P, 100), shared(Q, 1000), private("tenant:a", 100)], ["a", "b"]))
+    other = await store.acquire(demand("b", 100, P), 1)
+    stream = await store.acquire(demand("a", 50, Q, "tenant:a", decode=40), 1)
+    nxt = asyncio.create_task(store.acquire(demand("a", 40, P, "tenant:a"), 10))
+    await wait_queued(store, 1)
+    assert await store.extend(stream.id, 30) == 0  # a's budget: 80 of 100, no overdraft
+    await store.release(other.id)  # P is empty now
+    await wait_queued(store, 1)
+    assert not nxt.done()
+    assert await in_flight(store, "tenant:a") == 80
+    await store.release(stream.id, 70)  # a's budget frees: now it is granted
+    lease = await asyncio.wait_for(nxt, 5)
+    assert await in_flight(store, "tenant:a") == 40
+    await store.release(lease.id)
+    await assert_idle(store)
+
+
 async def test_an_unknown_lease_cannot_grow_and_a_grown_reaped_lease_returns_all_of_it(
     store_factory: StoreFactory, clock: FakeClock
 ) -> None:

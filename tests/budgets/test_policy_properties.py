@@ -7,7 +7,7 @@ import dataclasses
 from collections import Counter
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from budgets import policy
@@ -36,10 +36,13 @@ enqueue_op = st.tuples(
 release_op = st.tuples(st.just("rel"), st.integers(0, 50), st.one_of(st.none(), st.integers(-5, 40)))
 withdraw_op = st.tuples(st.just("wd"), st.integers(0, 50))
 tick_op = st.tuples(st.just("tick"), st.sampled_from([0.1, 0.5, 1.5]))
+grow_op = st.tuples(st.just("grow"), st.integers(0, 50), st.integers(1, 30))
 # Weighted by sampling a kind first: st.one_of does not weigh a strategy listed twice.
-OPS = {"enq": enqueue_op, "rel": release_op, "wd": withdraw_op, "tick": tick_op}
+OPS = {"enq": enqueue_op, "rel": release_op, "wd": withdraw_op, "tick": tick_op, "grow": grow_op}
 ops_strategy = st.lists(
-    st.sampled_from(["enq", "enq", "enq", "rel", "rel", "wd", "tick", "tick"]).flatmap(OPS.__getitem__),
+    st.sampled_from(["enq", "enq", "enq", "rel", "rel", "wd", "tick", "tick", "grow"]).flatmap(
+        OPS.__getitem__
+    ),
     max_size=60,
 )
 
@@ -176,6 +179,17 @@ class Model:
         elif kind == "tick":
             self.now += op[1]
             self.run_pass()
+        elif kind == "grow" and self.leases:
+            # A stream outgrows its reservation, within every pool's capacity (an overdraft is a
+            # contract test): no later grant may then pass a pool's limit (check_grants).
+            i = op[1] % len(self.leases)
+            d = self.leases[i]
+            room = min(self.state.layout.pools[n].capacity - self.state.in_flight.get(n, 0) for n in d.pools)
+            tokens = min(op[2], room)
+            if tokens > 0:
+                grown, over = policy.extend(self.state, d, tokens)
+                assert over == 0 and grown.cost == d.cost + tokens
+                self.leases[i] = grown
         self.check_consistency()
 
     def check_consistency(self) -> None:
@@ -226,6 +240,19 @@ class Model:
 @pytest.mark.slow  # hypothesis, 250 operation sequences
 @settings(max_examples=250, deadline=None)
 @given(ops=ops_strategy, max_scan=st.sampled_from([1, 2, 5, 256]), order=st.sampled_from(QUEUE_ORDERS))
+# A lease grows on its tenant's budget while that tenant's next request waits only for a shared
+# pool: the grown budget must hold the request back when the shared pool frees.
+@example(
+    ops=[
+        ("enq", "b", "critical", ("backend:p",), 30, 20),
+        ("enq", "a", "critical", ("backend:q",), 5, 5),
+        ("enq", "a", "critical", ("backend:p",), 10, 5),
+        ("grow", 1, 10),
+        ("rel", 0, None),
+    ],
+    max_scan=256,
+    order="fifo",
+)
 def test_invariants_hold_for_any_operation_sequence(
     ops: list[tuple],  # type: ignore[type-arg]
     max_scan: int,

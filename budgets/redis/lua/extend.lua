@@ -1,7 +1,8 @@
 -- extend.lua: grow a live lease's output reservation in every pool it holds (policy.extend).
 -- Never queues: the stream that outgrew its reservation is already running. An overdrawn pool
 -- grants nothing new until releases bring it back under its limit (no grant pass is needed: more
--- in flight can only block grants). A reservation is not service: no counter moves.
+-- in flight can only block grants; heads naming a grown private pool are parked if it no longer
+-- fits them). A reservation is not service: no counter moves.
 -- A (args after now-override and replica): lease id, tokens
 -- Reply: the overdraft (>= 0: how far the fullest pool is now above its capacity, at most tokens),
 -- or -1 when the lease is not live (released, reaped, or lost in a restart).
@@ -17,6 +18,8 @@ local function extend_main(A)
     return 0
   end
   add_used(d.pools, tokens)
+  -- A grown private pool may no longer fit its tenant's waiting head: park it (policy.extend).
+  private_pools_changed(d)
   local over = 0
   for i = 1, #d.pools do
     local p = pool_spec(d.pools[i])
