@@ -280,19 +280,21 @@ def check_demand(layout: BudgetLayout, demand: Demand) -> None:
     """Raise UnknownTenantOrTier or NeverFits if the demand can never be granted under ``layout``."""
     if demand.prefill < 0 or demand.decode < 0:
         raise ValueError(f"negative token counts in {demand!r}")
-    if len(set(demand.pools)) != len(demand.pools):
-        raise ValueError(f"duplicate pools in {demand.pools!r}")
+    names = demand.pools
+    if len(names) > 1 and len(set(names)) != len(names):
+        raise ValueError(f"duplicate pools in {names!r}")
     if demand.tenant not in layout.tenants:
         raise UnknownTenantOrTier(f"unknown tenant {demand.tenant!r}")
     tier = layout.tiers.get(demand.tier)
     if tier is None:
         raise UnknownTenantOrTier(f"unknown tier {demand.tier!r}")
     cost = demand.cost
-    for name in demand.pools:
-        pool = layout.pools.get(name)
+    pools = layout.pools
+    for name in names:
+        pool = pools.get(name)
         if pool is None:
             raise UnknownTenantOrTier(f"unknown pool {name!r}")
-        limit = pool_limit(pool, tier)
+        limit = math.floor(tier.ceiling * pool.capacity) if pool.shared else pool.capacity  # pool_limit
         if cost > limit:
             raise NeverFits(_never_fits_message(demand, pool, tier, limit), pool=name, cost=cost, limit=limit)
 
@@ -350,6 +352,8 @@ def usage_report(reported: object) -> int | None:
 def served_output(decode: int, actual_decode: object) -> int:
     """Output tokens to charge for a lease that reserved ``decode``: the report clamped to
     ``[0, decode]``, or the whole reservation when there is no usable report (module docstring)."""
+    if type(actual_decode) is int:  # the usual report (a bool's type is not int): nothing to check
+        return min(max(actual_decode, 0), decode)
     reported = usage_report(actual_decode)
     if reported is None:
         return decode
@@ -396,9 +400,11 @@ def lift(state: PolicyState, tenant: str) -> None:
     counters = state.counters
     backlogged, leased = state.tenant_waiting, state.leases_by_tenant
     base = None
-    if state.backlog_min.heap:
+    # (Only when some *other* tenant is a member: a lone tenant lifting itself, the usual fast path,
+    # has no base, and its heap may hold stale entries to walk.)
+    if backlogged:
         base = state.backlog_min.lowest(lambda t: counters[t] if t in backlogged else None, skip=tenant)
-    if base is None and state.lease_min.heap:
+    if base is None and (len(leased) > 1 or (leased and tenant not in leased)):
         base = state.lease_min.lowest(lambda t: counters[t] if t in leased else None, skip=tenant)
     own = counters.get(tenant)
     if own is None:
@@ -425,7 +431,7 @@ def _charge(state: PolicyState, demand: Demand) -> None:
         state.idle_since.pop(tenant, None)
         _join(state.lease_min, state.counters, value, tenant, leased)
     if cost and state.index.private:
-        _private_changed(state, demand)
+        _private_changed(state, demand, freed=False)
 
 
 def release(state: PolicyState, demand: Demand, actual_decode: int | None, now: float | None = None) -> None:
@@ -457,7 +463,7 @@ def release(state: PolicyState, demand: Demand, actual_decode: int | None, now: 
                 state.counters[tenant] + state.layout.policy.decode_weight * served / spec.weight,
             )
     if cost and state.index.private:
-        _private_changed(state, demand)
+        _private_changed(state, demand, freed=True)
 
 
 def extend(state: PolicyState, demand: Demand, tokens: int) -> tuple[Demand, int]:
@@ -480,15 +486,15 @@ def extend(state: PolicyState, demand: Demand, tokens: int) -> tuple[Demand, int
     if tokens and state.index.private:
         # A private pool that grew may no longer fit its tenant's waiting head: park it, or the
         # next pass grants it past the tenant's budget (the pass checks only shared room).
-        _private_changed(state, demand)
+        _private_changed(state, demand, freed=tokens < 0)
     return replace(demand, decode=demand.decode + tokens), over
 
 
-def _private_changed(state: PolicyState, demand: Demand) -> None:
+def _private_changed(state: PolicyState, demand: Demand, freed: bool) -> None:
     private = state.index.private
     for name in demand.pools:
         if name in private:
-            state.index.private_changed(name, state.layout, state.counters, state.in_flight, state.clock)
+            state.index.private_changed(name, state.layout, state.counters, state.in_flight, freed)
 
 
 # ---- idle tenants ----
@@ -761,11 +767,15 @@ def _tier_order(state: PolicyState) -> tuple[str, ...]:
     return order
 
 
-def _room(group: Group, tier: TierSpec, pools: Mapping[str, PoolSpec], in_flight: Mapping[str, int]) -> float:
+def _room(group: Group, tier: TierSpec, layout: BudgetLayout, in_flight: Mapping[str, int]) -> float:
     """The least ``limit(pool, tier) - in_flight`` over the group's shared pools."""
+    if group.limits_of is not layout:  # (a group's tier and pools never change; the layout may)
+        pools = layout.pools
+        group.limits = tuple((n, math.floor(tier.ceiling * pools[n].capacity)) for n in group.pools)
+        group.limits_of = layout
     room = math.inf
-    for name in group.pools:
-        left = math.floor(tier.ceiling * pools[name].capacity) - in_flight.get(name, 0)
+    for name, limit in group.limits:
+        left = limit - in_flight.get(name, 0)
         if left < room:
             room = left
     return room
@@ -783,7 +793,6 @@ def grant_pass(state: PolicyState, now: float) -> list[Ticket]:
     if not index.promote(now, layout.policy.backfill_limit_s, budget) and state.settled:
         return []
     state.settled = False  # until this pass reaches its end
-    pools = layout.pools
     in_flight = state.in_flight
     granted: list[Ticket] = []
     held_all: set[str] = set()
@@ -792,19 +801,24 @@ def grant_pass(state: PolicyState, now: float) -> list[Ticket]:
         if not by_pools:
             continue
         tier = layout.tiers[tier_name]
-        live = [g for g in by_pools.values() if held_all.isdisjoint(g.pools)]
+        if held_all:
+            live = [g for g in by_pools.values() if held_all.isdisjoint(g.pools)]
+        else:
+            live = list(by_pools.values())
         held_lower: set[str] = set()
         contributed: set[int] = set()  # id() of groups whose pools are in held_lower
         cursor: tuple[float, float, str] | None = None
+        passing: list[tuple[Group, tuple[float, int, str]]] = []  # young heads of pruned groups
         while True:
             if budget <= 0:
                 return granted
             best = None
             best_group: Group | None = None
             best_room = 0.0
-            passing: list[tuple[Group, tuple[float, int, str]]] = []  # young heads of pruned groups
+            if passing:
+                passing = []
             for g in live:
-                room = _room(g, tier, pools, in_flight)
+                room = _room(g, tier, layout, in_flight)
                 cand = g.lowest_old() if g.n_old else None
                 young = g.young
                 if young:

@@ -49,7 +49,7 @@ class Ticket:
 class Group:
     """Active heads of one tier whose demands name the same shared pools (``pools``, sorted)."""
 
-    __slots__ = ("cost", "heads", "n_old", "old", "pools", "tier", "young")
+    __slots__ = ("cost", "heads", "limits", "limits_of", "n_old", "old", "pools", "tier", "young")
 
     def __init__(self, tier: str, pools: tuple[str, ...], heads: dict[tuple[str, str], Head]) -> None:
         self.tier = tier
@@ -59,6 +59,9 @@ class Group:
         self.cost: list[tuple[int, int, str]] = []  # heap of (cost, seq, tenant) of young heads, lazy
         self.old: list[Key] = []  # heap of Key of old heads, lazy
         self.n_old = 0
+        # (pool, limit for this tier) of each pool, under the layout ``limits_of`` (the pass's room)
+        self.limits: tuple[tuple[str, int], ...] = ()
+        self.limits_of: BudgetLayout | None = None
 
     def __bool__(self) -> bool:
         return bool(self.young) or self.n_old > 0
@@ -275,18 +278,19 @@ class QueueIndex:
         layout: BudgetLayout,
         counters: Mapping[str, float],
         in_flight: Mapping[str, int],
-        now: float,
+        freed: bool,
     ) -> None:
-        """Tokens in flight on private ``pool`` changed: park or wake the heads that name it."""
+        """Tokens in flight on private ``pool`` went down (``freed``) or up: wake or park the heads
+        that name it. (Tokens freed can only wake parked heads, tokens taken only park active ones.)"""
         heads = self.private.get(pool)
         if not heads:
             return
-        for head in list(heads):
-            ok = private_ok(head, layout, in_flight)
-            if head.group is not None and not ok:
-                self._deactivate(head)
-            elif head.group is None and ok:
-                self._activate(head, counters[head.tenant])
+        for head in tuple(heads):
+            if (head.group is None) is freed and private_ok(head, layout, in_flight) is freed:
+                if freed:
+                    self._activate(head, counters[head.tenant])
+                else:
+                    self._deactivate(head)
 
     def promote(self, now: float, backfill: float, limit: int) -> int:
         """Young heads that have waited ``backfill`` by ``now`` become old, oldest first (by enqueue

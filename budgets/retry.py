@@ -38,7 +38,14 @@ class ReleaseRate:
     last: float | None = None
 
     def add(self, amount: float, now: float) -> None:
-        self.rate = self.value(now) + amount / self.tau_s
+        # value(now) inlined: every release adds to one meter per pool of its demand.
+        last, tau = self.last, self.tau_s
+        if last is None:
+            self.rate = amount / tau
+        elif now > last:
+            self.rate = self.rate * math.exp((last - now) / tau) + amount / tau
+        else:
+            self.rate += amount / tau
         self.last = now
 
     def value(self, now: float) -> float:

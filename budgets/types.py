@@ -97,10 +97,11 @@ class Demand:
     pools: tuple[str, ...]  # every pool to acquire from, all or nothing
     prefill: int
     decode: int
+    # prefill + decode, stored: the grant path reads it about ten times per grant.
+    cost: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def cost(self) -> int:
-        return self.prefill + self.decode
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cost", self.prefill + self.decode)
 
 
 @dataclass(frozen=True, slots=True)
