@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, ClassVar
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -158,7 +159,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _header_size(self) -> int:
         """The request line's target and headers as the limit counts them (name, value, ": ", CRLF)."""
-        return len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+        headers = self.headers
+        return len(self.url) + 4 * len(headers) + sum(map(len, chain.from_iterable(headers)))
 
     def _too_large(self) -> ApiError:
         return ApiError(

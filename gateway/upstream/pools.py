@@ -196,9 +196,14 @@ class BackendPool:
         self.capacity_tokens = sum(b.spec.capacity_tokens for b in self.backends)
 
     def serves(self, model: str) -> bool:
+        if len(self.backends) == 1:  # the common pool of one, on every request: no generator
+            return self.backends[0].serves(model)
         return any(b.serves(model) for b in self.backends)
 
     def has_healthy(self, model: str) -> bool:
+        if len(self.backends) == 1:
+            b = self.backends[0]
+            return b.available and b.serves(model)
         return any(b.available and b.serves(model) for b in self.backends)
 
     def pick(self, model: str | None, exclude: Collection[Backend] = ()) -> Backend | None:
