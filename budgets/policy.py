@@ -383,7 +383,7 @@ def _set_counter(state: PolicyState, tenant: str, value: float) -> None:
             _join(state.backlog_min, counters, value, tenant, state.tenant_waiting)
         if tenant in state.leases_by_tenant:
             _join(state.lease_min, counters, value, tenant, state.leases_by_tenant)
-    if backlogged:
+    if backlogged and tenant in state.index.by_tenant:  # (a granted head is out of the index here)
         state.index.reposition(tenant, value)
 
 
@@ -425,7 +425,11 @@ def _charge(state: PolicyState, demand: Demand) -> None:
     leased = state.leases_by_tenant
     n = leased.get(tenant, 0)
     leased[tenant] = n + 1
-    value = state.counters.get(tenant, 0.0) + prompt_service(state.layout, demand)
+    layout = state.layout  # (prompt_service, inline: once per grant)
+    value = (
+        state.counters.get(tenant, 0.0)
+        + layout.policy.prefill_weight * demand.prefill / layout.tenants[tenant].weight
+    )
     _set_counter(state, tenant, value)
     if not n:
         state.idle_since.pop(tenant, None)
@@ -790,13 +794,16 @@ def grant_pass(state: PolicyState, now: float) -> list[Ticket]:
     layout = state.layout
     index = state.index
     budget = layout.policy.max_scan
-    if not index.promote(now, layout.policy.backfill_limit_s, budget) and state.settled:
+    # (No young head, parked or not: nothing can age, and promote would only look.)
+    promoted = index.promote(now, layout.policy.backfill_limit_s, budget) if index.age else 0
+    if not promoted and state.settled:
         return []
     state.settled = False  # until this pass reaches its end
     in_flight = state.in_flight
     granted: list[Ticket] = []
     held_all: set[str] = set()
-    for tier_name in _tier_order(state):
+    cached, tiers = state.tier_order
+    for tier_name in tiers if cached is layout else _tier_order(state):
         by_pools = index.groups.get(tier_name)
         if not by_pools:
             continue
@@ -820,10 +827,10 @@ def grant_pass(state: PolicyState, now: float) -> list[Ticket]:
             for g in live:
                 room = _room(g, tier, layout, in_flight)
                 cand = g.lowest_old() if g.n_old else None
-                young = g.young
-                if young:
+                if g.n_young:
+                    young = g.young
                     i = 0 if cursor is None else young.bisect_right(cursor)
-                    if i < len(young):
+                    if i < g.n_young:
                         succ = young[i]
                         if g.lowest_young_cost() <= room:  # type: ignore[operator]
                             if cand is None or succ < cand:

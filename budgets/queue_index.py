@@ -49,7 +49,7 @@ class Ticket:
 class Group:
     """Active heads of one tier whose demands name the same shared pools (``pools``, sorted)."""
 
-    __slots__ = ("cost", "heads", "limits", "limits_of", "n_old", "old", "pools", "tier", "young")
+    __slots__ = ("cost", "heads", "limits", "limits_of", "n_old", "n_young", "old", "pools", "tier", "young")
 
     def __init__(self, tier: str, pools: tuple[str, ...], heads: dict[tuple[str, str], Head]) -> None:
         self.tier = tier
@@ -59,12 +59,13 @@ class Group:
         self.cost: list[tuple[int, int, str]] = []  # heap of (cost, seq, tenant) of young heads, lazy
         self.old: list[Key] = []  # heap of Key of old heads, lazy
         self.n_old = 0
+        self.n_young = 0  # len(young), read on every pass without SortedList's Python-level __len__
         # (pool, limit for this tier) of each pool, under the layout ``limits_of`` (the pass's room)
         self.limits: tuple[tuple[str, int], ...] = ()
         self.limits_of: BudgetLayout | None = None
 
     def __bool__(self) -> bool:
-        return bool(self.young) or self.n_old > 0
+        return self.n_young > 0 or self.n_old > 0
 
     def lowest_old(self) -> Key | None:
         """The lowest-ranked old head's key (stale entries dropped on the way)."""
@@ -97,7 +98,7 @@ class Group:
     def push_cost(self, entry: tuple[int, int, str]) -> None:
         cost = self.cost
         heapq.heappush(cost, entry)
-        if len(cost) > 64 and len(cost) > 3 * len(self.young):
+        if len(cost) > 64 and len(cost) > 3 * self.n_young:
             young = {(k[1], k[2]) for k in self.young}
             self.cost = [e for e in cost if (e[1], e[2]) in young]
             heapq.heapify(self.cost)
@@ -310,6 +311,7 @@ class QueueIndex:
             group, key = head.group, head.key
             if group is not None and key is not None:  # active (a parked head only keeps the flag)
                 group.young.remove(key)
+                group.n_young -= 1
                 group.n_old += 1
                 group.push_old(key)
         return promoted
@@ -339,6 +341,7 @@ class QueueIndex:
             group.push_old(key)
         else:
             group.young.add(key)
+            group.n_young += 1
             group.push_cost((ticket.demand.cost, ticket.seq, head.tenant))
 
     def _deactivate(self, head: Head) -> None:
@@ -348,8 +351,9 @@ class QueueIndex:
             group.n_old -= 1  # its heap entry goes stale
         else:
             group.young.remove(key)  # its cost entry goes stale
+            group.n_young -= 1
         head.group = head.key = None
-        if not group:
+        if not group.n_young and not group.n_old:
             by_pools = self.groups[group.tier]
             if by_pools.get(group.pools) is group:
                 del by_pools[group.pools]

@@ -218,6 +218,9 @@ class Model:
             else:
                 assert head.ticket is fifo[0]
             assert head.rank_seq == fifo[0].seq  # the rank across tenants is the first ticket's
+        for by_pools in s.index.groups.values():
+            for group in by_pools.values():
+                assert group.n_young == len(group.young) and group  # (empty groups are dropped)
 
     def drain(self) -> None:
         """Owners release everything: every waiting ticket is eventually granted, then all is zero."""
