@@ -1,0 +1,167 @@
+"""Instructions per release→grant cycle of the memory store: a deterministic figure for admission at scale.
+
+Run: ``python -m loadtest.bench.cycle_instructions`` (needs ``valgrind``; one to three minutes per
+point on 2 cores). ``--tree DIR`` measures another checkout (a ``git worktree`` of an older commit)
+with this harness, so two versions of the policy are compared on the same footing.
+
+The scale benchmark's cycles/s (``loadtest.bench.scale``) moves by a third between hours on a shared
+VM, more than any one change to the policy. Counting instructions does not: the scale benchmark's
+memory cycle (one full pool, ``tickets`` waiting ``acquire`` tasks over ``tenants`` tenants; each
+granted task releases at once, which grants the next ticket, and queues again) runs in a Python
+process under ``valgrind --tool=callgrind`` (on uvloop, as ``tokengate serve`` runs, unless
+``--loop asyncio``), for a fixed number of cycles, twice: ``--cycles`` and
+twice that, and exits at once after the last cycle. The difference of the two totals divided by
+``--cycles`` is one cycle, with start-up and the filling of the queue cancelled out. The collector is off once the queue is full
+(with the thresholds ``tokengate serve`` sets it costs ~1 µs per cycle, measured by
+``loadtest.bench.gcheap``; its full collections would land in one run and not the other).
+
+Instructions are not time: with 100,000 waiting tasks a cycle touches a different task and frame
+each time, and the cache misses that costs show in the scale benchmark only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def _instructions(out: Path) -> int:
+    total = 0
+    for f in out.parent.glob(out.name + "*"):
+        for line in f.read_text(errors="replace").splitlines():
+            m = re.match(r"(?:summary|totals): (\d+)", line)
+            if m:
+                total = max(total, int(m.group(1)))
+    return total
+
+
+async def _cycles(tenants: int, tickets: int, cycles: int, at_end: Callable[[], object] | None = None) -> int:
+    """The scale benchmark's memory cycle, ``cycles`` of them after the queue is full; ``at_end()``
+    runs right after the last one (the harness exits there: tearing down a hundred thousand waiters
+    costs more than the cycles, and not the same in both runs)."""
+    import gc
+
+    from budgets.memory import MemoryStore
+    from loadtest.bench.scale import COST, DECODE, demand, scale_layout
+
+    store = MemoryStore(scale_layout(tenants, pool_tokens=COST), reap_interval_s=3600.0)
+    await store.start()
+    granted = 0
+    done = asyncio.Event()
+
+    async def waiter(tenant: int) -> None:
+        nonlocal granted
+        d = demand(tenant)
+        while True:
+            lease = await store.acquire(d, 3600.0)
+            granted += 1
+            if granted >= cycles:
+                done.set()
+                return  # holds the pool: the chain of grants stops here
+            await store.release(lease.id, DECODE)
+
+    first = await store.acquire(demand(0), 1.0)
+    tasks = [asyncio.ensure_future(waiter(i % tenants)) for i in range(tickets + 1)]
+    await asyncio.sleep(0)  # all queued
+    gc.collect()
+    gc.disable()
+    await store.release(first.id, DECODE)
+    await done.wait()
+    n = granted
+    if at_end is not None:
+        at_end()
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await store.close()
+    return n
+
+
+def _run(tree: Path, tenants: int, tickets: int, cycles: int, keep: Path, loop: str) -> int:
+    """Instructions of one process running ``cycles`` cycles under callgrind."""
+    out = keep / f"callgrind.{tenants}.{tickets}.{cycles}.out"
+    env = dict(os.environ)
+    here = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(tree), str(here), env.get("PYTHONPATH", "")])
+    # The process ends with os._exit right after the last cycle (callgrind still writes its counts),
+    # so both runs are start-up + filling the queue + their cycles, and nothing after.
+    code = (
+        f"import os, runpy, {loop}; "
+        f"m = runpy.run_path({__file__!r}); "
+        f"{loop}.run(m['_cycles']({tenants}, {tickets}, {cycles}, lambda: os._exit(0))); "
+        "os._exit(3)"
+    )
+    cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, "-c", code]
+    done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"{tree}: {done.stderr[-2000:]}")
+    return _instructions(out)
+
+
+def point(tree: Path, tenants: int, tickets: int, cycles: int, keep: Path, loop: str) -> dict[str, Any]:
+    one = _run(tree, tenants, tickets, cycles, keep, loop)
+    two = _run(tree, tenants, tickets, 2 * cycles, keep, loop)
+    return {
+        "tree": str(tree),
+        "tenants": tenants,
+        "tickets": tickets,
+        "cycles": cycles,
+        "loop": loop,
+        "per_cycle": (two - one) / cycles,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest.bench.cycle_instructions",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--tree", type=Path, action="append", help="checkout to measure (repeatable; default: this one)"
+    )
+    p.add_argument("--sizes", default="10:100,10000:100000", help="tenants:tickets,... (default %(default)s)")
+    p.add_argument("--cycles", type=int, default=5000, help="cycles of the shorter run (default %(default)s)")
+    p.add_argument(
+        "--loop",
+        default="uvloop",
+        choices=("uvloop", "asyncio"),
+        help="event loop (default %(default)s, the gateway's)",
+    )
+    p.add_argument("--keep", help="keep the callgrind output here")
+    args = p.parse_args(argv)
+    if shutil.which("valgrind") is None:
+        print("valgrind not found: install valgrind (apt-get install -y valgrind)", file=sys.stderr)
+        return 2
+    trees = [t.resolve() for t in args.tree] if args.tree else [Path(__file__).resolve().parents[2]]
+    keep = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="tg-cycle-cg-"))
+    keep.mkdir(parents=True, exist_ok=True)
+    try:
+        for size in args.sizes.split(","):
+            tenants, tickets = (int(x) for x in size.split(":"))
+            for tree in trees:
+                row = point(tree, tenants, tickets, args.cycles, keep, args.loop)
+                print(
+                    f"{row['tenants']:>7} tenants {row['tickets']:>8} tickets  {tree}: "
+                    f"{row['per_cycle']:,.0f} instructions per cycle",
+                    flush=True,
+                )
+                print(json.dumps(row), flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(keep, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
