@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -33,16 +32,6 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-
-def _instructions(out: Path) -> int:
-    total = 0
-    for f in out.parent.glob(out.name + "*"):
-        for line in f.read_text(errors="replace").splitlines():
-            m = re.match(r"(?:summary|totals): (\d+)", line)
-            if m:
-                total = max(total, int(m.group(1)))
-    return total
 
 
 async def _cycles(tenants: int, tickets: int, cycles: int, at_end: Callable[[], object] | None = None) -> int:
@@ -54,6 +43,8 @@ async def _cycles(tenants: int, tickets: int, cycles: int, at_end: Callable[[], 
     from budgets.memory import MemoryStore
     from loadtest.bench.scale import COST, DECODE, demand, scale_layout
 
+    # scale.memory_cycles with a count instead of a clock, written out here so that it runs on the
+    # budgets package of an older tree too (--tree), whose scale.py may lack any new helper.
     store = MemoryStore(scale_layout(tenants, pool_tokens=COST), reap_interval_s=3600.0)
     await store.start()
     granted = 0
@@ -105,7 +96,9 @@ def _run(tree: Path, tenants: int, tickets: int, cycles: int, keep: Path, loop: 
     done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"{tree}: {done.stderr[-2000:]}")
-    return _instructions(out)
+    from loadtest.bench.redis_instructions import callgrind_total  # (here: not in the measured tree)
+
+    return callgrind_total(out)
 
 
 def point(tree: Path, tenants: int, tickets: int, cycles: int, keep: Path, loop: str) -> dict[str, Any]:

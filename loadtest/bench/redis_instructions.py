@@ -38,7 +38,8 @@ from typing import Any
 MODES = ("single", "batch", "fast")
 
 
-def _instructions(out: Path) -> int:
+def callgrind_total(out: Path) -> int:
+    """The instruction total of a callgrind run written to ``out`` (and its numbered dumps)."""
     total = 0
     for f in out.parent.glob(out.name + "*"):
         for line in f.read_text(errors="replace").splitlines():
@@ -122,7 +123,7 @@ def _child(args: argparse.Namespace) -> int:
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-    total = _instructions(out)
+    total = callgrind_total(out)
     calls = max(1, got["calls"])
     annotate = shutil.which("callgrind_annotate")
     if annotate:
