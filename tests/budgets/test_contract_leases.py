@@ -180,7 +180,9 @@ async def test_growth_on_a_tenant_budget_holds_back_that_tenants_waiting_request
     # Tenant a's next request (40) fits its budget (100) beside its running stream (50) and waits
     # only for the shared pool P. The stream then grows by 30 (80 of a's 100): when P frees, the
     # waiting request must not be granted, or a holds 120 of a budget of 100.
-    store = await store_factory(layout([shared(P, 100), shared(Q, 1000), private("tenant:a", 100)], ["a", "b"]))
+    store = await store_factory(
+        layout([shared(P, 100), shared(Q, 1000), private("tenant:a", 100)], ["a", "b"])
+    )
     other = await store.acquire(demand("b", 100, P), 1)
     stream = await store.acquire(demand("a", 50, Q, "tenant:a", decode=40), 1)
     nxt = asyncio.create_task(store.acquire(demand("a", 40, P, "tenant:a"), 10))
