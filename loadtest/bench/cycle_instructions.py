@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         "--tree", type=Path, action="append", help="checkout to measure (repeatable; default: this one)"
     )
     p.add_argument("--sizes", default="10:100,10000:100000", help="tenants:tickets,... (default %(default)s)")
-    p.add_argument("--cycles", type=int, default=5000, help="cycles of the shorter run (default %(default)s)")
+    p.add_argument("--cycles", type=int, default=2000, help="cycles of the shorter run (default %(default)s)")
     p.add_argument(
         "--loop",
         default="uvloop",
