@@ -68,12 +68,16 @@ def _contract_store(layout: BudgetLayout, clock: Callable[[], float], lua: str) 
 
     # Own grants reach a waiter in the script reply, so the suite needs no polling; a poll in
     # flight could also hand a waiter its grant while the test is about to cancel it, which the
-    # suite's "serve n, then cancel the rest" pattern does not expect.
+    # suite's "serve n, then cancel the rest" pattern does not expect. Calls may take 5 s: the
+    # contract is not about outages (test_redis_failures is), and a test process that stalls half
+    # a second late in a full CI run (a collection of its large heap) must not see "Redis is down"
+    # (a waiter of 0.6 s once failed that way with the default 0.5 s).
     options = RedisOptions(
         url=session_redis().url,
         key_prefix=unique_prefix(),
         poll_interval_s=5.0,
         maintenance_interval_s=0.02,
+        op_timeout_s=5.0,
         lua="scripts" if lua == "scripts" else "functions",
     )
     return RedisStore(layout, options, clock=clock)
