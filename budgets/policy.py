@@ -425,11 +425,7 @@ def _charge(state: PolicyState, demand: Demand) -> None:
     leased = state.leases_by_tenant
     n = leased.get(tenant, 0)
     leased[tenant] = n + 1
-    layout = state.layout  # (prompt_service, inline: once per grant)
-    value = (
-        state.counters.get(tenant, 0.0)
-        + layout.policy.prefill_weight * demand.prefill / layout.tenants[tenant].weight
-    )
+    value = state.counters.get(tenant, 0.0) + prompt_service(state.layout, demand)
     _set_counter(state, tenant, value)
     if not n:
         state.idle_since.pop(tenant, None)
