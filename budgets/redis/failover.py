@@ -66,6 +66,9 @@ class Failover:
         self._down = False
         self._recovering = asyncio.Lock()
         self._epoch: str | None = None  # Redis's incarnation token as last seen (see sync_epoch)
+        # Redis lost its data and no recovery has finished since: sync_epoch stored the new token
+        # already, so a retry after a failed attempt must not take "no change" for "nothing lost".
+        self._data_lost = False
         self._pending_release: dict[str, int | None] = {}
         self._pending_withdraw: dict[int, str] = {}
         self._pending_abandon: set[str] = set()
@@ -146,10 +149,11 @@ class Failover:
             adopted: list[Lease] = []
             try:
                 await self._resync.write_layout()
-                lost_data = await self.sync_epoch()
+                if await self.sync_epoch():
+                    self._data_lost = True
                 await self._resync.reregister()
                 adopted = await self._adopt_local()
-                settled = not lost_data or await self._settle.join()
+                settled = not self._data_lost or await self._settle.join()
                 await self._apply_pending()
             except Down:
                 self._unadopt(adopted)
@@ -158,6 +162,7 @@ class Failover:
                 return False
             # From here to the end nothing awaits: no acquire can slip in between.
             self._down = False
+            self._data_lost = False
             if not settled:
                 self._settle.hold_back()
             if fallback is not None:

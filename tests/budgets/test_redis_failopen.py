@@ -11,12 +11,14 @@ fallback's side of the hand-over (budgets/memory.py) on its own.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
 
 from budgets.memory import MemoryStore
 from budgets.redis import RedisStore
+from budgets.redis.transport import Down
 from budgets.types import BudgetLayout, Demand, Lease, QueueTimeout
 from tests.budgets.redis_fixtures import (
     RedisServer,
@@ -186,6 +188,50 @@ async def test_after_a_restart_no_replica_grants_before_the_others_re_registered
     assert not done, f"granted before b's leases were registered: {ledger}"
     assert await b._failover.recover()
     await wait_queued(a, 1)  # now it waits in the shared queue: the pool is full
+    assert await in_flight(a, P) == ledger.current == CAPACITY
+    await ledger.release(b, on_b)
+    await ledger.release(a, await asyncio.wait_for(extra, 5))
+    await ledger.release(a, on_a)
+    assert ledger.peak <= CAPACITY, ledger
+    await assert_all_idle(a, b)
+
+
+async def test_a_recovery_that_failed_once_still_waits_for_the_other_replicas(
+    fresh_redis: RedisServer, make_store: StoreMaker
+) -> None:
+    # a's first attempt reads Redis's new incarnation token and then fails (its connection breaks
+    # mid-recovery). The retry must still know that Redis lost its data: before, it saw the token
+    # it had just stored, took it for "nothing lost" and granted before b had re-registered.
+    a, b = await replicas(
+        make_store,
+        fresh_redis,
+        a_options={"settle_s": 5.0, "probe_interval_s": 60},
+        b_options={"probe_interval_s": 60},
+    )
+    ledger = Ledger()
+    await outage(fresh_redis, a, b)
+    on_a = await ledger.acquire(a, demand("a", 50, P), 1)
+    on_b = await ledger.acquire(b, demand("b", 50, P), 1)
+    failover = a._failover
+    real = failover._resync.reregister
+    attempts = 0
+
+    async def breaks_once() -> None:
+        nonlocal attempts
+        attempts += 1
+        if attempts == 1:
+            raise Down("injected: the connection broke during the recovery")
+        await real()
+
+    failover._resync = dataclasses.replace(failover._resync, reregister=breaks_once)
+    fresh_redis.restart()
+    await eventually(failover.recover, timeout_s=5.0)
+    assert attempts >= 2 and a.settling
+    extra = asyncio.create_task(ledger.acquire(a, demand("a", 30, P), 10))
+    done, _ = await asyncio.wait({extra}, timeout=0.3)
+    assert not done, f"granted before b's leases were registered: {ledger}"
+    assert await b._failover.recover()
+    await wait_queued(a, 1)
     assert await in_flight(a, P) == ledger.current == CAPACITY
     await ledger.release(b, on_b)
     await ledger.release(a, await asyncio.wait_for(extra, 5))
