@@ -70,7 +70,7 @@ class Failover:
         # already, so a retry after a failed attempt must not take "no change" for "nothing lost".
         self._data_lost = False
         self._pending_release: dict[str, int | None] = {}
-        self._pending_withdraw: dict[int, str] = {}
+        self._pending_withdraw: dict[str, int] = {}  # lease id -> seq (a seq may recur after a restart)
         self._pending_abandon: set[str] = set()
 
     @property
@@ -91,7 +91,7 @@ class Failover:
 
     def defer_withdraw(self, seq: int, lease_id: str) -> None:
         """A withdrawal Redis has not applied: the recovery applies it (a grant it finds is given back)."""
-        self._pending_withdraw[seq] = lease_id
+        self._pending_withdraw[lease_id] = seq
 
     def defer_abandon(self, lease_id: str) -> None:
         """An acquire whose reply was lost (sent, then Redis timed out or the connection broke): it
@@ -184,9 +184,9 @@ class Failover:
                 await self._transport.eval("withdraw", ["", lease_id, "1"], internal=True)
                 self._pending_abandon.discard(lease_id)
             elif self._pending_withdraw:
-                seq, lease_id = next(iter(self._pending_withdraw.items()))
+                lease_id, seq = next(iter(self._pending_withdraw.items()))
                 await self._transport.eval("withdraw", [str(seq), lease_id, "1"], internal=True)
-                self._pending_withdraw.pop(seq, None)
+                self._pending_withdraw.pop(lease_id, None)
             else:
                 lease_id, actual = next(iter(self._pending_release.items()))
                 await self._transport.eval("release", [lease_id, usage_arg(actual)], internal=True)

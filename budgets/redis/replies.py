@@ -170,14 +170,18 @@ def withdraw(reply: Sequence[Any]) -> WithdrawReply:
     raise _unexpected("withdraw", reply)
 
 
-def wake_up(payload: str) -> tuple[int, WakeUp]:
-    """A wake-up message: the ticket's seq and what happened to it."""
+def wake_up(payload: str) -> tuple[int, str, WakeUp]:
+    """A wake-up message: the ticket's seq, its lease id and what happened to it.
+
+    The seq alone does not name a ticket for good (a Redis that restarted empty numbers tickets
+    from 1 again); seq and lease id together do.
+    """
     fields = payload.split(SEP)
-    code, seq = fields[0], int(fields[1])
+    code, seq, lease_id = fields[0], int(fields[1]), fields[2]
     if code == GRANTED:
-        return seq, Granted(float(fields[2]), float(fields[3]))
+        return seq, lease_id, Granted(float(fields[3]), float(fields[4]))
     if code == FAILED:
-        return seq, _invalid(*fields[2:5])
+        return seq, lease_id, _invalid(*fields[3:6])
     raise _unexpected("wake-up", payload)
 
 

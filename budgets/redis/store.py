@@ -98,7 +98,7 @@ class RedisStore:
         self._held: HeldLeases = {}
         self._waiters: dict[int, _Waiter] = {}
         # Wake-ups that came before their waiter registered (below, _on_wake), oldest first.
-        self._early: dict[int, replies.WakeUp] = {}
+        self._early: dict[tuple[int, str], replies.WakeUp] = {}  # by (seq, lease id)
         self._listeners: list[Callable[[BudgetLayout], None]] = []
         self._releasing: dict[str, asyncio.Future[Any]] = {}  # write-behind releases on their way
         self._last_beat_sent = 0.0  # loop time of the last liveness refresh sent (see _granted_after)
@@ -408,7 +408,7 @@ class RedisStore:
                     again = await self._enqueue(lease_id, demand)
                     if isinstance(again, Granted):
                         return self._hold(lease_id, demand, again, started)
-                    self._waiters.pop(seq, None)
+                    self._unregister(waiter)
                     seq = waiter.seq = again.seq
                     self._register(waiter)
             left = replies.withdraw(await self._transport.eval("withdraw", [str(seq), lease_id, "0"]))
@@ -427,7 +427,7 @@ class RedisStore:
             self._failover.defer_withdraw(seq, lease_id)
             raise
         finally:
-            self._waiters.pop(seq, None)
+            self._unregister(waiter)
 
     async def _acquire_call(self, lease_id: str, args: list[str]) -> replies.AcquireReply:
         """The acquire script, batched with concurrent calls, safe against cancellation.
@@ -739,24 +739,31 @@ class RedisStore:
                     await pubsub.aclose()
 
     def _on_wake(self, data: str) -> None:
-        seq, outcome = replies.wake_up(data)
+        seq, lease_id, outcome = replies.wake_up(data)
         waiter = self._waiters.get(seq)
-        if waiter is None:
+        if waiter is None or waiter.lease_id != lease_id:
             # The grant can overtake its own ticket: a release's reply (or another replica's
             # message) is handled as it is read, while the acquire that queued the ticket has
             # its reply but has not resumed to register yet. Kept for it, not dropped (it would
             # otherwise wait for its next poll). Bounded: a wake-up whose waiter never comes (it
             # was cancelled meanwhile and withdraws by itself) is dropped once it is the oldest.
+            # Kept under seq *and* lease id: a stale wake-up (its waiter took the grant from a
+            # poll first) must not grant a ticket that reuses the seq after Redis restarted empty.
             early = self._early
-            early[seq] = outcome
+            early[seq, lease_id] = outcome
             if len(early) > EARLY_WAKES:
                 del early[next(iter(early))]
         elif not waiter.future.done():
             waiter.future.set_result(outcome)
 
+    def _unregister(self, waiter: _Waiter) -> None:
+        # Only its own entry: after Redis restarted empty, a newer ticket may reuse the seq.
+        if self._waiters.get(waiter.seq) is waiter:
+            del self._waiters[waiter.seq]
+
     def _register(self, waiter: _Waiter) -> None:
         self._waiters[waiter.seq] = waiter
-        outcome = self._early.pop(waiter.seq, None)
+        outcome = self._early.pop((waiter.seq, waiter.lease_id), None)
         if outcome is not None and not waiter.future.done():
             waiter.future.set_result(outcome)
 

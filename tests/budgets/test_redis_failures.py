@@ -14,7 +14,7 @@ import pytest
 from redis.asyncio import Redis
 
 from budgets.redis import RedisStore
-from budgets.redis.replies import Queued
+from budgets.redis.replies import Outcome, Queued, status, withdraw
 from budgets.types import BudgetLayout, Demand, QueueTimeout, StoreUnavailable
 from tests.budgets.redis_fixtures import (
     RedisServer,
@@ -218,6 +218,61 @@ async def test_a_grant_that_overtakes_its_own_queued_reply_is_kept_for_the_waite
     assert lease.id == lease_id
     assert await store.release(lease.id)
     await assert_idle(store)
+
+
+async def test_a_wake_up_kept_from_before_a_redis_restart_never_grants_a_new_ticket_with_its_seq(
+    fresh_redis: RedisServer, make_store: StoreMaker
+) -> None:
+    # A Redis that restarted empty numbers its tickets from 1 again. A wake-up the store kept for
+    # a waiter that never came (here: a grant read before anyone registered for it, as in the
+    # test above, whose waiter then never waits) must not grant the new ticket that reuses its
+    # seq: that request would run on the GPU with nothing counted for it in Redis.
+    store = make_store(fresh_redis, small_layout())
+    await store.start()
+    blocker = await store.acquire(demand("b", 100, P), 1)
+    stale_id = store._new_lease_id()
+    stale = await store._enqueue(stale_id, demand("a", 50, P))
+    assert isinstance(stale, Queued) and stale.seq == 1
+    await store.release(blocker.id)  # its reply grants seq 1 ...
+    await store._transport.drain(1.0)  # ... and is kept here, for a waiter that never comes
+    assert await store.release(stale_id)
+    await assert_idle(store)
+
+    fresh_redis.kill()
+    with pytest.raises(StoreUnavailable):
+        await store.acquire(demand("b", 10, P), 1)
+    fresh_redis.restart()  # empty: the next ticket is seq 1 again
+    await eventually(store.healthy, timeout_s=5)
+    blocker = await store.acquire(demand("b", 100, P), 1)
+    with pytest.raises(QueueTimeout):  # a full pool: nothing is granted before its wait is over
+        await store.acquire(demand("a", 50, P), 0.5)
+    assert await in_flight(store, P) == 100
+    assert await store.release(blocker.id)
+    await assert_idle(store)
+
+
+async def test_a_poll_or_withdrawal_that_names_another_lease_never_touches_the_ticket_with_that_seq(
+    fresh_redis: RedisServer, make_store: StoreMaker
+) -> None:
+    # After a restart a waiter (or a withdrawal deferred through the outage) can carry a seq that
+    # now names another replica's ticket: that ticket is not its to see as waiting, or to take
+    # out of the queue.
+    prefix = unique_prefix()
+    a = make_store(fresh_redis, small_layout(), prefix)
+    b = make_store(fresh_redis, small_layout(), prefix)
+    await a.start()
+    await b.start()
+    blocker = await a.acquire(demand("b", 100, P), 1)
+    queued = asyncio.create_task(b.acquire(demand("a", 50, P), 10))
+    await wait_queued(a, 1)
+    stale_id = a._new_lease_id()
+    assert status(await a._transport.eval("status", ["1", stale_id])) is Outcome.UNKNOWN
+    assert withdraw(await a._transport.eval("withdraw", ["1", stale_id, "1"])) is Outcome.UNKNOWN
+    await wait_queued(a, 1)  # b's ticket 1 is still in the queue ...
+    await a.release(blocker.id)
+    lease = await asyncio.wait_for(queued, 5)  # ... and granted when room frees up
+    assert await b.release(lease.id)
+    await assert_idle(b)  # a store reads its own (write-behind) releases
 
 
 async def test_dead_replica_returns_its_tokens_and_tickets(

@@ -44,7 +44,7 @@ local function apply_layout_main(A)
         redis.call('LREM', qkey(tk.d.tier, tk.d.tenant), 1, tk.seq)
         redis.call('ZREM', oqkey(tk.d.tier, tk.d.tenant), oq_member(tk.seq)) -- reindex rebuilds the rest
         forget(tk, pass_clock())
-        local msg = 'F' .. SEP .. tk.seq .. SEP .. err[2] .. SEP .. err[3] .. SEP .. tostring(err[4] or '')
+        local msg = 'F' .. SEP .. tk.seq .. SEP .. tk.lease .. SEP .. err[2] .. SEP .. err[3] .. SEP .. tostring(err[4] or '')
         notify(tk.owner, msg)
       end
     end

@@ -803,6 +803,18 @@ local function owned_ticket(owner, lease_id)
   return nil
 end
 
+-- Ticket ``seq`` is ``owner``'s ticket for ``lease_id``. A seq alone does not name a ticket for
+-- good: a Redis that restarted empty numbers its tickets from 1 again, so a waiter (or a deferred
+-- withdrawal) from before the restart must not take a newer ticket with its old seq for its own.
+local function ticket_is(seq, owner, lease_id)
+  local v = redis.call('HGET', K.tickets, seq)
+  if not v then
+    return false
+  end
+  local tail = SEP .. owner .. SEP .. lease_id
+  return string.sub(v, -#tail) == tail
+end
+
 -- lease record: demand(5) SEP owner SEP granted_at SEP queued_s
 local function load_lease(id)
   local v = redis.call('HGET', K.leases, id)
@@ -1108,7 +1120,7 @@ local function grant_ticket(tk, now, own)
     end
   end
   if tk.seq ~= own then
-    notify(tk.owner, 'G' .. SEP .. tk.seq .. SEP .. fmt(now) .. SEP .. fmt(queued))
+    notify(tk.owner, 'G' .. SEP .. tk.seq .. SEP .. tk.lease .. SEP .. fmt(now) .. SEP .. fmt(queued))
   end
   return queued
 end

@@ -2,7 +2,7 @@
 -- A (args after now-override and replica): seq, lease id
 -- Reply: {'W'} still waiting | {'G', granted_at, queued_s} | {'U'} unknown (store lost it)
 local function status_main(A)
-  if redis.call('HEXISTS', K.tickets, A[1]) == 1 then
+  if ticket_is(A[1], CALLER, A[2]) then
     return { 'W' }
   end
   local lease = load_lease(A[2])

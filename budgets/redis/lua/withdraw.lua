@@ -13,6 +13,8 @@ local function withdraw_main(A)
   local seq = A[1]
   if seq == '' then
     seq = owned_ticket(CALLER, A[2])
+  elseif not ticket_is(seq, CALLER, A[2]) then
+    seq = nil -- not this lease's ticket (any more): Redis lost ours, or granted it
   end
   local tk = seq and withdraw(seq, now)
   if tk ~= nil then
