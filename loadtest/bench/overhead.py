@@ -22,6 +22,13 @@ the time to price a 28k-token prompt (``loadtest.bench.pricing``). With ``--redi
 own CPU per request (``INFO cpu`` used_cpu_sys + used_cpu_user around each gateway-redis run) and
 the p50 the Redis store adds over the memory store per scenario.
 
+With ``--baseline-tree DIR`` a further target, **baseline**, is the gateway of another checkout (a
+``git worktree`` of an older commit), started from that tree with the same config (less ``ops``,
+which older gateways refuse) and measured in the same interleaved rounds against the same stub,
+bare proxy and load generator: a before/after in one run that no difference between two versions
+of this harness can tilt. Reported per scenario: baseline ÷ bare CPU, and gateway ÷ baseline for
+CPU per request, p50 and requests/s.
+
 With ``--with-long-prompts RATE`` the benchmark measures instead whether pricing long prompts
 stalls the gateway: each short-request run is done twice, *quiet* and while a sender process
 posts never-seen ~28k-token chat prompts (``--long-tokens``) at RATE per second, open loop, to
@@ -206,20 +213,28 @@ def _wait_ready(url: str, timeout: float = 30.0) -> None:
             time.sleep(0.1)
 
 
-def _spawn(args: Sequence[str], *, quiet_stdout: bool = True) -> subprocess.Popen[bytes]:
+def _spawn(
+    args: Sequence[str], *, quiet_stdout: bool = True, tree: Path | None = None
+) -> subprocess.Popen[bytes]:
+    env = child_env()
+    if tree is not None:  # another checkout's code first on the path (and as the working directory)
+        env["PYTHONPATH"] = str(tree) + os.pathsep + env["PYTHONPATH"]
     return subprocess.Popen(
         [sys.executable, *args],
-        cwd=repo_root(),
-        env=child_env(),
+        cwd=tree or repo_root(),
+        env=env,
         stdout=subprocess.DEVNULL if quiet_stdout else None,
     )
 
 
-def _spawn_gateway(cfg: Path, port: int, access_log: bool) -> subprocess.Popen[bytes]:
+def _spawn_gateway(
+    cfg: Path, port: int, access_log: bool, tree: Path | None = None
+) -> subprocess.Popen[bytes]:
     log_flag = "--access-log" if access_log else "--no-access-log"
     return _spawn(
         ["-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(port),
-         "--log-level", "warning", log_flag]
+         "--log-level", "warning", log_flag],
+        tree=tree,
     )  # fmt: skip
 
 
@@ -248,6 +263,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "bare": (f"http://127.0.0.1:{bare_port}/v1/chat/completions", procs[1].pid),
             "gateway": (f"http://127.0.0.1:{gw_port}/v1/chat/completions", gw.pid),
         }
+        if args.baseline_tree is not None:
+            # An older checkout's gateway against the same stub, bare proxy and load generator, in
+            # the same interleaved rounds: an A/B that no harness difference can tilt. Its config
+            # leaves out `ops` (older gateways refuse the key; they have no ops listener).
+            base_cfg = Path(tmp.name) / "gw-baseline.yaml"
+            base_cfg.write_text(pools.removeprefix("ops: {port: 0}\n"))
+            base_port = free_port()
+            base = _spawn_gateway(base_cfg, base_port, args.access_log, tree=args.baseline_tree.resolve())
+            procs.append(base)
+            targets["baseline"] = (f"http://127.0.0.1:{base_port}/v1/chat/completions", base.pid)
         backgrounds = [""]
         if args.with_long_prompts:
             # The bare proxy stays as the control: it relays the same long bodies but prices nothing.
@@ -262,7 +287,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             targets["gateway-redis"] = (f"http://127.0.0.1:{gwr_port}/v1/chat/completions", gwr.pid)
         _wait_ready(f"{stub_url}/v1/models")
         for name, (url, _) in targets.items():
-            if name.startswith("gateway"):
+            if name.startswith("gateway") or name == "baseline":
                 _wait_ready(url.replace("/v1/chat/completions", "/readyz"))
         time.sleep(0.5)
         results: dict[str, Any] = {}
@@ -395,7 +420,11 @@ def report(
     pricing: dict[str, float] | None,
     redis: dict[str, Any] | None = None,
 ) -> str:
-    names = ("direct", "bare", "gateway", "gateway-redis") if redis else ("direct", "bare", "gateway")
+    names: tuple[str, ...] = (
+        ("direct", "bare", "gateway", "gateway-redis") if redis else ("direct", "bare", "gateway")
+    )
+    if args.baseline_tree is not None:
+        names += ("baseline",)
     header = "| mode | concurrency | target | p50 ms | p99 ms | req/s | CPU ms/req (proxy process) |"
     rule = "|---|---:|---|---:|---:|---:|---:|"
     if redis:
@@ -419,6 +448,13 @@ def report(
                 ratio = g["cpu_ms_per_req"] / b["cpu_ms_per_req"]
                 checks.append(f"- {mode} c={conc}: gateway CPU/req ÷ bare CPU/req = **{ratio:.2f}**"
                               f" (target <= 1.5: {'met' if ratio <= 1.5 else 'NOT met'})")  # fmt: skip
+                base = summary.get(f"baseline|c{conc}|{mode}")
+                if base is not None and base["cpu_ms_per_req"]:
+                    checks.append(
+                        f"- {mode} c={conc}: baseline CPU/req ÷ bare CPU/req = {base['cpu_ms_per_req'] / b['cpu_ms_per_req']:.2f};"
+                        f" gateway ÷ baseline: CPU/req **{g['cpu_ms_per_req'] / base['cpu_ms_per_req']:.2f}**,"
+                        f" p50 {g['p50_ms'] / base['p50_ms']:.2f}, req/s {g['rps'] / base['rps']:.2f}"
+                    )
             if conc == 1:
                 added = g["p50_ms"] - d["p50_ms"]
                 checks.append(f"- {mode} c=1: gateway adds **{added:.3f} ms** p50 over direct"
@@ -537,6 +573,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--long-tokens", type=int, default=28_000, help="prompt tokens of each long prompt")
     p.add_argument(
+        "--baseline-tree",
+        type=Path,
+        metavar="DIR",
+        help="also measure 'baseline': the gateway of another checkout (a git worktree of an older commit)"
+        " in the same interleaved rounds, for a before/after on one harness",
+    )
+    p.add_argument(
         "--access-log",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -574,6 +617,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         text = report(summary, args, pricing, redis)
     flags = " --redis" if args.redis else ""
+    if args.baseline_tree is not None:
+        flags += f" --baseline-tree {args.baseline_tree}"
     if args.with_long_prompts:
         flags += (
             f" --with-long-prompts {args.with_long_prompts:g} --long-tokens {args.long_tokens}"

@@ -1,0 +1,37 @@
+"""The overhead benchmark's before/after mode (``--baseline-tree``), run for real and briefly: every
+server in its own process, the other checkout's gateway measured beside this one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loadtest.processes import child_env, repo_root
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_baseline_checkout_is_measured_in_the_same_rounds_as_the_gateway(tmp_path: Path) -> None:
+    result = tmp_path / "overhead.json"
+    # This checkout as its own baseline (an A/A run): what matters here is that the second gateway
+    # starts from the given tree, serves the same load and is reported beside the first.
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtest.bench.overhead", "--duration", "0.5", "--warmup", "0.1",
+         "--rounds", "1", "--modes", "plain", "--concurrency", "1",
+         "--baseline-tree", str(repo_root()), "--json", str(result)],
+        cwd=repo_root(), env=child_env(), capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(result.read_text())["summary"]
+    for target in ("gateway", "baseline"):
+        row = summary[f"{target}|c1|plain"]
+        assert row["requests"] > 0
+        assert row["errors"] == 0
+        assert row["cpu_ms_per_req"] > 0
+    assert "| plain | 1 | baseline |" in done.stdout
+    assert "gateway ÷ baseline: CPU/req" in done.stdout
+    assert f"--baseline-tree {repo_root()}" in done.stdout
