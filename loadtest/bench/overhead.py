@@ -126,7 +126,8 @@ async def _load(url: str, concurrency: int, duration: float, warmup: float, stre
 def _long_bodies(count: int, tokens: int) -> list[bytes]:
     """`count` chat bodies of about `tokens` prompt tokens, never seen before (a fresh random seed)."""
     import orjson
-    from classifiers.bench_pricing import prompt_text
+
+    from loadtest.bench.pricing import prompt_text
 
     rng = random.Random(int.from_bytes(os.urandom(8), "big"))
     return [

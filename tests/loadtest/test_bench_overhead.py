@@ -35,3 +35,21 @@ def test_a_baseline_checkout_is_measured_in_the_same_rounds_as_the_gateway(tmp_p
     assert "| plain | 1 | baseline |" in done.stdout
     assert "gateway ÷ baseline: CPU/req" in done.stdout
     assert f"--baseline-tree {repo_root()}" in done.stdout
+
+
+def test_the_long_prompt_mode_sends_never_seen_prompts_beside_the_short_requests(tmp_path: Path) -> None:
+    result = tmp_path / "overhead.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtest.bench.overhead", "--duration", "0.5", "--warmup", "0.1",
+         "--rounds", "1", "--modes", "plain", "--concurrency", "1",
+         "--with-long-prompts", "4", "--long-tokens", "2000", "--json", str(result)],
+        cwd=repo_root(), env=child_env(), capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(result.read_text())["summary"]
+    for target in ("direct", "gateway"):
+        quiet, busy = summary[f"{target}|c1|plain"], summary[f"{target}|c1|plain|long"]
+        assert quiet["requests"] > 0 and busy["requests"] > 0
+        assert busy["long_prompts"]["sent"] > 0
+        assert set(busy["long_prompts"]["statuses"]) == {"200"}
+    assert "gateway-added p99" in done.stdout
