@@ -170,18 +170,24 @@ def withdraw(reply: Sequence[Any]) -> WithdrawReply:
     raise _unexpected("withdraw", reply)
 
 
-def wake_up(payload: str) -> tuple[int, str, WakeUp]:
+def wake_up(payload: str) -> tuple[int, str | None, WakeUp]:
     """A wake-up message: the ticket's seq, its lease id and what happened to it.
 
     The seq alone does not name a ticket for good (a Redis that restarted empty numbers tickets
-    from 1 again); seq and lease id together do.
+    from 1 again); seq and lease id together do. The lease id is None in a message written by the
+    scripts of an older version (``G seq at queued`` / ``F seq code message limit``, without it),
+    which a replica of that version still sends during a rolling upgrade.
     """
     fields = payload.split(SEP)
-    code, seq, lease_id = fields[0], int(fields[1]), fields[2]
+    code, seq = fields[0], int(fields[1])
     if code == GRANTED:
-        return seq, lease_id, Granted(float(fields[3]), float(fields[4]))
+        if len(fields) == 4:
+            return seq, None, Granted(float(fields[2]), float(fields[3]))
+        return seq, fields[2], Granted(float(fields[3]), float(fields[4]))
     if code == FAILED:
-        return seq, lease_id, _invalid(*fields[3:6])
+        if len(fields) == 5:
+            return seq, None, _invalid(*fields[2:5])
+        return seq, fields[2], _invalid(*fields[3:6])
     raise _unexpected("wake-up", payload)
 
 

@@ -741,6 +741,13 @@ class RedisStore:
     def _on_wake(self, data: str) -> None:
         seq, lease_id, outcome = replies.wake_up(data)
         waiter = self._waiters.get(seq)
+        if lease_id is None:
+            # From an older version's script (a rolling upgrade): it names the ticket by seq only,
+            # so it is handed only to a waiter registered right now (published and read in the same
+            # Redis incarnation), never kept for later; a waiter it misses finds its grant by polling.
+            if waiter is not None and not waiter.future.done():
+                waiter.future.set_result(outcome)
+            return
         if waiter is None or waiter.lease_id != lease_id:
             # The grant can overtake its own ticket: a release's reply (or another replica's
             # message) is handled as it is read, while the acquire that queued the ticket has

@@ -14,6 +14,7 @@ import pytest
 from redis.asyncio import Redis
 
 from budgets.redis import RedisStore
+from budgets.redis.keys import SEP
 from budgets.redis.replies import Outcome, Queued, status, withdraw
 from budgets.types import BudgetLayout, Demand, QueueTimeout, StoreUnavailable
 from tests.budgets.redis_fixtures import (
@@ -247,6 +248,25 @@ async def test_a_wake_up_kept_from_before_a_redis_restart_never_grants_a_new_tic
     with pytest.raises(QueueTimeout):  # a full pool: nothing is granted before its wait is over
         await store.acquire(demand("a", 50, P), 0.5)
     assert await in_flight(store, P) == 100
+    assert await store.release(blocker.id)
+    await assert_idle(store)
+
+
+async def test_an_older_versions_wake_up_is_never_kept_for_a_ticket_that_comes_later(
+    redis_server: RedisServer, make_store: StoreMaker
+) -> None:
+    # A wake-up without a lease id (an older replica's format, during a rolling upgrade) names its
+    # ticket by seq alone: handed to a waiter registered when it arrives, or dropped, never kept
+    # for a later ticket that may reuse the seq after a restart.
+    store = make_store(redis_server, small_layout())
+    await store.start()
+    blocker = await store.acquire(demand("b", 100, P), 1)
+    raw = Redis.from_url(redis_server.url, decode_responses=True)
+    next_seq = int(await raw.get(f"{store.keys.tag}:seq") or 0) + 1
+    await raw.aclose()
+    store._on_wake(SEP.join(["G", str(next_seq), "12.5", "0.0"]))  # nobody waits for it yet
+    with pytest.raises(QueueTimeout):
+        await store.acquire(demand("a", 50, P), 0.3)
     assert await store.release(blocker.id)
     await assert_idle(store)
 

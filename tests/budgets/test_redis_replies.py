@@ -41,3 +41,29 @@ def test_a_reply_code_the_parser_does_not_know_is_an_error_naming_its_script(
 ) -> None:
     with pytest.raises(ValueError, match=rf"{script}\.lua"):
         parse(["ZZ"])
+
+
+def test_a_wake_up_names_its_ticket_by_seq_and_lease_id() -> None:
+    sep = replies.SEP
+    assert replies.wake_up(sep.join(["G", "7", "r1-a", "12.5", "0.25"])) == (
+        7,
+        "r1-a",
+        replies.Granted(12.5, 0.25),
+    )
+    assert replies.wake_up(sep.join(["F", "8", "r1-b", "never", "backend:p", "100"])) == (
+        8,
+        "r1-b",
+        replies.Invalid("never", "backend:p", 100),
+    )
+
+
+def test_an_older_versions_wake_up_without_a_lease_id_is_still_read() -> None:
+    # During a rolling upgrade a replica of the previous version grants this one's tickets and
+    # announces them in its own format: seq, then the outcome.
+    sep = replies.SEP
+    assert replies.wake_up(sep.join(["G", "7", "12.5", "0.25"])) == (7, None, replies.Granted(12.5, 0.25))
+    assert replies.wake_up(sep.join(["F", "8", "tenant", "x", ""])) == (
+        8,
+        None,
+        replies.Invalid("tenant", "x", None),
+    )
