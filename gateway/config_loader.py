@@ -414,7 +414,8 @@ def _pricing(v: Any) -> PricingConfig:
     own = [f.name for f in dataclasses.fields(PricingSettings)]
     m = section(v, "pricing", ("default_max_tokens", *own))
     d = PricingSettings()
-    settings = PricingSettings(**{k: integer(m, k, "pricing", getattr(d, k), minimum=0) for k in own})
+    counts = {k: integer(m, k, "pricing", getattr(d, k), minimum=0) for k in own if k != "encode_idle"}
+    settings = PricingSettings(**counts, encode_idle=boolean(m, "encode_idle", "pricing", d.encode_idle))
     return PricingConfig(
         default_max_tokens=integer(m, "default_max_tokens", "pricing", 1024, minimum=1), settings=settings
     )

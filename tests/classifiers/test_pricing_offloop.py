@@ -63,6 +63,7 @@ class Call:
     thread: int
     encoded: bool  # False when the count came from the memo
     nice: int  # the calling thread's CPU priority (Linux: per thread)
+    policy: int | None  # its scheduling policy (Linux), None elsewhere
 
 
 class Recording:
@@ -77,7 +78,10 @@ class Recording:
 
     def _record(self, method: str, text: str) -> None:
         nice = os.getpriority(os.PRIO_PROCESS, 0)
-        call = Call(method, len(text), threading.get_ident(), self._tok.cached_count(text) is None, nice)
+        policy = os.sched_getscheduler(0) if sys.platform.startswith("linux") else None
+        call = Call(
+            method, len(text), threading.get_ident(), self._tok.cached_count(text) is None, nice, policy
+        )
         with self._lock:
             self.calls.append(call)
 
@@ -132,6 +136,9 @@ async def test_a_long_never_seen_prompt_is_encoded_off_the_loop_thread(
     if sys.platform.startswith("linux"):  # the encode thread yields the CPU to the loop
         expected = min(19, os.getpriority(os.PRIO_PROCESS, 0) + pricer.settings.encode_nice)
         assert long_calls[0].nice == expected
+        assert pricer.settings.encode_idle
+        assert long_calls[0].policy == os.SCHED_IDLE  # a core only when nothing else wants it
+        assert all(c.policy == os.sched_getscheduler(0) for c in recording.calls if c.thread == loop)
     assert all(c.thread == loop for c in recording.calls if c.chars < 100)
 
 

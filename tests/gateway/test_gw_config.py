@@ -93,6 +93,7 @@ def test_full_documented_shape_loads() -> None:
     assert cfg.models[0].context_length == 128000
     assert cfg.pricing.default_max_tokens == 1024
     assert (cfg.pricing.settings.per_message_tokens, cfg.pricing.settings.image_tokens) == (3, 765)
+    assert cfg.pricing.settings.encode_idle  # the default
     assert len(cfg.classes) == 3
 
 
@@ -156,6 +157,7 @@ def test_example_configs_load() -> None:
             {"pricing": {"per_mesage_tokens": 3}},
             "pricing.per_mesage_tokens: unknown key (did you mean 'per_message_tokens'?)",
         ),
+        ({"pricing": {"encode_idle": "yes"}}, "pricing.encode_idle: expected true or false"),
         (
             {"tenants": {"a": {"keys": ["k"]}, "b": {"keys": ["k"]}}},
             "tenants.b.keys[0]: the same key is already a key of tenant 'a'",
@@ -246,6 +248,11 @@ def test_without_pools_classes_name_the_embedded_pools() -> None:
 def test_gc_section_defaults_and_overrides() -> None:
     assert parse_config({}).gc == GcConfig(threshold0=10_000, threshold1=10, threshold2=100)
     assert parse_config({"gc": {"threshold0": 700, "threshold2": 10}}).gc == GcConfig(700, 10, 10)
+
+
+def test_the_encode_threads_can_stay_at_normal_scheduling() -> None:
+    cfg = parse_config({"pricing": {"encode_idle": False, "encode_nice": 0}})
+    assert not cfg.pricing.settings.encode_idle and cfg.pricing.settings.encode_nice == 0
 
 
 def test_logging_section() -> None:
