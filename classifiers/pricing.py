@@ -181,6 +181,9 @@ class PricingSettings:
     # else wants it. A nice increment alone still let them take scheduler slices of a few ms from
     # the loop on a busy 2-core machine: short requests' added p99 3.5 ms instead of 0.8 ms while 20
     # never-seen 28k-token prompts/s were priced (docs/benchmarks.md); the long prompts pay instead.
+    # The price of that: while the gateway's own cores are saturated (its CPU limit, say) an idle
+    # thread gets ~0.3 % of a core, so a long prompt's pricing can take seconds; `false` keeps only
+    # the nice increment (~10 %), for a deployment that prefers long prompts to wait less.
     encode_idle: bool = True
 
 
