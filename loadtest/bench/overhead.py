@@ -587,6 +587,8 @@ def main(argv: list[str] | None = None) -> int:
         help="run the gateway with its access log (to /dev/null); default on",
     )
     args = p.parse_args(argv)
+    if args.baseline_tree is not None and not (args.baseline_tree / "gateway" / "cli.py").is_file():
+        p.error(f"--baseline-tree {args.baseline_tree}: not a tokengate checkout (no gateway/cli.py)")
     if args.role == "load":
         import uvloop
 

@@ -53,3 +53,12 @@ def test_the_long_prompt_mode_sends_never_seen_prompts_beside_the_short_requests
         assert busy["long_prompts"]["sent"] > 0
         assert set(busy["long_prompts"]["statuses"]) == {"200"}
     assert "gateway-added p99" in done.stdout
+
+
+def test_a_baseline_tree_that_is_not_a_checkout_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtest.bench.overhead", "--baseline-tree", str(tmp_path)],
+        cwd=repo_root(), env=child_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert f"--baseline-tree {tmp_path}: not a tokengate checkout (no gateway/cli.py)" in done.stderr
