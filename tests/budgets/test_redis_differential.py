@@ -172,9 +172,11 @@ async def settle(redis_store: RedisStore, tasks: Sequence[asyncio.Task[Lease]]) 
 
 
 async def run_scenario(
-    server: RedisServer, ops: Sequence[tuple[Any, ...]], order: QueueOrder = "fifo"
+    server: RedisServer, ops: Sequence[tuple[Any, ...]], order: QueueOrder = "fifo", start: float = 1000.0
 ) -> None:
-    clock = FakeClock()
+    """``start``: the clock's first reading (a Unix time puts ages and expiries where production has
+    them, with units in the last place of ~2.4e-7 s)."""
+    clock = FakeClock(start)
     layout = base_layout(order)
     mem = MemoryStore(layout, clock=clock, reap_interval_s=1e6)
     red = RedisStore(
