@@ -29,7 +29,7 @@ local function acquire_main(A)
     return { 'G', fmt(now), fmt(mine) }
   end
   local spec = tenant_spec(d.tenant)
-  local ahead = tonumber(redis.call('HGET', K.twait, d.tenant) or '0') - 1
+  local ahead = count(K.twait, d.tenant) - 1
   if ahead >= spec.maxq then
     withdraw(seq, now)
     grant_pass(now, nil)

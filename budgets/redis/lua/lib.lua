@@ -157,30 +157,37 @@ end
 -- demand names with a single HMGET.
 
 local P
-local spec_c -- field -> parsed spec, or false when absent (kept across calls: below)
+-- Parsed specs by kind ('p' pools, 't' tiers, 'n' tenants), then name (a table per kind, so that a
+-- lookup needs no "<kind>:<name>" string built first): the spec, or false when the layout has no
+-- such name. Kept across calls with the layout (below).
+local SP
 local spec_x -- this call's tenant specs beyond KEPT_TENANTS
 local kept -- this call's entry of ``layouts`` (below), once known
+
+local function new_specs()
+  return { p = {}, t = {}, n = {} }
+end
 
 -- Up to KEPT_TENANTS tenant specs are kept with a layout (pools and tiers always): with 100,000
 -- tenants, keeping them all held ~680 B each in the functions' Lua heap (68 MB); the rest are read
 -- per call, as they were before anything was kept.
 local KEPT_TENANTS = 10000
 
-local function remember(field, v)
-  if kept ~= nil and string.byte(field) == 110 then -- 'n:', a tenant
+local function remember(kind, name, v)
+  if kept ~= nil and kind == 'n' then
     if kept.tenants >= KEPT_TENANTS then
-      spec_x[field] = v
+      spec_x[name] = v
       return
     end
     kept.tenants = kept.tenants + 1
   end
-  spec_c[field] = v
+  SP[kind][name] = v
 end
 
-local function known_spec(field)
-  local v = spec_c[field]
-  if v == nil then
-    v = spec_x[field]
+local function known_spec(kind, name)
+  local v = SP[kind][name]
+  if v == nil and kind == 'n' then
+    v = spec_x[name]
   end
   return v
 end
@@ -192,41 +199,48 @@ end
 local layouts = {}
 local layouts_n = 0
 
-local function parse_spec(field, v)
+local function parse_spec(kind, name, v)
   if not v then
     return false
   end
-  local kind = string.sub(field, 1, 1)
   if kind == 'p' then
     local cap, shared = string.match(v, '^(.-)|(.)$')
     return { cap = tonumber(cap), shared = (shared == '1') }
   elseif kind == 't' then
     local f = split(v, '|')
-    return { name = string.sub(field, 3), rank = tonumber(f[1]), ceiling = tonumber(f[2]), maxwait = tonumber(f[3]) }
+    return { name = name, rank = tonumber(f[1]), ceiling = tonumber(f[2]), maxwait = tonumber(f[3]) }
   end
   local w, q = string.match(v, '^(.-)|(.-)$')
   return { weight = tonumber(w), maxq = tonumber(q) }
 end
 
-local function spec(field)
-  local v = known_spec(field)
+local function spec(kind, name)
+  local v = known_spec(kind, name)
   if v == nil then
-    v = parse_spec(field, redis.call('HGET', K.spec, field))
-    remember(field, v)
+    v = parse_spec(kind, name, redis.call('HGET', K.spec, kind .. ':' .. name))
+    remember(kind, name, v)
   end
   return v
 end
 
 local function pool_spec(name)
-  return spec('p:' .. name)
+  local v = SP.p[name]
+  if v == nil then
+    v = spec('p', name)
+  end
+  return v
 end
 
 local function tier_spec(name)
-  return spec('t:' .. name)
+  local v = SP.t[name]
+  if v == nil then
+    v = spec('t', name)
+  end
+  return v
 end
 
 local function tenant_spec(name)
-  return spec('n:' .. name)
+  return spec('n', name)
 end
 
 -- The policy and (optionally) a demand's specs in one round trip; false when Redis has no layout.
@@ -239,7 +253,7 @@ local function load_policy(d)
     if v[1] and v[2] then
       local c = layouts[K.layout]
       if c and c.stamp == v[1] .. SEP .. v[2] then
-        P, spec_c, kept = c.P, c.spec, c
+        P, SP, kept = c.P, c.spec, c
       else
         ver, stamp = v[1], v[1] .. SEP .. v[2]
       end
@@ -249,15 +263,18 @@ local function load_policy(d)
     fields = { 'ver', 'pw', 'dw', 'backfill', 'ttl', 'max_scan', 'tiers', 'idle', 'qo' }
   end
   local first = #fields + 1
-  if d then
-    local want = { 'n:' .. d.tenant, 't:' .. d.tier }
-    for i = 1, #d.pools do
-      want[#want + 1] = 'p:' .. d.pools[i]
+  local kinds, names = {}, {} -- of the spec fields asked for, from ``first`` on
+  local function want(kind, name)
+    if known_spec(kind, name) == nil then
+      fields[#fields + 1] = kind .. ':' .. name
+      kinds[#fields], names[#fields] = kind, name
     end
-    for i = 1, #want do
-      if known_spec(want[i]) == nil then
-        fields[#fields + 1] = want[i]
-      end
+  end
+  if d then
+    want('n', d.tenant)
+    want('t', d.tier)
+    for i = 1, #d.pools do
+      want('p', d.pools[i])
     end
   end
   if #fields == 0 then
@@ -290,24 +307,22 @@ local function load_policy(d)
       if layouts[K.layout] == nil then
         layouts_n = layouts_n + 1
       end
-      kept = { stamp = stamp, P = P, spec = spec_c, tenants = 0 }
-      for field in pairs(spec_c) do
-        if string.byte(field) == 110 then
-          kept.tenants = kept.tenants + 1
-        end
+      kept = { stamp = stamp, P = P, spec = SP, tenants = 0 }
+      for _ in pairs(SP.n) do
+        kept.tenants = kept.tenants + 1
       end
       layouts[K.layout] = kept
     end
   end
   for i = first, #fields do
-    remember(fields[i], parse_spec(fields[i], v[i]))
+    remember(kinds[i], names[i], parse_spec(kinds[i], names[i], v[i]))
   end
   return true
 end
 
 local function reset_layout_cache()
   P, kept = nil, nil
-  spec_c = {} -- a new table: the one kept in ``layouts`` may be another call's
+  SP = new_specs() -- new tables: the ones kept in ``layouts`` may be another call's
   if layouts[K.layout] ~= nil then
     layouts[K.layout] = nil
     layouts_n = layouts_n - 1
@@ -527,18 +542,27 @@ local function parse_head(hk, v)
   }
 end
 
+-- The heads this call has read or written: head key -> its parsed record, or false when that queue
+-- has no head. Every change of a head record goes through store_head or remove_head, which keep
+-- it; within one call a head is read and parsed from Redis once (a release reads the released
+-- tenant's head to rank it and again to re-check its private pool).
+local heads_c
+
 local function load_head(hk)
-  local v = redis.call('HGET', K.heads, hk)
-  if not v then
-    return nil
+  local h = heads_c[hk]
+  if h == nil then
+    local v = redis.call('HGET', K.heads, hk)
+    h = v and parse_head(hk, v) or false
+    heads_c[hk] = h
   end
-  return parse_head(hk, v)
+  return h or nil
 end
 
 local function store_head(h)
   local flags = (h.old and '1' or '0') .. (h.parked and '1' or '0')
   redis.call('HSET', K.heads, h.hk, flags .. SEP .. h.seq .. SEP .. h.cost .. SEP .. fmt(h.enq) .. SEP
     .. fmt(h.counter) .. SEP .. h.gid .. SEP .. h.private_raw .. SEP .. h.rs)
+  heads_c[h.hk] = h
 end
 
 local function activate(h, counter)
@@ -625,6 +649,7 @@ local function remove_head(h)
     deactivate(h)
   end
   redis.call('HDEL', K.heads, h.hk)
+  heads_c[h.hk] = false
   for i = 1, #h.private do
     redis.call('SREM', pvkey(h.private[i]), h.hk)
   end
@@ -635,14 +660,23 @@ end
 
 -- QueueIndex.reposition: the tenant's counter changed; its active heads move to their new rank.
 local function reposition(tenant, counter)
-  local hks = {}
+  local hks, unread = {}, {}
   for i = 1, #P.tier_order do
-    hks[i] = head_key(P.tier_order[i], tenant)
+    local hk = head_key(P.tier_order[i], tenant)
+    hks[i] = hk
+    if heads_c[hk] == nil then
+      unread[#unread + 1] = hk
+    end
   end
-  local recs = redis.call('HMGET', K.heads, unpack(hks))
+  if #unread > 0 then
+    local recs = redis.call('HMGET', K.heads, unpack(unread))
+    for i = 1, #unread do
+      heads_c[unread[i]] = recs[i] and parse_head(unread[i], recs[i]) or false
+    end
+  end
   for i = 1, #hks do
-    if recs[i] then
-      local h = parse_head(hks[i], recs[i])
+    local h = heads_c[hks[i]]
+    if h then
       if not h.parked then
         local kind = h.old and 'o' or 'y'
         redis.call('ZREM', gkey(kind, h.tier, h.gid), rank_member(h.counter, h.rs, tenant))
@@ -931,10 +965,9 @@ local function charge(d)
   local n = count_add(K.tleases, d.tenant, 1)
   local spec = tenant_spec(d.tenant)
   local x = (vtc(d.tenant) or 0.0) + prompt_service(d, spec.weight)
-  set_vtc(d.tenant, x)
+  set_vtc(d.tenant, x) -- also T:vl: the tenant holds a lease now
   if n == 1 then
     redis.call('ZREM', K.idle, d.tenant)
-    redis.call('ZADD', K.vl, fmt(x), d.tenant)
   end
   if d.cost ~= 0 then
     private_pools_changed(d)
@@ -1260,7 +1293,7 @@ end
 
 -- policy.grant_pass. Returns the queued seconds of ``own`` when that ticket was granted.
 local function grant_pass(now, own)
-  if redis.call('HLEN', K.tickets) == 0 then
+  if own == nil and redis.call('HLEN', K.tickets) == 0 then -- ``own`` is waiting: not empty
     return nil
   end
   if now > pass_clock() then
@@ -1393,6 +1426,7 @@ local function reindex()
   for i = 1, #doomed, 1000 do
     redis.call('DEL', unpack(doomed, i, math.min(i + 999, #doomed)))
   end
+  heads_c = {}
   local seqs = redis.call('HKEYS', K.tickets)
   local seen = {}
   for i = 1, #seqs do
@@ -1487,9 +1521,10 @@ local function begin(keys, args)
   CALLER = args[2]
   LOCAL = {}
   now_c, clock_c, P = nil, nil, nil
-  spec_c, spec_x, used_c, vtc_c = {}, {}, {}, {}
+  SP, spec_x, used_c, vtc_c = new_specs(), {}, {}, {}
   kept = nil
   counts_c = { [K.twait] = {}, [K.tleases] = {} }
+  heads_c = {}
 end
 
 -- An entry's own arguments: ARGV after the clock override and the caller.
