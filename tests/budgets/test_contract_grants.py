@@ -145,6 +145,24 @@ async def test_unknown_tenant_tier_or_pool(store_factory: StoreFactory) -> None:
     await assert_idle(store)
 
 
+async def test_a_pool_a_tier_and_a_tenant_of_the_same_name_are_told_apart(
+    store_factory: StoreFactory,
+) -> None:
+    # The Redis scripts keep specs per kind (pool, tier, tenant) under bare names: the one name
+    # must find the pool's capacity, the tier's ceiling and the tenant's spec, never another's.
+    store = await store_factory(layout([shared("critical", 40), shared("batch", 50)], ["critical"]))
+    lease = await store.acquire(demand("critical", 40, "critical"), 1)  # tier critical: ceiling 1.0
+    with pytest.raises(NeverFits) as info:
+        await store.acquire(demand("critical", 36, "batch", tier="batch"), 1)  # batch: 70 % of 50
+    assert (info.value.pool, info.value.limit) == ("batch", 35)
+    with pytest.raises(UnknownTenantOrTier):
+        await store.acquire(demand("batch", 1, "critical"), 1)  # a tier and a pool, not a tenant
+    with pytest.raises(UnknownTenantOrTier):
+        await store.acquire(demand("critical", 1, "standard"), 1)  # a tier, not a pool
+    assert await store.release(lease.id)
+    await assert_idle(store)
+
+
 async def test_pools_return_to_zero_under_concurrent_churn(store_factory: StoreFactory) -> None:
     tenants = ["a", "b", "c"]
     pools = [shared(P, 120), shared(Q, 90)] + [private(f"tenant:{t}", 60) for t in tenants]
