@@ -21,6 +21,14 @@
 -- it: as a Redis 7 function library (loaded once, ``begin`` per FCALL) and as EVAL scripts.
 local T, K, ARGS
 
+-- policy's "Settled", within one call: true once a pass has run to its end, false again as soon as
+-- anything a pass looks at changes (in-flight tokens, a counter, a head record, a withdrawal, a
+-- forgotten tenant). An acquire in the same call that queues behind its tenant's existing head
+-- changes none of it, so its pass would grant nothing: it returns at once (after promotions, as
+-- policy.grant_pass). Per call only, never stored: each call (a ``batch`` is one) starts
+-- unsettled, so replicas of other versions are not concerned.
+local settled = false
+
 -- The keys of one budget domain (a pure function of its layout key).
 local function keyset(layout)
   local T = string.sub(layout, 1, -8) -- strip ":layout"
@@ -370,6 +378,7 @@ local function add_used(pools, delta)
   if #pools == 0 then
     return
   end
+  settled = false
   prefetch_used(pools)
   local set, del = {}, {}
   for i = 1, #pools do
@@ -563,6 +572,7 @@ local function store_head(h)
   redis.call('HSET', K.heads, h.hk, flags .. SEP .. h.seq .. SEP .. h.cost .. SEP .. fmt(h.enq) .. SEP
     .. fmt(h.counter) .. SEP .. h.gid .. SEP .. h.private_raw .. SEP .. h.rs)
   heads_c[h.hk] = h
+  settled = false
 end
 
 local function activate(h, counter)
@@ -650,6 +660,7 @@ local function remove_head(h)
   end
   redis.call('HDEL', K.heads, h.hk)
   heads_c[h.hk] = false
+  settled = false
   for i = 1, #h.private do
     redis.call('SREM', pvkey(h.private[i]), h.hk)
   end
@@ -726,6 +737,7 @@ end
 
 -- policy._set_counter
 local function set_vtc(tenant, x)
+  settled = false
   vtc_c[tenant] = x
   local s = fmt(x)
   redis.call('ZADD', K.vtc, s, tenant)
@@ -771,6 +783,7 @@ local function forget_idle(now, limit)
     redis.call('ZREM', K.idle, gone[i])
     redis.call('ZREM', K.vtc, gone[i])
     vtc_c[gone[i]] = false
+    settled = false
   end
   return #gone
 end
@@ -790,6 +803,7 @@ local function promote(now, limit)
     h.old = true
     store_head(h)
   end
+  return #members
 end
 
 -- ---- demands, tickets, leases ----
@@ -1108,6 +1122,7 @@ end
 
 -- policy.withdraw
 local function withdraw(seq, now)
+  settled = false
   local tk = load_ticket(seq)
   if tk == nil then
     return nil
@@ -1301,7 +1316,10 @@ local function grant_pass(now, own)
     redis.call('SET', K.clock, fmt(now))
   end
   local budget = P.max_scan
-  promote(now, budget)
+  if promote(now, budget) == 0 and settled then
+    return nil
+  end
+  settled = false -- until this pass reaches its end
   local mine = nil
   local held_all = {}
   for ti = 1, #P.tier_order do
@@ -1358,6 +1376,7 @@ local function grant_pass(now, own)
       end
     end
   end
+  settled = true
   return mine
 end
 
@@ -1402,6 +1421,7 @@ end
 -- layout change). A head keeps its age class; a ticket that only now becomes head is classed as
 -- usual. O(waiting tickets).
 local function reindex()
+  settled = false
   local was_old = {}
   local recs = redis.call('HGETALL', K.heads)
   local doomed = { K.heads, K.age }
@@ -1525,6 +1545,7 @@ local function begin(keys, args)
   kept = nil
   counts_c = { [K.twait] = {}, [K.tleases] = {} }
   heads_c = {}
+  settled = false
 end
 
 -- An entry's own arguments: ARGV after the clock override and the caller.
