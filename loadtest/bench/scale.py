@@ -20,7 +20,9 @@ the granted tenant then queues a new ticket, so the backlog stays the same size.
   acquire), pipelined ``--window`` cycles at a time from one connection: cycles per second of that
   driver, Redis CPU per cycle (``INFO cpu``, so the capacity of one Redis is 1e6 / that), and the
   p50/p99/max duration of one script call as Redis itself records it (``SLOWLOG`` with a 0 us
-  threshold). Grants reach the driver in the release script's reply (it owns the tickets);
+  threshold), and each command's calls and microseconds per cycle (``INFO commandstats``; printed
+  with ``--commandstats``). Grants reach the driver in the release script's reply (it owns the
+  tickets);
 * **fast path** (nothing queued): acquire+release per second on the memory store, Redis CPU per
   acquire+release on Redis, with ``tenants`` tenants taking turns;
 * **memory**: bytes per idle tenant, per waiting ticket and per live lease, in process
@@ -373,6 +375,22 @@ async def script_durations(client: Redis) -> list[float]:
     return out
 
 
+async def command_costs(client: Redis, cycles: int) -> dict[str, dict[str, float]]:
+    """What the scripts' Redis commands cost per cycle since the last ``CONFIG RESETSTAT``, by
+    command (``INFO commandstats``; the script calls themselves under ``FCALL``/``EVALSHA``, whose
+    time includes their commands'): calls and microseconds per cycle, costliest first."""
+    stats = await client.info("commandstats")
+    rows = {
+        name.removeprefix("cmdstat_"): {
+            "calls": v["calls"] / max(1, cycles),
+            "us": v["usec"] / max(1, cycles),
+        }
+        for name, v in stats.items()
+        if name.removeprefix("cmdstat_") not in ("config|resetstat", "info", "slowlog|get", "config|set")
+    }
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1]["us"]))
+
+
 async def redis_cpu(client: Redis) -> float:
     info = await client.info("cpu")
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
@@ -434,6 +452,7 @@ async def redis_cycles(
         warm_until = time.perf_counter() + min(1.0, seconds / 3)
         while time.perf_counter() < warm_until:
             await turn()
+        await d.client.config_resetstat()
         cpu0 = await redis_cpu(d.client)
         cycles = 0
         t0 = time.perf_counter()
@@ -442,6 +461,7 @@ async def redis_cycles(
             cycles += await turn()
         wall = time.perf_counter() - t0
         cpu = await redis_cpu(d.client) - cpu0
+        commands = await command_costs(d.client, cycles)
         # Script durations in a shorter run of their own: logging every command costs Redis CPU.
         await slowlog_reset(d.client)
         stop = time.perf_counter() + seconds / 2
@@ -457,6 +477,7 @@ async def redis_cycles(
             "redis_cpu_us_per_cycle": cpu / max(1, cycles) * 1e6,
             "script": summary(durations),
             "bytes_per_waiting_ticket": per_ticket,
+            "commands_per_cycle": commands,
         }
     finally:
         await d.close()
@@ -539,6 +560,8 @@ async def run_all(args: argparse.Namespace, url: str) -> dict[str, Any]:
                 row = await redis_cycles(url, tenants, tickets, args.seconds, args.window, batched, args.lua)
                 results["cycles"].append(row)
                 print_row(row)
+                if args.commandstats:
+                    print_commands(row["commands_per_cycle"])
     for tenants in sorted({t for t, _ in sizes(args.sizes)}):
         if "memory" in args.stores:
             results["fast_path"].append(await memory_fast_path(tenants, min(args.seconds, 2.0)))
@@ -564,6 +587,17 @@ def print_row(r: dict[str, Any]) -> None:
         f"{extra}; {what} p50 {pas['p50_ms']:.3f} p99 {pas['p99_ms']:.3f} max {pas['max_ms']:.3f} ms",
         flush=True,
     )
+
+
+def print_commands(commands: dict[str, dict[str, float]], top: int = 12) -> None:
+    listed = list(commands.items())
+    inner = sum(v["us"] for name, v in listed if name not in ("fcall", "evalsha"))
+    print(
+        f"    per cycle: {sum(v['calls'] for name, v in listed if name not in ('fcall', 'evalsha')):.1f} commands "
+        f"from the scripts, {inner:.1f} us of their own execution"
+    )
+    for name, v in listed[:top]:
+        print(f"    {name:<18} {v['calls']:6.2f} calls  {v['us']:8.1f} us")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -595,6 +629,11 @@ def main(argv: list[str] | None = None) -> int:
         help="event loop: uvloop (what tokengate serve runs, the default) or asyncio's own",
     )
     parser.add_argument("--bytes-sample", type=int, default=20_000, help="in-process bytes: sample size")
+    parser.add_argument(
+        "--commandstats",
+        action="store_true",
+        help="redis: also print each command's calls and microseconds per cycle (always in --json)",
+    )
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     if args.quick:

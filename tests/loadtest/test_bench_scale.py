@@ -1,0 +1,40 @@
+"""The scale benchmark (``python -m loadtest.bench.scale``), run for real and briefly: both stores,
+one small size, its own redis-server, the JSON and the per-command breakdown of the Redis rows."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loadtest.processes import child_env, repo_root
+
+pytestmark = pytest.mark.slow
+
+
+def test_both_stores_run_their_cycles_and_the_redis_rows_say_what_each_command_costs(tmp_path: Path) -> None:
+    result = tmp_path / "scale.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtest.bench.scale", "--sizes", "10:40", "--seconds", "0.4",
+         "--bytes-sample", "200", "--commandstats", "--json", str(result)],
+        cwd=repo_root(), env=child_env(), capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {row["store"]: row for row in json.loads(result.read_text())["cycles"]}
+    assert set(rows) == {"memory", "redis", "redis-batch"}
+    for row in rows.values():
+        assert (row["tenants"], row["tickets"]) == (10, 40)
+        assert row["cycles_per_s"] > 0
+    for store in ("redis", "redis-batch"):
+        commands = rows[store]["commands_per_cycle"]
+        assert commands["fcall"]["calls"] > 0  # one per operation, or one per batch
+        # A grant cycle writes the lease and its ticket's departure, whatever else it does.
+        assert commands["hset"]["calls"] >= 1 and commands["hdel"]["calls"] >= 1
+        assert rows[store]["redis_cpu_us_per_cycle"] > 0
+    assert rows["redis"]["commands_per_cycle"]["fcall"]["calls"] == pytest.approx(
+        2, abs=0.2
+    )  # release + acquire
+    assert "per cycle:" in done.stdout and "commands from the scripts" in done.stdout
