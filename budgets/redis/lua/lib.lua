@@ -93,7 +93,30 @@ local function hset_many(key, fields)
   end
 end
 
+-- The first eight SEP-separated fields of a record, as ``split`` gives them (nil past the last),
+-- without a table: one pattern match instead of a find and a sub per field (~0.4 us against ~1.4).
+local FIELDS8 = '^([^\31]*)\31([^\31]*)\31([^\31]*)\31([^\31]*)\31([^\31]*)\31([^\31]*)\31([^\31]*)\31([^\31]*)'
+
+local function fields8(v)
+  local a, b, c, d, e, f, g, h = string.match(v, FIELDS8)
+  if a == nil then -- fewer than eight fields (a head record of an older version)
+    local t = split(v, SEP)
+    return t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8]
+  end
+  return a, b, c, d, e, f, g, h
+end
+
+local now_c, now_s -- this call's instant (script_now, below), and that number formatted
+
+-- A number as text that reads back as the same double. The call's instant is formatted once: a call
+-- writes it into several records (a batch, into several per operation).
 local function fmt(x)
+  if x == now_c and x ~= 0 then -- (0 == -0, which formats differently)
+    if now_s == nil then
+      now_s = string.format('%.17g', x)
+    end
+    return now_s
+  end
   return string.format('%.17g', x)
 end
 
@@ -106,7 +129,6 @@ local function clock(arg)
 end
 
 -- One instant per script call: every operation of a batch happens "at the same time".
-local now_c
 local function script_now()
   if now_c == nil then
     now_c = clock(ARGS[1])
@@ -532,22 +554,22 @@ local function pass_clock()
 end
 
 local function parse_head(hk, v)
-  local f = split(v, SEP)
+  local flags, seq, cost, enq, counter, gid, private, rs = fields8(v)
   local tier, tenant = string.match(hk, '^(.-)\31(.*)$')
   return {
     hk = hk,
     tier = tier,
     tenant = tenant,
-    old = string.sub(f[1], 1, 1) == '1',
-    parked = string.sub(f[1], 2, 2) == '1',
-    seq = tonumber(f[2]),
-    cost = tonumber(f[3]),
-    enq = tonumber(f[4]),
-    counter = tonumber(f[5]),
-    gid = f[6],
-    private = split(f[7], LSEP),
-    private_raw = f[7],
-    rs = tonumber(f[8] or f[2]),
+    old = string.sub(flags, 1, 1) == '1',
+    parked = string.sub(flags, 2, 2) == '1',
+    seq = tonumber(seq),
+    cost = tonumber(cost),
+    enq = tonumber(enq),
+    counter = tonumber(counter),
+    gid = gid,
+    private = split(private, LSEP),
+    private_raw = private,
+    rs = tonumber(rs or seq),
   }
 end
 
@@ -832,13 +854,13 @@ local function load_ticket(seq)
   if not v then
     return nil
   end
-  local f = split(v, SEP)
+  local tenant, tier, prefill, decode, pools, enq, owner, lease = fields8(v)
   return {
     seq = tonumber(seq),
-    d = demand(f[1], f[2], f[3], f[4], f[5]),
-    enq = tonumber(f[6]),
-    owner = f[7],
-    lease = f[8],
+    d = demand(tenant, tier, prefill, decode, pools),
+    enq = tonumber(enq),
+    owner = owner,
+    lease = lease,
   }
 end
 
@@ -873,13 +895,13 @@ local function load_lease(id)
   if not v then
     return nil
   end
-  local f = split(v, SEP)
+  local tenant, tier, prefill, decode, pools, owner, granted_at, queued_s = fields8(v)
   return {
     id = id,
-    d = demand(f[1], f[2], f[3], f[4], f[5]),
-    owner = f[6],
-    granted_at = f[7],
-    queued_s = f[8],
+    d = demand(tenant, tier, prefill, decode, pools),
+    owner = owner,
+    granted_at = granted_at,
+    queued_s = queued_s,
   }
 end
 
@@ -1540,7 +1562,7 @@ local function begin(keys, args)
   ARGS = args
   CALLER = args[2]
   LOCAL = {}
-  now_c, clock_c, P = nil, nil, nil
+  now_c, now_s, clock_c, P = nil, nil, nil, nil
   SP, spec_x, used_c, vtc_c = new_specs(), {}, {}, {}
   kept = nil
   counts_c = { [K.twait] = {}, [K.tleases] = {} }
