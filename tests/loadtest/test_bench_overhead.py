@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from loadtest.bench.overhead import added_ratio
 from loadtest.processes import child_env, repo_root
 
 pytestmark = pytest.mark.slow
@@ -62,3 +63,16 @@ def test_a_baseline_tree_that_is_not_a_checkout_is_refused_before_anything_start
     )  # fmt: skip
     assert done.returncode == 2
     assert f"--baseline-tree {tmp_path}: not a tokengate checkout (no gateway/cli.py)" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("loaded", "quiet", "says"),
+    [
+        (0.9, 0.6, "1.50x"),
+        (0.4, -0.05, "no ratio: the quiet added p99 is -0.050 ms, at or below zero (noise)"),
+        (0.4, 0.0, "no ratio: the quiet added p99 is 0.000 ms, at or below zero (noise)"),
+    ],
+)
+def test_a_quiet_added_p99_at_or_below_zero_gives_no_ratio(loaded: float, quiet: float, says: str) -> None:
+    # It printed "infx" before: a noisy run's direct p99 above the gateway's is not a cost to divide by.
+    assert added_ratio(loaded, quiet) == says
