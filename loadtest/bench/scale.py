@@ -315,6 +315,9 @@ class Driver:
 
     async def start(self) -> None:
         await self.store.start()  # writes the layout (and loads the function library)
+        # Nothing else is asked of the store: closed now, its health probes do not time out (and
+        # log the store unreachable) while Redis runs this driver's long fill calls.
+        await self.store.close()
         if self.runner.library is not None:
             await self.client.function_load(self.runner.library.code, replace=True)
         for script in self.runner.scripts.values():
@@ -327,7 +330,6 @@ class Driver:
         return "EVALSHA", self.runner.scripts[name].sha
 
     async def close(self) -> None:
-        await self.store.close()
         await self.client.aclose()
 
     async def run(self, calls: Sequence[tuple[str, list[str]]]) -> list[Any]:
