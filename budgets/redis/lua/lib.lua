@@ -276,6 +276,19 @@ end
 -- The policy and (optionally) a demand's specs in one round trip; false when Redis has no layout.
 -- Within one script call (a batch) the policy is read once; later calls fetch only new specs.
 local function load_policy(d)
+  if P ~= nil and d ~= nil and known_spec('n', d.tenant) ~= nil and SP.t[d.tier] ~= nil then
+    -- a later operation of the call whose specs are all known already: nothing to read
+    local pools, known = d.pools, true
+    for i = 1, #pools do
+      if SP.p[pools[i]] == nil then
+        known = false
+        break
+      end
+    end
+    if known then
+      return true
+    end
+  end
   local fields = {}
   local ver, stamp -- of the layout, when it is not in ``layouts`` yet
   if P == nil then
@@ -1434,8 +1447,14 @@ local function retry_after(d, now)
 end
 
 
+-- A call beats for a replica once: every operation of a call happens at the same instant, so a
+-- batch's queued acquires would write the same score again.
+local beaten
 local function beat(replica, now)
-  redis.call('ZADD', K.replicas, fmt(now + P.ttl), replica)
+  if beaten ~= replica then
+    redis.call('ZADD', K.replicas, fmt(now + P.ttl), replica)
+    beaten = replica
+  end
 end
 
 
@@ -1568,6 +1587,7 @@ local function begin(keys, args)
   counts_c = { [K.twait] = {}, [K.tleases] = {} }
   heads_c = {}
   settled = false
+  beaten = nil
 end
 
 -- An entry's own arguments: ARGV after the clock override and the caller.
