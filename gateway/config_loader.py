@@ -414,8 +414,14 @@ def _pricing(v: Any) -> PricingConfig:
     own = [f.name for f in dataclasses.fields(PricingSettings)]
     m = section(v, "pricing", ("default_max_tokens", *own))
     d = PricingSettings()
-    counts = {k: integer(m, k, "pricing", getattr(d, k), minimum=0) for k in own if k != "encode_idle"}
-    settings = PricingSettings(**counts, encode_idle=boolean(m, "encode_idle", "pricing", d.encode_idle))
+    values: dict[str, Any] = {}
+    for k in own:  # each knob read by its default's type: a switch or a count
+        default = getattr(d, k)
+        if isinstance(default, bool):
+            values[k] = boolean(m, k, "pricing", default)
+        else:
+            values[k] = integer(m, k, "pricing", default, minimum=0)
+    settings = PricingSettings(**values)
     return PricingConfig(
         default_max_tokens=integer(m, "default_max_tokens", "pricing", 1024, minimum=1), settings=settings
     )
