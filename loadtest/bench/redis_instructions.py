@@ -15,6 +15,14 @@ call (``batch``), or acquire + release with nothing queued (``fast``). Redis' ow
 commandstats`` counts the calls in the window; the figure is the instructions Redis executed in
 the window (everything: the Lua VM, the commands, the network) per script call.
 
+The cycles run on a virtual clock (``--clock virtual``, the default): the scripts' clock override,
+moving 200 us per cycle, about a cycle's time at full speed. On Redis' own clock (``--clock
+server``, as before 2026-12-01) the 50-times-slower Redis under valgrind aged every head within a
+few cycles, and what the window measured drifted by a few per cent from run to run with how fast
+valgrind happened to run; on the virtual clock two runs of one tree hold the same state after N
+cycles. An older tree measured with ``--clock virtual`` needs this harness's
+``loadtest/bench/scale.py`` copied into it (its ``Driver`` runs the virtual clock).
+
 The counts are repeatable to about 1 %. A cost-centre list of the window is written next to the
 callgrind output (``--keep DIR``): libc's number formatting (``__printf_fp_l``) and parsing
 (``strtod``) show up there by name; Redis' own functions only with a redis-server that has
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import os
 import re
 import shutil
@@ -36,6 +45,9 @@ from pathlib import Path
 from typing import Any
 
 MODES = ("single", "batch", "fast")
+# Seconds per cycle of the virtual clock (``--clock virtual``): about what a cycle takes at full
+# speed on the development VM, so heads age as they do there.
+CLOCK_STEP = 0.0002
 
 
 def callgrind_total(out: Path) -> int:
@@ -58,7 +70,7 @@ async def _control(*args: str) -> None:
 
 
 async def _measure(
-    url: str, pid: int, tenants: int, tickets: int, mode: str, seconds: float
+    url: str, pid: int, tenants: int, tickets: int, mode: str, seconds: float, clock_step: float | None
 ) -> dict[str, Any]:
     """One point, in this process: the tree's scale benchmark against the Redis under callgrind."""
     from redis.asyncio import Redis
@@ -87,7 +99,16 @@ async def _measure(
     if mode == "fast":
         row = await scale.redis_fast_path(url, tenants, seconds, 32, "functions")
     else:
-        row = await scale.redis_cycles(url, tenants, tickets, seconds, 32, mode == "batch", "functions")
+        clock = {}
+        if clock_step is not None:
+            if "clock_step" not in inspect.signature(scale.redis_cycles).parameters:
+                raise RuntimeError(
+                    "this tree's loadtest/bench/scale.py has no virtual clock: use --clock server"
+                )
+            clock = {"clock_step": clock_step}
+        row = await scale.redis_cycles(
+            url, tenants, tickets, seconds, 32, mode == "batch", "functions", **clock
+        )
     return {"calls": window.get("calls", 0), "row": {k: v for k, v in row.items() if not isinstance(v, dict)}}
 
 
@@ -118,7 +139,8 @@ def _child(args: argparse.Namespace) -> int:
         if not ping(port):
             raise RuntimeError("redis-server under valgrind did not start")
         url = f"redis://127.0.0.1:{port}/0"
-        got = asyncio.run(_measure(url, proc.pid, args.tenants, args.tickets, args.mode, args.seconds))
+        step = None if args.clock == "server" else CLOCK_STEP
+        got = asyncio.run(_measure(url, proc.pid, args.tenants, args.tickets, args.mode, args.seconds, step))
         subprocess.run(["callgrind_control", "-d", str(proc.pid)], check=True, capture_output=True)
     finally:
         proc.terminate()
@@ -137,7 +159,7 @@ def _child(args: argparse.Namespace) -> int:
 
 
 def _point(
-    tree: Path, mode: str, tenants: int, tickets: int, seconds: float, keep: str | None
+    tree: Path, mode: str, tenants: int, tickets: int, seconds: float, keep: str | None, clock: str
 ) -> dict[str, Any]:
     import json
 
@@ -156,6 +178,8 @@ def _point(
         str(tickets),
         "--seconds",
         str(seconds),
+        "--clock",
+        clock,
     ]
     if keep:
         child += ["--keep", keep]
@@ -182,6 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="single,batch", help=f"of {','.join(MODES)} (default %(default)s)")
     p.add_argument("--seconds", type=float, default=6.0, help="measured window per point (under valgrind)")
     p.add_argument("--keep", help="keep the callgrind output and its annotation here")
+    p.add_argument(
+        "--clock",
+        default="virtual",
+        choices=("virtual", "server"),
+        help="cycles: the scripts' clock override moving 200 us per cycle (default; the same state "
+        "after N cycles whatever the speed) or Redis' own TIME (as older trees' benchmarks ran)",
+    )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", default="single", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--tenants", type=int, default=1000, help=argparse.SUPPRESS)
@@ -202,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         tenants, tickets = (int(x) for x in size.split(":"))
         for mode in modes:
             for tree in trees:
-                r = _point(tree, mode, tenants, tickets, args.seconds, args.keep)
+                r = _point(tree, mode, tenants, tickets, args.seconds, args.keep, args.clock)
                 if r.get("cycles"):  # the driver's count of the window's cycles
                     per_cycle = f"{r['instructions'] / r['cycles']:,.0f} per cycle ({r['cycles']} cycles)"
                 else:  # older trees' scale.py: from the calls (2 per cycle, or 32 cycles per batch)

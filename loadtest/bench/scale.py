@@ -69,6 +69,9 @@ COST = PREFILL + DECODE
 IN_FLIGHT = 64
 TIER = "standard"
 OWNER = "bench"  # the replica the Redis driver plays: it owns every ticket and lease
+# A virtual clock's first instant (``Driver(clock_step=...)``): later than any real clock, so the
+# layout's own calls at Redis' TIME lie before it, and with a Unix time's number of digits.
+VIRTUAL_START = 4_000_000_000.123456
 
 DEFAULT_SIZES = "10:100,100:1000,1000:10000,10000:100000,100000:100000,100000:1000000"
 QUICK_SIZES = "10:100,1000:10000,10000:100000"
@@ -301,9 +304,16 @@ def memory_bytes(n: int) -> dict[str, float]:
 
 
 class Driver:
-    """Script calls as a replica makes them, pipelined, on a fresh key prefix."""
+    """Script calls as a replica makes them, pipelined, on a fresh key prefix.
 
-    def __init__(self, url: str, lay: BudgetLayout, lua: str = "functions") -> None:
+    ``clock_step``: None runs every call at Redis' own ``TIME``; a number runs them on a virtual
+    clock (the scripts' clock override) that moves ``clock_step`` seconds per cycle, so that what
+    the domain holds after N cycles (young and old heads, idle tenants) does not depend on how
+    fast Redis runs: under valgrind, 50 times slower, real time would age every head."""
+
+    def __init__(
+        self, url: str, lay: BudgetLayout, lua: str = "functions", clock_step: float | None = None
+    ) -> None:
         self.url = url
         self.layout = lay
         self.prefix = f"scale-{uuid.uuid4().hex[:8]}"
@@ -312,6 +322,15 @@ class Driver:
         self.runner = ScriptRunner(functions=lua == "functions")
         self.key = self.store.keys.layout
         self.ids = 0
+        self.clock_step = clock_step
+        self.now = VIRTUAL_START
+
+    def instant(self, cycles: float) -> str:
+        """The clock argument of the next call, which runs ``cycles`` cycles' worth of operations."""
+        if self.clock_step is None:
+            return ""
+        self.now += cycles * self.clock_step
+        return repr(self.now)
 
     async def start(self) -> None:
         await self.store.start()  # writes the layout (and loads the function library)
@@ -335,7 +354,7 @@ class Driver:
     async def run(self, calls: Sequence[tuple[str, list[str]]]) -> list[Any]:
         pipe = self.client.pipeline(transaction=False)
         for name, args in calls:
-            pipe.execute_command(*self.command(name), 1, self.key, "", OWNER, *args)
+            pipe.execute_command(*self.command(name), 1, self.key, self.instant(0.5), OWNER, *args)
         return list(await pipe.execute())
 
     async def batch(self, calls: Sequence[tuple[str, list[str]]]) -> tuple[list[Any], list[str]]:
@@ -344,7 +363,8 @@ class Driver:
         args: list[str] = []
         for name, op in calls:
             args += [name, str(len(op)), *op]
-        reply = await self.client.execute_command(*self.command("batch"), 1, self.key, "", OWNER, *args)
+        now = self.instant(len(calls) / 2)
+        reply = await self.client.execute_command(*self.command("batch"), 1, self.key, now, OWNER, *args)
         return list(reply[0]), list(reply[1])
 
     def acquire(self, tenant: int) -> tuple[str, list[str]]:
@@ -404,11 +424,19 @@ def granted_seqs(wakes: Sequence[str]) -> list[int]:
 
 
 async def redis_cycles(
-    url: str, tenants: int, tickets: int, seconds: float, window: int, batched: bool, lua: str
+    url: str,
+    tenants: int,
+    tickets: int,
+    seconds: float,
+    window: int,
+    batched: bool,
+    lua: str,
+    clock_step: float | None = None,
 ) -> dict[str, Any]:
     """``batched``: each round is one ``batch`` script call (the releases and the new acquires);
-    else one script call per operation, pipelined. ``lua``: ``functions`` or ``scripts``."""
-    d = Driver(url, scale_layout(tenants), lua)
+    else one script call per operation, pipelined. ``lua``: ``functions`` or ``scripts``.
+    ``clock_step``: see ``Driver``."""
+    d = Driver(url, scale_layout(tenants), lua, clock_step)
     await d.start()
     try:
         held: deque[str] = deque()

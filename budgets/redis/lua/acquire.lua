@@ -14,7 +14,7 @@ local function acquire_main(A)
     return err
   end
   -- policy.grant_immediately: nothing waiting at all and the demand fits.
-  if redis.call('HLEN', K.tickets) == 0 and fits(d) then
+  if tickets_waiting() == 0 and fits(d) then
     lift(d.tenant, true)
     charge(d)
     store_lease(lease_id, d, replica, now, 0.0)

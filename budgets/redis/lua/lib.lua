@@ -106,18 +106,22 @@ local function fields8(v)
   return a, b, c, d, e, f, g, h
 end
 
-local now_c, now_s -- this call's instant (script_now, below), and that number formatted
+local now_c -- this call's instant (script_now, below)
 
--- A number as text that reads back as the same double. The call's instant is formatted once: a call
--- writes it into several records (a batch, into several per operation).
+-- A number as text that reads back as the same double. Formatting one costs ~2,500 instructions
+-- (about what a small Redis command costs), and a call writes the same numbers again and again:
+-- its instant into several records, a tenant's counter into T:vtc, T:vb and its head record, a
+-- head's enqueued_at into T:age and the record. So each call keeps what it formatted.
+local fmt_c -- number -> text, this call's
 local function fmt(x)
-  if x == now_c and x ~= 0 then -- (0 == -0, which formats differently)
-    if now_s == nil then
-      now_s = string.format('%.17g', x)
+  local s = fmt_c[x]
+  if s == nil then
+    s = string.format('%.17g', x)
+    if x ~= 0 and x == x then -- 0 == -0, which format differently; NaN is no table key
+      fmt_c[x] = s
     end
-    return now_s
   end
-  return string.format('%.17g', x)
+  return s
 end
 
 local function clock(arg)
@@ -476,6 +480,16 @@ local function count_add(key, tenant, delta)
   return n
 end
 
+-- The number of waiting tickets in the domain (HLEN T:tickets), kept by enqueue and forget: every
+-- pass of a batch asks whether anything waits at all.
+local tickets_n
+local function tickets_waiting()
+  if tickets_n == nil then
+    tickets_n = redis.call('HLEN', K.tickets)
+  end
+  return tickets_n
+end
+
 local function backlogged(tenant)
   return count(K.twait, tenant) > 0
 end
@@ -610,6 +624,19 @@ local function store_head(h)
   settled = false
 end
 
+-- Group ids this call knows to be in T:gt:<tier> (it read them there or added them): tier -> gid
+-- -> true. An activation of a head in such a group needs no SADD (every grant activates the
+-- granted tenant's next head). Kept by the pass's SREM of an emptied group and by reindex.
+local listed_c
+local function listed(tier)
+  local l = listed_c[tier]
+  if l == nil then
+    l = {}
+    listed_c[tier] = l
+  end
+  return l
+end
+
 local function activate(h, counter)
   h.parked = false
   h.counter = counter
@@ -620,8 +647,12 @@ local function activate(h, counter)
     redis.call('ZADD', gkey('y', h.tier, h.gid), '0', m)
     redis.call('ZADD', gkey('c', h.tier, h.gid), h.cost, h.tenant)
   end
-  if redis.call('SADD', gtkey(h.tier), h.gid) == 1 then
-    redis.call('SADD', K.gtiers, h.tier)
+  local l = listed(h.tier)
+  if not l[h.gid] then
+    if redis.call('SADD', gtkey(h.tier), h.gid) == 1 then
+      redis.call('SADD', K.gtiers, h.tier)
+    end
+    l[h.gid] = true
   end
 end
 
@@ -646,6 +677,9 @@ local function private_ok(cost, private)
   end
   return true
 end
+
+-- The instant of this call's last promote that left no aged head in T:age (see promote).
+local promoted_at
 
 -- QueueIndex.add: the ticket ``tk`` becomes the head of its queue, ranked with ``rs`` (the
 -- queue's lowest seq; default its own).
@@ -677,6 +711,9 @@ local function add_head(tk, now, old, rs)
   }
   if not h.old then
     redis.call('ZADD', K.age, fmt(h.enq), age_member(h.seq, h.hk))
+    if promoted_at ~= nil and promoted_at - h.enq >= P.backfill then
+      promoted_at = nil
+    end
   end
   for i = 1, #private do
     redis.call('SADD', pvkey(private[i]), h.hk)
@@ -823,9 +860,18 @@ local function forget_idle(now, limit)
   return #gone
 end
 
--- QueueIndex.promote
+-- QueueIndex.promote. Every pass of a batch promotes at the call's one instant: once a promote
+-- left no aged head behind, the next at the same instant finds one only if add_head has indexed a
+-- young head that is aged at that instant since (``promoted_at``, declared above add_head, is
+-- cleared then).
 local function promote(now, limit)
+  if promoted_at == now then
+    return 0
+  end
   local members = aged(K.age, now, P.backfill, limit)
+  if #members < limit then
+    promoted_at = now
+  end
   for i = 1, #members do
     local h = load_head(string.sub(members[i], 9))
     redis.call('ZREM', K.age, members[i])
@@ -1096,6 +1142,7 @@ local function enqueue(d, now, owner, lease_id)
     lift(d.tenant)
   end
   local seq = redis.call('INCR', K.seq)
+  tickets_n = tickets_waiting() + 1 -- (counted before the HSET below)
   redis.call('HSET', K.tickets, seq, pack_demand(d) .. SEP .. fmt(now) .. SEP .. owner .. SEP .. lease_id)
   count_add(K.twait, d.tenant, 1)
   if backlog == 0 then
@@ -1131,6 +1178,7 @@ end
 
 -- policy._forget
 local function forget(tk, now)
+  tickets_n = tickets_waiting() - 1 -- (counted before the HDEL below; tk is a waiting ticket)
   redis.call('HDEL', K.tickets, tk.seq)
   if count_add(K.twait, tk.d.tenant, -1) == 0 then
     redis.call('ZREM', K.vb, tk.d.tenant)
@@ -1279,6 +1327,7 @@ local function next_candidate(live, t, cursor, held_lower, contributed)
       succ = redis.call('ZRANGE', g.y, '0', '0')[1]
       if cand == nil and succ == nil then
         redis.call('SREM', gtkey(t.name), g.gid) -- emptied since (deactivate leaves it)
+        listed(t.name)[g.gid] = nil
       end
     else
       succ = redis.call('ZRANGEBYLEX', g.y, '(' .. cursor, '+', 'LIMIT', '0', '1')[1]
@@ -1324,7 +1373,11 @@ local function grant_head(h, tk, now, own, live, held_all)
   charge(tk.d)
   local queued = grant_ticket(tk, now, own)
   if nxt then
-    local nh = add_head(load_ticket(nxt), now, false, tonumber(redis.call('LINDEX', qk, '0')))
+    local rs = tonumber(nxt) -- fifo: the queue's first ticket is its next head
+    if P.sf then
+      rs = tonumber(redis.call('LINDEX', qk, '0'))
+    end
+    local nh = add_head(load_ticket(nxt), now, false, rs)
     if not nh.parked then
       local known = false
       for i = 1, #live do
@@ -1343,7 +1396,7 @@ end
 
 -- policy.grant_pass. Returns the queued seconds of ``own`` when that ticket was granted.
 local function grant_pass(now, own)
-  if own == nil and redis.call('HLEN', K.tickets) == 0 then -- ``own`` is waiting: not empty
+  if own == nil and tickets_waiting() == 0 then -- ``own`` is waiting: not empty
     return nil
   end
   if now > pass_clock() then
@@ -1360,6 +1413,10 @@ local function grant_pass(now, own)
   for ti = 1, #P.tier_order do
     local tier_name = P.tier_order[ti]
     local gids = redis.call('SMEMBERS', gtkey(tier_name))
+    local l = listed(tier_name)
+    for i = 1, #gids do
+      l[gids[i]] = true
+    end
     if #gids > 0 then
       local t = tier_spec(tier_name)
       local live = {}
@@ -1487,6 +1544,7 @@ local function reindex()
   for i = 1, #doomed, 1000 do
     redis.call('DEL', unpack(doomed, i, math.min(i + 999, #doomed)))
   end
+  listed_c = {}
   heads_c = {}
   local seqs = redis.call('HKEYS', K.tickets)
   local seen = {}
@@ -1581,13 +1639,16 @@ local function begin(keys, args)
   ARGS = args
   CALLER = args[2]
   LOCAL = {}
-  now_c, now_s, clock_c, P = nil, nil, nil, nil
+  now_c, clock_c, P = nil, nil, nil
+  fmt_c = {}
   SP, spec_x, used_c, vtc_c = new_specs(), {}, {}, {}
   kept = nil
   counts_c = { [K.twait] = {}, [K.tleases] = {} }
   heads_c = {}
   settled = false
   beaten = nil
+  tickets_n, promoted_at = nil, nil
+  listed_c = {}
 end
 
 -- An entry's own arguments: ARGV after the clock override and the caller.
