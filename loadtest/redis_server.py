@@ -43,6 +43,17 @@ def used_cpu_seconds(client: Any) -> float:
     return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
+def config_args(options: Sequence[str] | None) -> list[str]:
+    """``NAME=VALUE`` settings (a benchmark's ``--redis-option``) as redis-server arguments."""
+    out: list[str] = []
+    for option in options or ():
+        name, sep, value = option.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--redis-option {option!r}: expected NAME=VALUE")
+        out += [f"--{name}", value]
+    return out
+
+
 class RedisServer:
     """One redis-server process: ``start``, ``kill`` (SIGKILL), ``restart`` (same port, empty data),
     ``stop`` (kill and remove its directory)."""

@@ -23,6 +23,10 @@ valgrind happened to run; on the virtual clock two runs of one tree hold the sam
 cycles. An older tree measured with ``--clock virtual`` needs this harness's
 ``loadtest/bench/scale.py`` copied into it (its ``Driver`` runs the virtual clock).
 
+``--redis-option NAME=VALUE`` starts the measured Redis with a setting of its own (e.g.
+``zset-max-listpack-entries=0``: every sorted set a skiplist), to price a Redis-side tuning the
+same way.
+
 The counts are repeatable to about 1 %. A cost-centre list of the window is written next to the
 callgrind output (``--keep DIR``): libc's number formatting (``__printf_fp_l``) and parsing
 (``strtod``) show up there by name; Redis' own functions only with a redis-server that has
@@ -126,7 +130,7 @@ def _child(args: argparse.Namespace) -> int:
     proc = subprocess.Popen(
         ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
          server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(keep)],
+         "--dir", str(keep), *json.loads(args.server_args)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
@@ -159,7 +163,14 @@ def _child(args: argparse.Namespace) -> int:
 
 
 def _point(
-    tree: Path, mode: str, tenants: int, tickets: int, seconds: float, keep: str | None, clock: str
+    tree: Path,
+    mode: str,
+    tenants: int,
+    tickets: int,
+    seconds: float,
+    keep: str | None,
+    clock: str,
+    server_args: list[str] | None = None,
 ) -> dict[str, Any]:
     import json
 
@@ -183,6 +194,8 @@ def _point(
     ]
     if keep:
         child += ["--keep", keep]
+    if server_args:
+        child += ["--server-args", json.dumps(server_args)]
     # Run as a file (older trees lack this module), without its folder on sys.path: loadtest/bench
     # has a redis.py that would shadow the redis package.
     run = f"import runpy, sys; sys.argv = {[__file__, *child]!r}; runpy.run_path({__file__!r}, run_name='__main__')"
@@ -213,13 +226,28 @@ def main(argv: list[str] | None = None) -> int:
         help="cycles: the scripts' clock override moving 200 us per cycle (default; the same state "
         "after N cycles whatever the speed) or Redis' own TIME (as older trees' benchmarks ran)",
     )
+    p.add_argument(
+        "--redis-option",
+        action="append",
+        metavar="NAME=VALUE",
+        help="a redis-server setting for the measured Redis, e.g. zset-max-listpack-entries=0 "
+        "(repeatable; default: Redis' defaults, as the gateway finds them)",
+    )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    # The child gets redis-server's own arguments: an older tree's loadtest has no config_args.
+    p.add_argument("--server-args", default="[]", help=argparse.SUPPRESS)
     p.add_argument("--mode", default="single", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--tenants", type=int, default=1000, help=argparse.SUPPRESS)
     p.add_argument("--tickets", type=int, default=10000, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         return _child(args)
+    from loadtest.redis_server import config_args  # this harness's tree (a parent process)
+
+    try:
+        server_args = config_args(args.redis_option)
+    except ValueError as e:
+        p.error(str(e))
     for tool in ("valgrind", "callgrind_control"):
         if shutil.which(tool) is None:
             print(f"{tool} not found: install valgrind (apt-get install -y valgrind)", file=sys.stderr)
@@ -233,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         tenants, tickets = (int(x) for x in size.split(":"))
         for mode in modes:
             for tree in trees:
-                r = _point(tree, mode, tenants, tickets, args.seconds, args.keep, args.clock)
+                r = _point(tree, mode, tenants, tickets, args.seconds, args.keep, args.clock, server_args)
                 if r.get("cycles"):  # the driver's count of the window's cycles
                     per_cycle = f"{r['instructions'] / r['cycles']:,.0f} per cycle ({r['cycles']} cycles)"
                 else:  # older trees' scale.py: from the calls (2 per cycle, or 32 cycles per batch)

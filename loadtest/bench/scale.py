@@ -61,7 +61,7 @@ from budgets.types import BudgetLayout, Demand, PolicySpec, PoolSpec, TenantSpec
 from gateway.config import GcConfig
 from gateway.serve import tune_collector
 from loadtest.bench import percentile_ms
-from loadtest.redis_server import RedisServer, used_cpu_seconds
+from loadtest.redis_server import RedisServer, config_args, used_cpu_seconds
 
 POOL = "backend:p"
 PREFILL, DECODE = 6, 4
@@ -664,14 +664,26 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="redis: also print each command's calls and microseconds per cycle (always in --json)",
     )
+    parser.add_argument(
+        "--redis-option",
+        action="append",
+        metavar="NAME=VALUE",
+        help="a setting of the private redis-server, e.g. zset-max-listpack-entries=0 (repeatable)",
+    )
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
+    try:
+        server_args = config_args(args.redis_option)
+    except ValueError as e:
+        parser.error(str(e))
+    if server_args and args.url:
+        parser.error("--redis-option sets up the private redis-server: not with --url")
     if args.quick:
         args.sizes, args.seconds = QUICK_SIZES, 2.0
     if args.gc == "gateway":
         tune_collector(GcConfig())
     print(f"gc thresholds: {gc.get_threshold()} ({args.gc}); event loop: {args.loop}")
-    private = None if args.url or "redis" not in args.stores else RedisServer().start()
+    private = None if args.url or "redis" not in args.stores else RedisServer(extra_args=server_args).start()
     url = args.url or (private.url if private else "")
     try:
         if args.loop == "uvloop":
