@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -440,3 +440,43 @@ def test_counters_match_bit_for_bit() -> None:
         ops.append(("acq", TENANTS[i % 3], "critical", 7 + i, 3 * i % 11, (P,)))
         ops.append(("rel", 0, i % 5))
     asyncio.run(run_scenario(session_redis(), ops))  # asserts identical counters at every step
+
+
+# Redis stores a small sorted set as a listpack, a large one as a skiplist; the deployment files set
+# zset-max-listpack-entries 0 (the skiplist's inserts cost fewer instructions: docs/redis.md). The
+# scripts must decide the same on either encoding.
+@pytest.fixture(scope="module")
+def skiplist_redis() -> Iterator[RedisServer]:
+    server = RedisServer(extra_args=["--zset-max-listpack-entries", "0"]).start()
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("order", QUEUE_ORDERS)
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_policy_scenarios_match_when_every_sorted_set_is_a_skiplist(
+    skiplist_redis: RedisServer, name: str, order: QueueOrder
+) -> None:
+    asyncio.run(run_scenario(skiplist_redis, SCENARIOS[name], order))
+
+
+@pytest.mark.slow  # hypothesis against a real Redis
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(operation, min_size=4, max_size=60), order=st.sampled_from(QUEUE_ORDERS))
+def test_a_redis_of_skiplists_makes_the_memory_stores_decisions(
+    skiplist_redis: RedisServer, ops: list[tuple[Any, ...]], order: QueueOrder
+) -> None:
+    asyncio.run(run_scenario(skiplist_redis, ops, order))
+
+
+def test_the_skiplist_server_really_stores_the_domains_sorted_sets_as_skiplists(
+    skiplist_redis: RedisServer,
+) -> None:
+    import redis
+
+    asyncio.run(run_scenario(skiplist_redis, SCENARIOS[sorted(SCENARIOS)[0]]))
+    client = redis.Redis.from_url(skiplist_redis.url)
+    zsets = [k for k in client.scan_iter(count=1000) if client.type(k) == b"zset"]
+    assert zsets
+    assert {client.object("encoding", k) for k in zsets} == {b"skiplist"}
+    client.close()
