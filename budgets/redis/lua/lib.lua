@@ -193,35 +193,48 @@ end
 local P
 -- Parsed specs by kind ('p' pools, 't' tiers, 'n' tenants), then name (a table per kind, so that a
 -- lookup needs no "<kind>:<name>" string built first): the spec, or false when the layout has no
--- such name. Kept across calls with the layout (below).
+-- such name. SP is kept across calls with the layout (below) and holds what every call reads and
+-- the layout's shape bounds: its tiers and shared pools. Tenants' specs and their private pools
+-- (one per tenant, in a typical layout) are kept for at most KEPT_TENANTS names (the kept entry's
+-- ``few``, emptied when full) and always for the call (SX); the rest are read per call, with the
+-- demand's one HMGET.
+--
+-- Why not keep them all: Lua's collector marks every live object of the functions' heap once per
+-- cycle, and a cycle comes every few hundred script calls. Kept specs of 10,000 tenants (two
+-- tables each, ~680 B) made that marking walk megabytes the CPU caches do not hold: three
+-- quarters of Redis' cache misses, ~25 % of its CPU per single call, and the collector steps
+-- were the slowest 1 % of calls (docs/benchmarks.md, "Kept specs and Lua's collector"). A few
+-- hundred fit the caches and spare a small domain's calls the reads.
 local SP
-local spec_x -- this call's tenant specs beyond KEPT_TENANTS
+local SX
 local kept -- this call's entry of ``layouts`` (below), once known
+local KEPT_TENANTS = 256
 
 local function new_specs()
   return { p = {}, t = {}, n = {} }
 end
 
--- Up to KEPT_TENANTS tenant specs are kept with a layout (pools and tiers always): with 100,000
--- tenants, keeping them all held ~680 B each in the functions' Lua heap (68 MB); the rest are read
--- per call, as they were before anything was kept.
-local KEPT_TENANTS = 10000
-
 local function remember(kind, name, v)
-  if kept ~= nil and kind == 'n' then
-    if kept.tenants >= KEPT_TENANTS then
-      spec_x[name] = v
-      return
+  if kept ~= nil and (kind == 'n' or (kind == 'p' and not (v and v.shared))) then
+    SX[kind][name] = v
+    if kept.few_n >= KEPT_TENANTS then
+      kept.few, kept.few_n = { p = {}, n = {} }, 0
     end
-    kept.tenants = kept.tenants + 1
+    kept.few[kind][name] = v
+    kept.few_n = kept.few_n + 1
+  else
+    SP[kind][name] = v
   end
-  SP[kind][name] = v
 end
 
 local function known_spec(kind, name)
   local v = SP[kind][name]
-  if v == nil and kind == 'n' then
-    v = spec_x[name]
+  if v == nil then
+    v = SX[kind][name]
+    if v == nil and kept ~= nil and kind ~= 't' then
+      v = kept.few[kind][name]
+      SX[kind][name] = v -- for the call, should ``few`` be emptied before its end
+    end
   end
   return v
 end
@@ -284,7 +297,7 @@ local function load_policy(d)
     -- a later operation of the call whose specs are all known already: nothing to read
     local pools, known = d.pools, true
     for i = 1, #pools do
-      if SP.p[pools[i]] == nil then
+      if known_spec('p', pools[i]) == nil then
         known = false
         break
       end
@@ -354,10 +367,7 @@ local function load_policy(d)
       if layouts[K.layout] == nil then
         layouts_n = layouts_n + 1
       end
-      kept = { stamp = stamp, P = P, spec = SP, tenants = 0 }
-      for _ in pairs(SP.n) do
-        kept.tenants = kept.tenants + 1
-      end
+      kept = { stamp = stamp, P = P, spec = SP, few = { p = {}, n = {} }, few_n = 0 }
       layouts[K.layout] = kept
     end
   end
@@ -369,7 +379,7 @@ end
 
 local function reset_layout_cache()
   P, kept = nil, nil
-  SP = new_specs() -- new tables: the ones kept in ``layouts`` may be another call's
+  SP, SX = new_specs(), new_specs() -- new tables: the ones kept in ``layouts`` may be another call's
   if layouts[K.layout] ~= nil then
     layouts[K.layout] = nil
     layouts_n = layouts_n - 1
@@ -1641,7 +1651,7 @@ local function begin(keys, args)
   LOCAL = {}
   now_c, clock_c, P = nil, nil, nil
   fmt_c = {}
-  SP, spec_x, used_c, vtc_c = new_specs(), {}, {}, {}
+  SP, SX, used_c, vtc_c = new_specs(), new_specs(), {}, {}
   kept = nil
   counts_c = { [K.twait] = {}, [K.tleases] = {} }
   heads_c = {}
