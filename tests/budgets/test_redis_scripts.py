@@ -233,15 +233,16 @@ async def test_a_layout_kept_by_the_library_is_not_used_for_another_layout_after
     await raw.aclose()
 
 
-async def test_the_library_keeps_no_state_per_tenant_across_calls(
+async def test_what_the_library_keeps_across_calls_does_not_grow_with_the_tenants_it_served(
     fresh_redis: RedisServer, make_store: StoreMaker
 ) -> None:
     # What the library keeps across calls is bounded by the layout's shape (policy, tiers, shared
-    # pools), not by how many tenants it has served: Lua's collector walks every live object of
-    # the functions' heap on each cycle, and a heap holding every tenant's specs made that walk
-    # the costliest part of a call at 10,000 tenants. The heap is the library's code and state
-    # (~0.4 MB) plus garbage, which the collector lets grow to about the live size again before a
-    # cycle; kept specs of 5,000 tenants (each with its own pool) were ~3 MB more.
+    # pools) and a few hundred tenants, not by how many tenants it has served: Lua's collector
+    # walks every live object of the functions' heap on each cycle, and a heap holding every
+    # tenant's specs made that walk the costliest part of a call at 10,000 tenants. The heap is
+    # the library's code and state (~0.4 MB) plus garbage, which the collector lets grow to about
+    # the live size again before a cycle; kept specs of 5,000 tenants (each with its own pool)
+    # were ~3 MB more.
     n = 5000
     names = [f"t{i}" for i in range(n)]
     big = layout([shared(P, 100), *(private(f"tenant:{t}", 100) for t in names)], names, lease_ttl_s=10.0)
