@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from redis.asyncio import Redis
 
 from budgets.memory import MemoryStore
 from budgets.redis import RedisOptions, RedisStore
@@ -171,6 +172,22 @@ async def settle(redis_store: RedisStore, tasks: Sequence[asyncio.Task[Lease]]) 
     await eventually(settled, timeout_s=5.0, message="redis store did not settle")
 
 
+# Keys of the queues and of the grant pass's index (lib.lua, "the index"): none may outlive the last
+# waiting ticket. (T:gt:<tier> may still list a group the pass has not yet found empty: not a head.)
+INDEX_KEYS = (":q:", ":qo:", ":heads", ":age", ":pv:", ":gy:", ":go:", ":gc:")
+
+
+async def index_left(server: RedisServer, store: RedisStore) -> list[str]:
+    """The queue and index keys left in ``store``'s domain (its hash tag stripped)."""
+    client = Redis.from_url(server.url, decode_responses=True, encoding="latin-1")
+    try:
+        tag = store.keys.tag
+        names = [key[len(tag) :] async for key in client.scan_iter(f"{tag}:*", count=1000)]
+    finally:
+        await client.aclose()
+    return sorted(n for n in names if n.startswith(INDEX_KEYS))
+
+
 async def run_scenario(
     server: RedisServer, ops: Sequence[tuple[Any, ...]], order: QueueOrder = "fifo", start: float = 1000.0
 ) -> None:
@@ -267,6 +284,7 @@ async def run_scenario(
         for snap in (await mem.snapshot(), await red.snapshot()):
             assert not any(p.in_flight for p in snap.pools.values())
             assert snap.leases == 0 and not any(snap.queue_depth.values())
+        assert await index_left(server, red) == []
     finally:
         await mem.close()
         await red.close()
