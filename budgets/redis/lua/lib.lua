@@ -647,20 +647,49 @@ local function listed(tier)
   return l
 end
 
-local function activate(h, counter)
+-- T:gt:<tier> whole, once a pass of this call has read it: tier -> its group ids, kept by
+-- activate's SADD and the pass's SREM (as listed_c). A batch's later passes read no SMEMBERS. The
+-- order of the ids decides nothing: no two heads of a tier share a rank (their rank seqs differ),
+-- so the pass finds the same lowest candidate whatever order it looks at the groups in.
+local members_c
+
+local function tier_groups(tier)
+  local gids = members_c[tier]
+  if gids == nil then
+    gids = redis.call('SMEMBERS', gtkey(tier))
+    members_c[tier] = gids
+    local l = listed(tier)
+    for i = 1, #gids do
+      l[gids[i]] = true
+    end
+  end
+  return gids
+end
+
+-- ``gc_prev``: the T:gc:... key still holding this tenant's previous head (see remove_head), or nil.
+local function activate(h, counter, gc_prev)
   h.parked = false
   h.counter = counter
   local m = rank_member(counter, h.rs, h.tenant)
+  local ck = nil
   if h.old then
     redis.call('ZADD', gkey('o', h.tier, h.gid), '0', m)
   else
     redis.call('ZADD', gkey('y', h.tier, h.gid), '0', m)
-    redis.call('ZADD', gkey('c', h.tier, h.gid), h.cost, h.tenant)
+    ck = gkey('c', h.tier, h.gid)
+    redis.call('ZADD', ck, h.cost, h.tenant) -- (member: the tenant, so it replaces gc_prev's entry there)
+  end
+  if gc_prev ~= nil and gc_prev ~= ck then
+    redis.call('ZREM', gc_prev, h.tenant)
   end
   local l = listed(h.tier)
   if not l[h.gid] then
     if redis.call('SADD', gtkey(h.tier), h.gid) == 1 then
       redis.call('SADD', K.gtiers, h.tier)
+      local m = members_c[h.tier]
+      if m then
+        m[#m + 1] = h.gid
+      end
     end
     l[h.gid] = true
   end
@@ -692,8 +721,9 @@ end
 local promoted_at
 
 -- QueueIndex.add: the ticket ``tk`` becomes the head of its queue, ranked with ``rs`` (the
--- queue's lowest seq; default its own).
-local function add_head(tk, now, old, rs)
+-- queue's lowest seq; default its own). ``prev``: what remove_head left of the queue's previous
+-- head when this one succeeds it (nil otherwise).
+local function add_head(tk, now, old, rs, prev)
   local d = tk.d
   local shared, private = {}, {}
   for i = 1, #d.pools do
@@ -725,30 +755,58 @@ local function add_head(tk, now, old, rs)
       promoted_at = nil
     end
   end
-  for i = 1, #private do
-    redis.call('SADD', pvkey(private[i]), h.hk)
+  if prev == nil or prev.private_raw ~= h.private_raw then
+    if prev ~= nil then
+      for i = 1, #prev.private do
+        redis.call('SREM', pvkey(prev.private[i]), h.hk)
+      end
+    end
+    for i = 1, #private do
+      redis.call('SADD', pvkey(private[i]), h.hk)
+    end
   end
+  local gc_prev = prev and prev.gc
   if private_ok(h.cost, private) then
-    activate(h, vtc(d.tenant))
+    activate(h, vtc(d.tenant), gc_prev)
+  elseif gc_prev ~= nil then
+    redis.call('ZREM', gc_prev, h.tenant)
   end
-  store_head(h)
+  store_head(h) -- (HSET: it replaces the previous head's field too)
   return h
 end
 
--- QueueIndex.remove
-local function remove_head(h)
+-- QueueIndex.remove. ``successor``: the queue's next ticket becomes its head within this call
+-- (grant_head), under the same head key. Then the head's T:heads field, its T:pv memberships and
+-- (young and active) its T:gc entry stay for add_head to overwrite, keep or remove: the next head
+-- of a tenant usually names the same pools, and each is a command saved per grant. Returned for
+-- add_head's ``prev``. Meanwhile nothing reads them: the call's caches know the head gone, and
+-- private_changed passes over it (QueueIndex.private_changed, in Python, no longer sees it).
+local function remove_head(h, successor)
+  local gc = nil
   if not h.parked then
-    deactivate(h)
+    if successor and not h.old then
+      redis.call('ZREM', gkey('y', h.tier, h.gid), rank_member(h.counter, h.rs, h.tenant))
+      h.parked = true
+      gc = gkey('c', h.tier, h.gid)
+    else
+      deactivate(h)
+    end
   end
-  redis.call('HDEL', K.heads, h.hk)
   heads_c[h.hk] = false
   settled = false
-  for i = 1, #h.private do
-    redis.call('SREM', pvkey(h.private[i]), h.hk)
+  local left = nil
+  if successor then
+    left = { private = h.private, private_raw = h.private_raw, gc = gc }
+  else
+    redis.call('HDEL', K.heads, h.hk)
+    for i = 1, #h.private do
+      redis.call('SREM', pvkey(h.private[i]), h.hk)
+    end
   end
   if not h.old then
     redis.call('ZREM', K.age, age_member(h.seq, h.hk))
   end
+  return left
 end
 
 -- QueueIndex.reposition: the tenant's counter changed; its active heads move to their new rank.
@@ -797,13 +855,15 @@ local function private_changed(pool)
   local hks = redis.call('SMEMBERS', pvkey(pool))
   for i = 1, #hks do
     local h = load_head(hks[i])
-    local ok = private_ok(h.cost, h.private)
-    if not h.parked and not ok then
-      deactivate(h)
-      store_head(h)
-    elseif h.parked and ok then
-      activate(h, vtc(h.tenant))
-      store_head(h)
+    if h then -- (nil: a head remove_head left for its successor, which is not indexed yet)
+      local ok = private_ok(h.cost, h.private)
+      if not h.parked and not ok then
+        deactivate(h)
+        store_head(h)
+      elseif h.parked and ok then
+        activate(h, vtc(h.tenant))
+        store_head(h)
+      end
     end
   end
 end
@@ -1338,6 +1398,14 @@ local function next_candidate(live, t, cursor, held_lower, contributed)
       if cand == nil and succ == nil then
         redis.call('SREM', gtkey(t.name), g.gid) -- emptied since (deactivate leaves it)
         listed(t.name)[g.gid] = nil
+        local m = members_c[t.name]
+        if m then
+          for j = #m, 1, -1 do
+            if m[j] == g.gid then
+              table.remove(m, j)
+            end
+          end
+        end
       end
     else
       succ = redis.call('ZRANGEBYLEX', g.y, '(' .. cursor, '+', 'LIMIT', '0', '1')[1]
@@ -1376,9 +1444,9 @@ local function grant_head(h, tk, now, own, live, held_all)
     nxt = oq_first(oq)
   else
     redis.call('LPOP', qk)
-    nxt = redis.call('LINDEX', qk, '0')
+    nxt = redis.call('LINDEX', qk, '0') or nil -- (an empty list's nil bulk reply is false in Lua)
   end
-  remove_head(h)
+  local left = remove_head(h, nxt ~= nil)
   forget(tk, now)
   charge(tk.d)
   local queued = grant_ticket(tk, now, own)
@@ -1387,7 +1455,7 @@ local function grant_head(h, tk, now, own, live, held_all)
     if P.sf then
       rs = tonumber(redis.call('LINDEX', qk, '0'))
     end
-    local nh = add_head(load_ticket(nxt), now, false, rs)
+    local nh = add_head(load_ticket(nxt), now, false, rs, left)
     if not nh.parked then
       local known = false
       for i = 1, #live do
@@ -1422,11 +1490,7 @@ local function grant_pass(now, own)
   local held_all = {}
   for ti = 1, #P.tier_order do
     local tier_name = P.tier_order[ti]
-    local gids = redis.call('SMEMBERS', gtkey(tier_name))
-    local l = listed(tier_name)
-    for i = 1, #gids do
-      l[gids[i]] = true
-    end
+    local gids = tier_groups(tier_name)
     if #gids > 0 then
       local t = tier_spec(tier_name)
       local live = {}
@@ -1554,7 +1618,7 @@ local function reindex()
   for i = 1, #doomed, 1000 do
     redis.call('DEL', unpack(doomed, i, math.min(i + 999, #doomed)))
   end
-  listed_c = {}
+  listed_c, members_c = {}, {}
   heads_c = {}
   local seqs = redis.call('HKEYS', K.tickets)
   local seen = {}
@@ -1658,7 +1722,7 @@ local function begin(keys, args)
   settled = false
   beaten = nil
   tickets_n, promoted_at = nil, nil
-  listed_c = {}
+  listed_c, members_c = {}, {}
 end
 
 -- An entry's own arguments: ARGV after the clock override and the caller.
