@@ -15,7 +15,9 @@ the granted tenant then queues a new ticket, so the backlog stays the same size.
   is a real ``acquire`` task; the pool holds one lease; a granted task releases at once (which
   grants the next ticket) and queues again, so a cycle is one release, one grant, one wake-up and
   one enqueue. Beyond ``--memory-max-tickets`` (a waiting acquire costs a few kB) the same cycle
-  runs on the policy alone, without asyncio (``policy`` rows);
+  runs on the policy alone, without asyncio (``policy`` rows; ``--memory-max-tickets 0`` for all).
+  Both also report the collector's share: its collections per generation in the cycles' window
+  and their time per cycle (``gc.callbacks``);
 * **Redis store**: the same cycle as script calls (a release, then the granted tenant's new
   acquire), pipelined ``--window`` cycles at a time from one connection: cycles per second of that
   driver, Redis CPU per cycle (``INFO cpu``, so the capacity of one Redis is 1e6 / that), and the
@@ -127,6 +129,40 @@ class PassTimer:
         policy.grant_pass = self._real  # type: ignore[assignment]
 
 
+class CollectorTime:
+    """Collections per generation and the time they took, while ``on`` (``gc.callbacks``): how much
+    of a cycle is the collector walking what waits (a waiting acquire outlives the young
+    generations, so each is walked by every generation's collection before it is freed)."""
+
+    def __init__(self) -> None:
+        self.collections = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self.on = False
+        self._t0 = 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self.on:
+            generation = info["generation"]
+            self.collections[generation] += 1
+            self.seconds[generation] += time.perf_counter() - self._t0
+
+    def __enter__(self) -> CollectorTime:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def per_cycle(self, cycles: int) -> dict[str, Any]:
+        return {
+            "us_per_cycle": sum(self.seconds) / max(1, cycles) * 1e6,
+            "collections": list(self.collections),
+            "ms": [s * 1e3 for s in self.seconds],
+        }
+
+
 # ---- memory store ----
 
 
@@ -155,9 +191,12 @@ async def memory_cycles(tenants: int, tickets: int, seconds: float) -> dict[str,
         gc.collect()
         # Cycles first, untimed (two clock reads per pass are not the store's work), then as long
         # again with every grant pass timed.
-        n0, cpu0, t0 = granted, time.process_time(), time.perf_counter()
-        await asyncio.sleep(seconds)
-        n, wall, cpu = granted - n0, time.perf_counter() - t0, time.process_time() - cpu0
+        with CollectorTime() as collector:
+            collector.on = True
+            n0, cpu0, t0 = granted, time.process_time(), time.perf_counter()
+            await asyncio.sleep(seconds)
+            n, wall, cpu = granted - n0, time.perf_counter() - t0, time.process_time() - cpu0
+            collector.on = False
         with PassTimer() as timer:
             timer.on = True
             await asyncio.sleep(seconds)
@@ -169,6 +208,7 @@ async def memory_cycles(tenants: int, tickets: int, seconds: float) -> dict[str,
             "tickets": waiting,
             "cycles_per_s": n / wall,
             "cpu_us_per_cycle": cpu / max(1, n) * 1e6,
+            "collector": collector.per_cycle(n),
             "grant_pass": summary(timer.durations),
         }
     finally:
@@ -193,26 +233,29 @@ def policy_cycles(tenants: int, tickets: int, seconds: float) -> dict[str, Any]:
     durations: list[float] = []
     cycles = 0
     gc.collect()
-    cpu0, t0 = time.process_time(), time.perf_counter()
-    stop = t0 + seconds
-    while time.perf_counter() < stop:
-        now = time.monotonic()
-        policy.release(state, held.popleft(), DECODE, now)
-        p0 = time.perf_counter()
-        got = policy.grant_pass(state, now)
-        durations.append(time.perf_counter() - p0)
-        for ticket in got:
-            held.append(ticket.demand)
-            policy.enqueue(state, ticket.demand, now)
-            policy.grant_pass(state, now)  # the new ticket's pass, as acquire runs it
-        cycles += 1
-    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    with CollectorTime() as collector:
+        collector.on = True
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        stop = t0 + seconds
+        while time.perf_counter() < stop:
+            now = time.monotonic()
+            policy.release(state, held.popleft(), DECODE, now)
+            p0 = time.perf_counter()
+            got = policy.grant_pass(state, now)
+            durations.append(time.perf_counter() - p0)
+            for ticket in got:
+                held.append(ticket.demand)
+                policy.enqueue(state, ticket.demand, now)
+                policy.grant_pass(state, now)  # the new ticket's pass, as acquire runs it
+            cycles += 1
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     return {
         "store": "policy",
         "tenants": tenants,
         "tickets": tickets,
         "cycles_per_s": cycles / wall,
         "cpu_us_per_cycle": cpu / cycles * 1e6,
+        "collector": collector.per_cycle(cycles),
         "grant_pass": summary(durations),
     }
 
@@ -612,6 +655,9 @@ def print_row(r: dict[str, Any]) -> None:
         if r["store"].startswith("redis")
         else f"CPU {r['cpu_us_per_cycle']:.1f} us/cycle"
     )
+    if "collector" in r:
+        c = r["collector"]
+        extra += f" (collector {c['us_per_cycle']:.1f}; collections {'/'.join(map(str, c['collections']))})"
     print(
         f"{r['store']:<7} {r['tenants']:>7} tenants {r['tickets']:>8} tickets: {r['cycles_per_s']:>9,.0f} cycles/s, "
         f"{extra}; {what} p50 {pas['p50_ms']:.3f} p99 {pas['p99_ms']:.3f} max {pas['max_ms']:.3f} ms",

@@ -3,6 +3,7 @@ one small size, its own redis-server, the JSON and the per-command breakdown of 
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from loadtest.bench.scale import CollectorTime
 from loadtest.processes import child_env, repo_root
 
 pytestmark = pytest.mark.slow
@@ -28,6 +30,8 @@ def test_both_stores_run_their_cycles_and_the_redis_rows_say_what_each_command_c
     for row in rows.values():
         assert (row["tenants"], row["tickets"]) == (10, 40)
         assert row["cycles_per_s"] > 0
+    assert len(rows["memory"]["collector"]["collections"]) == 3  # per generation, in the window
+    assert "collector" in done.stdout
     for store in ("redis", "redis-batch"):
         commands = rows[store]["commands_per_cycle"]
         assert commands["fcall"]["calls"] > 0  # one per operation, or one per batch
@@ -62,3 +66,26 @@ async def test_the_redis_driver_on_a_virtual_clock_runs_its_calls_on_that_clock_
             await client.aclose()
     finally:
         server.stop()
+
+
+def test_the_collector_timer_counts_the_collections_of_its_window_and_no_others() -> None:
+    was_enabled = gc.isenabled()
+    gc.disable()  # only the collections this test asks for
+    try:
+        with CollectorTime() as collector:
+            gc.collect(0)  # before the window
+            collector.on = True
+            gc.collect(0)
+            gc.collect(1)
+            gc.collect(2)
+            collector.on = False
+            gc.collect(0)  # after it
+        gc.collect(2)  # the timer is gone: not counted
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert collector.collections == [1, 1, 1]
+    assert collector.seconds[2] > 0
+    per = collector.per_cycle(1000)
+    assert per["collections"] == [1, 1, 1]
+    assert per["us_per_cycle"] == pytest.approx(sum(collector.seconds) / 1000 * 1e6)
