@@ -624,7 +624,9 @@ def _leave_ordered(
         del state.ordered[key]
 
 
-def _forget(state: PolicyState, ticket: Ticket, now: float | None) -> None:
+def _forget(state: PolicyState, ticket: Ticket, now: float | None, granted: bool = False) -> None:
+    """The ticket leaves the queue. ``granted``: to be charged at once (grant_pass), so its tenant
+    holds a lease before anyone can look and is not marked idle in between."""
     del state.waiting[ticket.seq]
     demand = ticket.demand
     tenant, tier = demand.tenant, demand.tier
@@ -633,7 +635,7 @@ def _forget(state: PolicyState, ticket: Ticket, now: float | None) -> None:
         state.tenant_waiting[tenant] = n
     else:
         del state.tenant_waiting[tenant]
-        if tenant not in state.leases_by_tenant:
+        if not granted and tenant not in state.leases_by_tenant:
             _idle(state, tenant, state.clock if now is None else now)
     n = state.tier_waiting[tier] - 1
     if n > 0:
@@ -862,7 +864,7 @@ def grant_pass(state: PolicyState, now: float) -> list[Ticket]:
                 else:
                     _leave_ordered(state, qkey, fifo, order, ticket)
                     nxt = state.waiting[order[0][1]] if fifo else None
-                _forget(state, ticket, now)
+                _forget(state, ticket, now, granted=True)
                 _charge(state, demand)
                 granted.append(ticket)
                 if nxt is not None:

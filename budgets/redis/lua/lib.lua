@@ -1124,14 +1124,15 @@ local function lift(tenant, nobody_waits)
   end
 end
 
--- policy._charge
-local function charge(d)
+-- policy._charge. ``queued``: the demand was a waiting ticket until now (grant_head), so its
+-- tenant was backlogged and is not in T:idle (only a tenant with neither tickets nor leases is).
+local function charge(d, queued)
   add_used(d.pools, d.cost)
   local n = count_add(K.tleases, d.tenant, 1)
   local spec = tenant_spec(d.tenant)
   local x = (vtc(d.tenant) or 0.0) + prompt_service(d, spec.weight)
   set_vtc(d.tenant, x) -- also T:vl: the tenant holds a lease now
-  if n == 1 then
+  if n == 1 and not queued then
     redis.call('ZREM', K.idle, d.tenant)
   end
   if d.cost ~= 0 then
@@ -1246,13 +1247,15 @@ local function decr_or_drop(key, field)
   return false
 end
 
--- policy._forget
-local function forget(tk, now)
+-- policy._forget. ``granted``: the ticket leaves to be charged at once (grant_head), so its
+-- tenant holds a lease before the call ends and is not idle: policy._forget marks it idle and
+-- _charge unmarks it; here neither writes (nor reads T:tleases to decide).
+local function forget(tk, now, granted)
   tickets_n = tickets_waiting() - 1 -- (counted before the HDEL below; tk is a waiting ticket)
   redis.call('HDEL', K.tickets, tk.seq)
   if count_add(K.twait, tk.d.tenant, -1) == 0 then
     redis.call('ZREM', K.vb, tk.d.tenant)
-    if not leased(tk.d.tenant) then
+    if not granted and not leased(tk.d.tenant) then
       mark_idle(tk.d.tenant, now)
     end
   end
@@ -1447,8 +1450,8 @@ local function grant_head(h, tk, now, own, live, held_all)
     nxt = redis.call('LINDEX', qk, '0') or nil -- (an empty list's nil bulk reply is false in Lua)
   end
   local left = remove_head(h, nxt ~= nil)
-  forget(tk, now)
-  charge(tk.d)
+  forget(tk, now, true)
+  charge(tk.d, true)
   local queued = grant_ticket(tk, now, own)
   if nxt then
     local rs = tonumber(nxt) -- fifo: the queue's first ticket is its next head
