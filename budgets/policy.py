@@ -383,7 +383,7 @@ def _set_counter(state: PolicyState, tenant: str, value: float) -> None:
             _join(state.backlog_min, counters, value, tenant, state.tenant_waiting)
         if tenant in state.leases_by_tenant:
             _join(state.lease_min, counters, value, tenant, state.leases_by_tenant)
-    if backlogged and tenant in state.index.by_tenant:  # (a granted head is out of the index here)
+    if backlogged:  # (a head being granted is out of the index already)
         state.index.reposition(tenant, value)
 
 

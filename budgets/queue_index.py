@@ -13,13 +13,16 @@ change of those. It never decides anything by itself; the spec of the pass is th
 - A head is *young* or *old* (policy docstring: old once it has waited ``backfill_limit_s``, made
   so when it becomes head or by ``promote`` at the start of a pass). In its group an active head is
   young or old too. Young
-  heads are in a sorted list by ``(counter, rank_seq, tenant)`` (the pass walks them from its cursor) and
-  in a heap by cost (the pass asks "can any young head of this group fit?" in O(log n)); old heads
+  heads are in a sorted list by ``(counter, rank_seq, tenant)`` (the pass walks them from its cursor),
+  and their costs are counted per cost in a small heap of the costs there are (the pass asks "can any
+  young head of this group fit?" in O(1), and a head leaving young takes its cost out at once); old heads
   are in a heap by ``(counter, rank_seq, tenant)`` (the lowest one either fits or holds the group's
   pools, so nothing but the minimum is ever needed). Young heads, parked or not, are also in a heap
   by enqueue time for ``promote``.
 - Heaps are lazy: an entry whose head left, moved or changed rank stays until it reaches the top
-  and is dropped there; a heap is rebuilt when stale entries outnumber live ones three to one.
+  and is dropped there; a heap is rebuilt when stale entries outnumber live ones three to one. Heap
+  entries hold names and numbers, never a head (the head is looked up by ``(tier, tenant)``): such
+  tuples are no work for the garbage collector once it has seen them.
 - Lift needs the lowest counter among backlogged tenants, among tenants with live leases, and among
   all tenants: :class:`LazyMin` keeps each (entries go stale instead of being removed).
 
@@ -49,14 +52,30 @@ class Ticket:
 class Group:
     """Active heads of one tier whose demands name the same shared pools (``pools``, sorted)."""
 
-    __slots__ = ("cost", "heads", "limits", "limits_of", "n_old", "n_young", "old", "pools", "tier", "young")
+    __slots__ = (
+        "cost_heap",
+        "costs",
+        "heads",
+        "limits",
+        "limits_of",
+        "n_old",
+        "n_young",
+        "old",
+        "pools",
+        "tier",
+        "young",
+    )
 
     def __init__(self, tier: str, pools: tuple[str, ...], heads: dict[tuple[str, str], Head]) -> None:
         self.tier = tier
         self.pools = pools
         self.heads = heads  # the index's, to tell live heap entries from stale ones
         self.young: SortedList = SortedList()  # Key of each young head
-        self.cost: list[tuple[int, int, str]] = []  # heap of (cost, seq, tenant) of young heads, lazy
+        # cost -> young heads with that cost (0: none left, the cost still in cost_heap); cost_heap
+        # is a heap of the keys of costs. A few hundred distinct costs at most in practice, hot in the
+        # caches, where a heap entry per head meant a cold pop per head leaving young.
+        self.costs: dict[int, int] = {}
+        self.cost_heap: list[int] = []
         self.old: list[Key] = []  # heap of Key of old heads, lazy
         self.n_old = 0
         self.n_young = 0  # len(young), read on every pass without SortedList's Python-level __len__
@@ -79,14 +98,32 @@ class Group:
         return None
 
     def lowest_young_cost(self) -> int | None:
-        cost, heads, tier = self.cost, self.heads, self.tier
-        while cost:
-            c, seq, tenant = cost[0]
-            head = heads.get((tier, tenant))
-            if head is not None and head.group is self and not head.old and head.ticket.seq == seq:
-                return c
-            heapq.heappop(cost)
+        heap, costs = self.cost_heap, self.costs
+        while heap:
+            cost = heap[0]
+            if costs[cost]:
+                return cost
+            heapq.heappop(heap)
+            del costs[cost]
         return None
+
+    def add_cost(self, cost: int) -> None:
+        """A young head with ``cost`` joined the group (call after counting it in ``n_young``)."""
+        costs = self.costs
+        n = costs.get(cost)
+        if n is not None:
+            costs[cost] = n + 1
+            return
+        costs[cost] = 1
+        heapq.heappush(self.cost_heap, cost)
+        if len(costs) > 64 and len(costs) > 3 * self.n_young:  # costs no young head has piled up
+            self.costs = {c: k for c, k in costs.items() if k}
+            self.cost_heap = list(self.costs)
+            heapq.heapify(self.cost_heap)
+
+    def drop_cost(self, cost: int) -> None:
+        """A young head with ``cost`` left the group, or young."""
+        self.costs[cost] -= 1
 
     def push_old(self, key: Key) -> None:
         old = self.old
@@ -94,14 +131,6 @@ class Group:
         if len(old) > 64 and len(old) > 3 * self.n_old:
             self.old = [k for k in old if self._is_old(k)]
             heapq.heapify(self.old)
-
-    def push_cost(self, entry: tuple[int, int, str]) -> None:
-        cost = self.cost
-        heapq.heappush(cost, entry)
-        if len(cost) > 64 and len(cost) > 3 * self.n_young:
-            young = {(k[1], k[2]) for k in self.young}
-            self.cost = [e for e in cost if (e[1], e[2]) in young]
-            heapq.heapify(self.cost)
 
     def _is_old(self, key: Key) -> bool:
         head = self.heads.get((self.tier, key[2]))
@@ -170,16 +199,16 @@ class LazyMin:
 class QueueIndex:
     """Heads of every ``(tier, tenant)`` FIFO, grouped for the grant pass (module docstring)."""
 
-    __slots__ = ("age", "by_tenant", "groups", "heads", "private", "split")
+    __slots__ = ("age", "groups", "heads", "private", "split")
 
     def __init__(self) -> None:
         self.heads: dict[tuple[str, str], Head] = {}
-        self.by_tenant: dict[str, list[Head]] = {}
         self.groups: dict[str, dict[tuple[str, ...], Group]] = {}  # tier -> shared pools -> group
         self.private: dict[str, set[Head]] = {}  # private pool -> heads naming it
-        # young heads by enqueue time (lazy); id(head) breaks ties between entries of one ticket
-        # (under shortest_first a ticket can be head, be displaced, and be head again)
-        self.age: list[tuple[float, int, int, Head]] = []
+        # young heads as (enqueued_at, seq, tier, tenant), lazy: an entry is live while that queue's
+        # head is that ticket and young (under shortest_first a ticket can be head, be displaced, and
+        # be head again: its two entries are equal, and the second finds it old and is dropped)
+        self.age: list[tuple[float, int, str, str]] = []
         # demand pools -> (shared pools sorted, private pools) under the indexed layout
         self.split: dict[tuple[str, ...], tuple[tuple[str, ...], tuple[str, ...]]] = {}
 
@@ -214,15 +243,10 @@ class QueueIndex:
         head.old = old or now - ticket.enqueued_at >= layout.policy.backfill_limit_s
         if not head.old:
             age = self.age
-            heapq.heappush(age, (ticket.enqueued_at, ticket.seq, id(head), head))
+            heapq.heappush(age, (ticket.enqueued_at, ticket.seq, tier, tenant))
             if len(age) > 64 and len(age) > 3 * len(self.heads):
                 self._rebuild_age()
         self.heads[(tier, tenant)] = head
-        mine = self.by_tenant.get(tenant)
-        if mine is None:
-            self.by_tenant[tenant] = [head]
-        else:
-            mine.append(head)
         private = split[1]
         if private:
             for name in private:
@@ -236,11 +260,6 @@ class QueueIndex:
         if head.group is not None:
             self._deactivate(head)
         del self.heads[(head.tier, head.tenant)]
-        mine = self.by_tenant[head.tenant]
-        if len(mine) == 1:
-            del self.by_tenant[head.tenant]
-        else:
-            mine.remove(head)
         for name in head.private:
             heads = self.private[name]
             heads.discard(head)
@@ -249,8 +268,10 @@ class QueueIndex:
 
     def reposition(self, tenant: str, counter: float) -> None:
         """The tenant's counter changed: move its active heads to their new rank."""
-        for head in self.by_tenant.get(tenant, ()):
-            if head.key is not None:
+        heads = self.heads
+        for tier in self.groups:  # (the tiers with active heads: a handful)
+            head = heads.get((tier, tenant))
+            if head is not None and head.key is not None:
                 self._rerank(head, (counter, head.key[1], head.key[2]))
 
     def reseq(self, head: Head, rank_seq: int) -> None:
@@ -299,9 +320,10 @@ class QueueIndex:
         age, heads = self.age, self.heads
         promoted = 0
         while age and promoted < limit:
-            enq, _, _, head = age[0]
-            if head.old or heads.get((head.tier, head.tenant)) is not head:
-                heapq.heappop(age)  # stale: granted, withdrawn, or already old
+            enq, seq, tier, tenant = age[0]
+            head = heads.get((tier, tenant))
+            if head is None or head.old or head.ticket.seq != seq:
+                heapq.heappop(age)  # stale: granted, withdrawn, displaced, or already old
                 continue
             if not now - enq >= backfill:
                 break
@@ -312,13 +334,13 @@ class QueueIndex:
             if group is not None and key is not None:  # active (a parked head only keeps the flag)
                 group.young.remove(key)
                 group.n_young -= 1
+                group.drop_cost(head.ticket.demand.cost)
                 group.n_old += 1
                 group.push_old(key)
         return promoted
 
     def clear(self) -> None:
         self.heads.clear()
-        self.by_tenant.clear()
         self.groups.clear()
         self.private.clear()
         self.age.clear()
@@ -333,7 +355,6 @@ class QueueIndex:
         group = by_pools.get(head.shared)
         if group is None:
             group = by_pools[head.shared] = Group(head.tier, head.shared, self.heads)
-        ticket = head.ticket
         key = (counter, head.rank_seq, head.tenant)
         head.group, head.key = group, key
         if head.old:
@@ -342,7 +363,7 @@ class QueueIndex:
         else:
             group.young.add(key)
             group.n_young += 1
-            group.push_cost((ticket.demand.cost, ticket.seq, head.tenant))
+            group.add_cost(head.ticket.demand.cost)
 
     def _deactivate(self, head: Head) -> None:
         group, key = head.group, head.key
@@ -350,8 +371,9 @@ class QueueIndex:
         if head.old:
             group.n_old -= 1  # its heap entry goes stale
         else:
-            group.young.remove(key)  # its cost entry goes stale
+            group.young.remove(key)
             group.n_young -= 1
+            group.drop_cost(head.ticket.demand.cost)
         head.group = head.key = None
         if not group.n_young and not group.n_old:
             by_pools = self.groups[group.tier]
@@ -361,7 +383,9 @@ class QueueIndex:
                     del self.groups[group.tier]
 
     def _rebuild_age(self) -> None:
-        self.age = [(h.ticket.enqueued_at, h.ticket.seq, id(h), h) for h in self.heads.values() if not h.old]
+        self.age = [
+            (h.ticket.enqueued_at, h.ticket.seq, h.tier, h.tenant) for h in self.heads.values() if not h.old
+        ]
         heapq.heapify(self.age)
 
 
