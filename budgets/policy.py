@@ -176,11 +176,15 @@ A pass that runs to its end (not cut short by ``max_scan``) leaves the state *se
 on the same heads, counters, in-flight tokens and layout, it would grant nothing (a pass grants
 until no eligible head fits, and holds only ever prevent grants). Everything that changes what a
 pass looks at unsettles the state: a release, an extension, a grant, a counter set, a withdrawal, a
-layout change, forgetting idle tenants, and an enqueue that makes a new head. An enqueue behind an
-existing head does not (it changes no head, rank, room or hold), and neither does time, except
-through promotions. So a pass on a settled state that promotes nothing returns at once, with
-exactly the decision a full pass would make. This is the common case under load: on a saturated pool
-every acquire queues behind its tenant's own head, and its pass used to cost as much as the pass
+layout change, forgetting idle tenants, and an enqueue that makes a new head that fits. An enqueue
+behind an existing head does not (it changes no head, rank, room or hold), and neither does time,
+except through promotions. Nor does a new head that does not fit (a private pool blocks it, or its
+cost is more than its group's room): the heads that were there are as they were, and a head that
+cannot be granted can only add holds and use up ``max_scan``, which only ever prevent grants. (At
+100,000 tenants with one ticket each, every acquire on a full pool makes such a head.) So a pass
+on a settled state that promotes nothing returns at once, with exactly the decision a full pass
+would make. This is the common case under load: on a saturated pool every acquire queues behind its
+tenant's own head or makes a head that does not fit, and its pass used to cost as much as the pass
 after a release. (tests/budgets/test_policy_properties.py checks every such pass against a full one.)
 
 Forgetting idle tenants (bounded memory)
@@ -224,7 +228,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from budgets.queue_index import Group, LazyMin, QueueIndex, Ticket
+from budgets.queue_index import Group, Head, LazyMin, QueueIndex, Ticket
 from budgets.types import (
     AdmissionError,
     BudgetLayout,
@@ -569,13 +573,14 @@ def enqueue(state: PolicyState, demand: Demand, now: float) -> Ticket:
     fifo = state.queues.get(key)
     pol = state.layout.policy
     if fifo is None:
-        state.settled = False  # a new head
         state.queues[key] = deque((ticket,))
         if pol.tenant_queue_order != "fifo":
             state.ordered[key] = [(order_key(pol, ticket), ticket.seq)]
-        state.index.add(
+        head = state.index.add(
             tier, tenant, ticket, state.layout, state.counters[tenant], state.in_flight, state.clock
         )
+        if state.settled and _may_fit(state, head):
+            state.settled = False  # a new head that a pass may grant
     else:
         fifo.append(ticket)
         if pol.tenant_queue_order != "fifo":
@@ -758,6 +763,15 @@ def reindex(state: PolicyState) -> None:
         old = was_old.get(head.seq)
         at = clock if old is None else -math.inf
         index.add(tier, tenant, head, layout, counters[tenant], in_flight, at, bool(old), fifo[0].seq)
+
+
+def _may_fit(state: PolicyState, head: Head) -> bool:
+    """Whether ``head`` fits its group's room now (False too while a private pool parks it)."""
+    group = head.group
+    if group is None:
+        return False
+    layout = state.layout
+    return head.ticket.demand.cost <= _room(group, layout.tiers[head.tier], layout, state.in_flight)
 
 
 def _tier_order(state: PolicyState) -> tuple[str, ...]:

@@ -204,7 +204,9 @@ class QueueIndex:
     def __init__(self) -> None:
         self.heads: dict[tuple[str, str], Head] = {}
         self.groups: dict[str, dict[tuple[str, ...], Group]] = {}  # tier -> shared pools -> group
-        self.private: dict[str, set[Head]] = {}  # private pool -> heads naming it
+        # private pool -> heads naming it: a tenant's own budget, so one head per tier at most (a
+        # list, the cheapest container to make and drop for each new head)
+        self.private: dict[str, list[Head]] = {}
         # young heads as (enqueued_at, seq, tier, tenant), lazy: an entry is live while that queue's
         # head is that ticket and young (under shortest_first a ticket can be head, be displaced, and
         # be head again: its two entries are equal, and the second finds it old and is dropped)
@@ -249,8 +251,13 @@ class QueueIndex:
         self.heads[(tier, tenant)] = head
         private = split[1]
         if private:
+            naming = self.private
             for name in private:
-                self.private.setdefault(name, set()).add(head)
+                heads = naming.get(name)
+                if heads is None:
+                    naming[name] = [head]
+                else:
+                    heads.append(head)
             if not private_ok(head, layout, in_flight):
                 return head
         self._activate(head, counter)
@@ -262,9 +269,10 @@ class QueueIndex:
         del self.heads[(head.tier, head.tenant)]
         for name in head.private:
             heads = self.private[name]
-            heads.discard(head)
-            if not heads:
+            if len(heads) == 1:
                 del self.private[name]
+            else:
+                heads.remove(head)
 
     def reposition(self, tenant: str, counter: float) -> None:
         """The tenant's counter changed: move its active heads to their new rank."""
@@ -307,7 +315,7 @@ class QueueIndex:
         heads = self.private.get(pool)
         if not heads:
             return
-        for head in tuple(heads):
+        for head in heads:  # ((de)activating a head leaves this list as it is)
             if (head.group is None) is freed and private_ok(head, layout, in_flight) is freed:
                 if freed:
                     self._activate(head, counters[head.tenant])
