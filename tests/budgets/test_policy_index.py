@@ -328,3 +328,22 @@ def test_a_held_group_costs_the_pass_nothing() -> None:
     policy.set_counter(state, "q", 1e9)  # ranked after every tenant on P
     policy.enqueue(state, Demand("q", "critical", (Q,), 10, 0), now=0.0)
     assert [t.demand.tenant for t in policy.grant_pass(state, 0.0)] == ["q"]
+
+
+def test_a_new_head_that_cannot_fit_leaves_a_settled_state_settled() -> None:
+    # A full pool: a settled pass granted nothing. New heads that cannot fit (more than the room
+    # left, or parked by the tenant's own budget) leave the state settled, so their passes return
+    # at once; one that fits the room unsettles it, and its pass grants it.
+    state = PolicyState(layout([shared(P, 100), private("tenant:a", 30)], ["a", "b", "c", "d"]))
+    assert policy.grant_immediately(state, Demand("d", "critical", (P,), 95, 0))
+    assert policy.grant_immediately(state, Demand("a", "critical", ("tenant:a",), 28, 0))
+    policy.enqueue(state, Demand("b", "critical", (P,), 10, 0), now=0.0)
+    assert policy.grant_pass(state, 0.0) == [] and state.settled
+    policy.enqueue(state, Demand("c", "critical", (P,), 6, 0), now=0.0)  # more than the 5 left
+    assert state.settled
+    policy.enqueue(state, Demand("a", "standard", (P, "tenant:a"), 5, 0), now=0.0)  # 28 + 5 > 30
+    assert state.index.heads[("standard", "a")].group is None and state.settled
+    assert policy.grant_pass(state, 0.0) == []
+    policy.enqueue(state, Demand("a", "critical", (P, "tenant:a"), 2, 0), now=0.0)  # fits both
+    assert not state.settled
+    assert [(t.demand.tenant, t.demand.tier) for t in policy.grant_pass(state, 0.0)] == [("a", "critical")]
