@@ -12,13 +12,12 @@ change of those. It never decides anything by itself; the spec of the pass is th
   :class:`Group`: the heads of one tier that name the same shared pools.
 - A head is *young* or *old* (policy docstring: old once it has waited ``backfill_limit_s``, made
   so when it becomes head or by ``promote`` at the start of a pass). In its group an active head is
-  young or old too. Young
-  heads are in a sorted list by ``(counter, rank_seq, tenant)`` (the pass walks them from its cursor),
-  and their costs are counted per cost in a small heap of the costs there are (the pass asks "can any
-  young head of this group fit?" in O(1), and a head leaving young takes its cost out at once); old heads
-  are in a heap by ``(counter, rank_seq, tenant)`` (the lowest one either fits or holds the group's
-  pools, so nothing but the minimum is ever needed). Young heads, parked or not, are also in a heap
-  by enqueue time for ``promote``.
+  young or old too. Young heads are in a sorted list by ``(counter, rank_seq, tenant)`` (the pass
+  walks them from its cursor), and counted per cost, with a small heap of the costs there are (the
+  pass asks "can any young head of this group fit?" of the lowest cost; a head leaving young takes
+  its count out at once). Old heads are in a heap by ``(counter, rank_seq, tenant)`` (the lowest one
+  either fits or holds the group's pools, so nothing but the minimum is ever needed). Young heads,
+  parked or not, are also in a heap by enqueue time for ``promote``.
 - Heaps are lazy: an entry whose head left, moved or changed rank stays until it reaches the top
   and is dropped there; a heap is rebuilt when stale entries outnumber live ones three to one. Heap
   entries hold names and numbers, never a head (the head is looked up by ``(tier, tenant)``): such
