@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from budgets import policy
 from budgets.policy import PolicyState
+from budgets.queue_index import Group
 from budgets.types import Demand, NeverFits, TenantSpec
 from tests.budgets.support import layout, private, shared
 
@@ -347,3 +348,23 @@ def test_a_new_head_that_cannot_fit_leaves_a_settled_state_settled() -> None:
     policy.enqueue(state, Demand("a", "critical", (P, "tenant:a"), 2, 0), now=0.0)  # fits both
     assert not state.settled
     assert [(t.demand.tenant, t.demand.tier) for t in policy.grant_pass(state, 0.0)] == [("a", "critical")]
+
+
+def test_young_costs_are_counted_and_costs_no_young_head_has_do_not_pile_up() -> None:
+    group = Group("critical", (P,), {})
+    for cost in range(1, 201):  # 200 young heads, each with a cost of its own
+        group.n_young += 1
+        group.add_cost(cost)
+    for cost in range(2, 201):  # all but the cheapest leave: their counts stay, at 0, under it
+        group.n_young -= 1
+        group.drop_cost(cost)
+    assert group.lowest_young_cost() == 1 and len(group.costs) == 200
+    group.n_young += 1
+    group.add_cost(500)  # a new cost, with 199 at 0 against 2 young heads: they are dropped
+    assert group.costs == {1: 1, 500: 1} and sorted(group.cost_heap) == [1, 500]
+    group.n_young -= 1
+    group.drop_cost(1)
+    assert group.lowest_young_cost() == 500
+    group.n_young += 1
+    group.add_cost(500)  # a second head with the same cost: counted, no second heap entry
+    assert group.costs == {500: 2} and group.cost_heap == [500]
