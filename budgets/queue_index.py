@@ -203,9 +203,9 @@ class QueueIndex:
     def __init__(self) -> None:
         self.heads: dict[tuple[str, str], Head] = {}
         self.groups: dict[str, dict[tuple[str, ...], Group]] = {}  # tier -> shared pools -> group
-        # private pool -> heads naming it: a tenant's own budget, so one head per tier at most (a
-        # list, the cheapest container to make and drop for each new head)
-        self.private: dict[str, list[Head]] = {}
+        # private pool -> the head naming it, or a list of them (a tenant's own budget: one head per
+        # tier, so nearly always one head and no container to make, drop and collect per head)
+        self.private: dict[str, Head | list[Head]] = {}
         # young heads as (enqueued_at, seq, tier, tenant), lazy: an entry is live while that queue's
         # head is that ticket and young (under shortest_first a ticket can be head, be displaced, and
         # be head again: its two entries are equal, and the second finds it old and is dropped)
@@ -252,11 +252,13 @@ class QueueIndex:
         if private:
             naming = self.private
             for name in private:
-                heads = naming.get(name)
-                if heads is None:
-                    naming[name] = [head]
+                was = naming.get(name)
+                if was is None:
+                    naming[name] = head
+                elif isinstance(was, list):
+                    was.append(head)
                 else:
-                    heads.append(head)
+                    naming[name] = [was, head]
             if not private_ok(head, layout, in_flight):
                 return head
         self._activate(head, counter)
@@ -266,12 +268,15 @@ class QueueIndex:
         if head.group is not None:
             self._deactivate(head)
         del self.heads[(head.tier, head.tenant)]
+        naming = self.private
         for name in head.private:
-            heads = self.private[name]
-            if len(heads) == 1:
-                del self.private[name]
-            else:
-                heads.remove(head)
+            was = naming[name]
+            if was is head:
+                del naming[name]
+            elif isinstance(was, list):
+                was.remove(head)
+                if len(was) == 1:
+                    naming[name] = was[0]
 
     def reposition(self, tenant: str, counter: float) -> None:
         """The tenant's counter changed: move its active heads to their new rank."""
@@ -311,10 +316,10 @@ class QueueIndex:
     ) -> None:
         """Tokens in flight on private ``pool`` went down (``freed``) or up: wake or park the heads
         that name it. (Tokens freed can only wake parked heads, tokens taken only park active ones.)"""
-        heads = self.private.get(pool)
-        if not heads:
+        was = self.private.get(pool)
+        if was is None:
             return
-        for head in heads:  # ((de)activating a head leaves this list as it is)
+        for head in was if isinstance(was, list) else (was,):  # ((de)activating leaves these as they are)
             if (head.group is None) is freed and private_ok(head, layout, in_flight) is freed:
                 if freed:
                     self._activate(head, counters[head.tenant])

@@ -368,3 +368,17 @@ def test_young_costs_are_counted_and_costs_no_young_head_has_do_not_pile_up() ->
     group.n_young += 1
     group.add_cost(500)  # a second head with the same cost: counted, no second heap entry
     assert group.costs == {500: 2} and group.cost_heap == [500]
+
+
+def test_heads_of_several_tiers_on_one_private_pool_are_parked_and_woken_together() -> None:
+    state = PolicyState(layout([shared(P, 100), private("tenant:a", 30)], ["a", "b"]))
+    assert policy.grant_immediately(state, Demand("a", "critical", ("tenant:a",), 25, 0))
+    for tier in ("critical", "standard", "batch"):  # each 25 + 10 > 30: parked
+        policy.enqueue(state, Demand("a", tier, (P, "tenant:a"), 10, 0), now=0.0)
+    heads = [state.index.heads[(tier, "a")] for tier in ("critical", "standard", "batch")]
+    assert state.index.private["tenant:a"] == heads and all(h.group is None for h in heads)
+    policy.release(state, Demand("a", "critical", ("tenant:a",), 25, 0), None, now=0.0)
+    assert all(h.group is not None for h in heads)  # all three woken by the one release
+    granted = policy.grant_pass(state, 0.0)
+    assert [t.demand.tier for t in granted] == ["critical", "standard", "batch"]
+    assert "tenant:a" not in state.index.private and state.in_flight == {P: 30, "tenant:a": 30}
