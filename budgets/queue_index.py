@@ -71,8 +71,10 @@ class Group:
         self.heads = heads  # the index's, to tell live heap entries from stale ones
         self.young: SortedList = SortedList()  # Key of each young head
         # cost -> young heads with that cost (0: none left, the cost still in cost_heap); cost_heap
-        # is a heap of the keys of costs. A few hundred distinct costs at most in practice, hot in the
-        # caches, where a heap entry per head meant a cold pop per head leaving young.
+        # is a heap of the keys of costs: one entry per distinct cost, so as many as there are heads
+        # at worst and far fewer where costs repeat (the same prompt and max_tokens, a benchmark),
+        # small and hot in the caches there, where a lazy entry per head meant a cold pop per head
+        # leaving young.
         self.costs: dict[int, int] = {}
         self.cost_heap: list[int] = []
         self.old: list[Key] = []  # heap of Key of old heads, lazy
