@@ -28,6 +28,7 @@ local function extend_main(A)
     end
   end
   d.decode = d.decode + tokens
+  d.decode_s = fmt(d.decode)
   d.cost = d.cost + tokens
   redis.call('HSET', K.leases, id, pack_demand(d) .. SEP .. lease.owner .. SEP .. lease.granted_at .. SEP .. lease.queued_s)
   return over

@@ -124,6 +124,12 @@ local function fmt(x)
   return s
 end
 
+-- The other way round, and for the same reason: records keep the text of the numbers they were
+-- read with (a ticket's seq and enqueued_at, a head's seq, cost and rank seq) and write it back
+-- as it was, and a number argument of redis.call is text where it can be ('1', not 1: Redis
+-- formats a Lua number with %.17g). Numbers we wrote ourselves are read with ``s + 0``, not
+-- ``tonumber(s)``, which converts its argument twice (lua_isnumber, then lua_tonumber).
+
 local function clock(arg)
   if arg ~= nil and arg ~= '' then
     return tonumber(arg)
@@ -400,7 +406,7 @@ local used_c
 local function used(name)
   local u = used_c[name]
   if u == nil then
-    u = tonumber(redis.call('HGET', K.used, name) or '0')
+    u = (redis.call('HGET', K.used, name) or 0) + 0
     used_c[name] = u
   end
   return u
@@ -417,7 +423,7 @@ local function prefetch_used(pools)
   if #missing > 0 then
     local v = redis.call('HMGET', K.used, unpack(missing))
     for i = 1, #missing do
-      used_c[missing[i]] = tonumber(v[i] or '0')
+      used_c[missing[i]] = (v[i] or 0) + 0
     end
   end
 end
@@ -458,7 +464,7 @@ local function vtc(tenant) -- nil when the tenant has no counter
   local c = vtc_c[tenant]
   if c == nil then
     local v = redis.call('ZSCORE', K.vtc, tenant)
-    c = v and tonumber(v) or false
+    c = v and v + 0 or false
     vtc_c[tenant] = c
   end
   if c == false then
@@ -474,14 +480,15 @@ local function count(key, tenant)
   local c = counts_c[key]
   local n = c[tenant]
   if n == nil then
-    n = tonumber(redis.call('HGET', key, tenant) or '0')
+    n = (redis.call('HGET', key, tenant) or 0) + 0
     c[tenant] = n
   end
   return n
 end
 
+-- ``delta``: '1' or '-1', as text (a number argument costs Redis a %.17g formatting per call).
 local function count_add(key, tenant, delta)
-  local n = tonumber(redis.call('HINCRBY', key, tenant, delta))
+  local n = redis.call('HINCRBY', key, tenant, delta)
   if n <= 0 then
     redis.call('HDEL', key, tenant)
     n = 0
@@ -512,10 +519,10 @@ end
 local function lowest(key, skip)
   local v = redis.call('ZRANGE', key, '0', '1', 'WITHSCORES')
   if v[1] and v[1] ~= skip then
-    return tonumber(v[2])
+    return v[2] + 0
   end
   if v[3] then
-    return tonumber(v[4])
+    return v[4] + 0
   end
   return nil
 end
@@ -599,14 +606,18 @@ local function parse_head(hk, v)
     tenant = tenant,
     old = string.sub(flags, 1, 1) == '1',
     parked = string.sub(flags, 2, 2) == '1',
-    seq = tonumber(seq),
-    cost = tonumber(cost),
-    enq = tonumber(enq),
-    counter = tonumber(counter),
+    seq = seq + 0,
+    seq_s = seq,
+    cost = cost + 0,
+    cost_s = cost,
+    enq = enq + 0,
+    enq_s = enq,
+    counter = counter + 0,
     gid = gid,
     private = split(private, LSEP),
     private_raw = private,
-    rs = tonumber(rs or seq),
+    rs = (rs or seq) + 0,
+    rs_s = rs or seq,
   }
 end
 
@@ -628,8 +639,8 @@ end
 
 local function store_head(h)
   local flags = (h.old and '1' or '0') .. (h.parked and '1' or '0')
-  redis.call('HSET', K.heads, h.hk, flags .. SEP .. h.seq .. SEP .. h.cost .. SEP .. fmt(h.enq) .. SEP
-    .. fmt(h.counter) .. SEP .. h.gid .. SEP .. h.private_raw .. SEP .. h.rs)
+  redis.call('HSET', K.heads, h.hk, flags .. SEP .. h.seq_s .. SEP .. h.cost_s .. SEP .. h.enq_s .. SEP
+    .. fmt(h.counter) .. SEP .. h.gid .. SEP .. h.private_raw .. SEP .. h.rs_s)
   heads_c[h.hk] = h
   settled = false
 end
@@ -677,7 +688,7 @@ local function activate(h, counter, gc_prev)
   else
     redis.call('ZADD', gkey('y', h.tier, h.gid), '0', m)
     ck = gkey('c', h.tier, h.gid)
-    redis.call('ZADD', ck, h.cost, h.tenant) -- (member: the tenant, so it replaces gc_prev's entry there)
+    redis.call('ZADD', ck, h.cost_s, h.tenant) -- (member: the tenant, so it replaces gc_prev's entry there)
   end
   if gc_prev ~= nil and gc_prev ~= ck then
     redis.call('ZREM', gc_prev, h.tenant)
@@ -721,7 +732,7 @@ end
 local promoted_at
 
 -- QueueIndex.add: the ticket ``tk`` becomes the head of its queue, ranked with ``rs`` (the
--- queue's lowest seq; default its own). ``prev``: what remove_head left of the queue's previous
+-- queue's lowest seq, as its text; default its own). ``prev``: what remove_head left of the queue's previous
 -- head when this one succeeds it (nil otherwise).
 local function add_head(tk, now, old, rs, prev)
   local d = tk.d
@@ -741,16 +752,20 @@ local function add_head(tk, now, old, rs, prev)
     old = old or now - tk.enq >= P.backfill,
     parked = true,
     seq = tk.seq,
+    seq_s = tk.seq_s,
     cost = d.cost,
+    cost_s = fmt(d.cost),
     enq = tk.enq,
+    enq_s = tk.enq_s,
     counter = 0,
     gid = table.concat(shared, LSEP),
     private = private,
     private_raw = table.concat(private, LSEP),
-    rs = rs or tk.seq,
+    rs = rs and rs + 0 or tk.seq,
+    rs_s = rs or tk.seq_s,
   }
   if not h.old then
-    redis.call('ZADD', K.age, fmt(h.enq), age_member(h.seq, h.hk))
+    redis.call('ZADD', K.age, h.enq_s, age_member(h.seq, h.hk))
     if promoted_at ~= nil and promoted_at - h.enq >= P.backfill then
       promoted_at = nil
     end
@@ -839,14 +854,16 @@ local function reposition(tenant, counter)
   end
 end
 
--- QueueIndex.reseq: the queue's lowest seq changed while its head stays (shortest_first).
+-- QueueIndex.reseq: the queue's lowest seq (``rs``, as text) changed while its head stays
+-- (shortest_first).
 local function reseq(h, rs)
+  local n = rs + 0
   if not h.parked then
     local kind = h.old and 'o' or 'y'
     redis.call('ZREM', gkey(kind, h.tier, h.gid), rank_member(h.counter, h.rs, h.tenant))
-    redis.call('ZADD', gkey(kind, h.tier, h.gid), '0', rank_member(h.counter, rs, h.tenant))
+    redis.call('ZADD', gkey(kind, h.tier, h.gid), '0', rank_member(h.counter, n, h.tenant))
   end
-  h.rs = rs
+  h.rs, h.rs_s = n, rs
   store_head(h)
 end
 
@@ -964,8 +981,10 @@ local function demand(tenant, tier, prefill, decode, pools)
   local d = {
     tenant = tenant,
     tier = tier,
-    prefill = tonumber(prefill),
-    decode = tonumber(decode),
+    prefill = prefill + 0,
+    decode = decode + 0,
+    prefill_s = prefill,
+    decode_s = decode,
     pools_raw = pools,
     pools = split(pools, LSEP),
   }
@@ -974,20 +993,27 @@ local function demand(tenant, tier, prefill, decode, pools)
 end
 
 local function pack_demand(d)
-  return d.tenant .. SEP .. d.tier .. SEP .. d.prefill .. SEP .. d.decode .. SEP .. d.pools_raw
+  return d.tenant .. SEP .. d.tier .. SEP .. d.prefill_s .. SEP .. d.decode_s .. SEP .. d.pools_raw
 end
 
 -- ticket record: demand(5) SEP enqueued_at SEP owner SEP lease id
+-- ``seq``: as text (a list's or hash's member) or as a number. A ticket keeps the text of its seq
+-- and enqueued_at for the records and replies that repeat them.
 local function load_ticket(seq)
+  if type(seq) == 'number' then
+    seq = fmt(seq)
+  end
   local v = redis.call('HGET', K.tickets, seq)
   if not v then
     return nil
   end
   local tenant, tier, prefill, decode, pools, enq, owner, lease = fields8(v)
   return {
-    seq = tonumber(seq),
+    seq = seq + 0,
+    seq_s = seq,
     d = demand(tenant, tier, prefill, decode, pools),
-    enq = tonumber(enq),
+    enq = enq + 0,
+    enq_s = enq,
     owner = owner,
     lease = lease,
   }
@@ -1128,7 +1154,7 @@ end
 -- tenant was backlogged and is not in T:idle (only a tenant with neither tickets nor leases is).
 local function charge(d, queued)
   add_used(d.pools, d.cost)
-  local n = count_add(K.tleases, d.tenant, 1)
+  local n = count_add(K.tleases, d.tenant, '1')
   local spec = tenant_spec(d.tenant)
   local x = (vtc(d.tenant) or 0.0) + prompt_service(d, spec.weight)
   set_vtc(d.tenant, x) -- also T:vl: the tenant holds a lease now
@@ -1168,7 +1194,7 @@ end
 -- charge (served_output of the report; d.decode for a reaped lease, 0 for a grant never delivered).
 local function give_back(d, served, now)
   add_used(d.pools, -d.cost)
-  if count_add(K.tleases, d.tenant, -1) == 0 then
+  if count_add(K.tleases, d.tenant, '-1') == 0 then
     redis.call('ZREM', K.vl, d.tenant)
     if not backlogged(d.tenant) then
       mark_idle(d.tenant, now)
@@ -1195,7 +1221,7 @@ local function add_ahead(d, sign)
   end
   for i = 1, #d.pools do
     local f = d.pools[i] .. SEP .. d.tier
-    if tonumber(redis.call('HINCRBY', K.ahead, f, sign * d.cost)) <= 0 then
+    if redis.call('HINCRBY', K.ahead, f, fmt(sign * d.cost)) <= 0 then
       redis.call('HDEL', K.ahead, f)
     end
   end
@@ -1213,9 +1239,10 @@ local function enqueue(d, now, owner, lease_id)
     lift(d.tenant)
   end
   local seq = redis.call('INCR', K.seq)
+  local tk = { seq = seq, seq_s = string.format('%d', seq), d = d, enq = now, enq_s = fmt(now) }
   tickets_n = tickets_waiting() + 1 -- (counted before the HSET below)
-  redis.call('HSET', K.tickets, seq, pack_demand(d) .. SEP .. fmt(now) .. SEP .. owner .. SEP .. lease_id)
-  count_add(K.twait, d.tenant, 1)
+  redis.call('HSET', K.tickets, tk.seq_s, pack_demand(d) .. SEP .. tk.enq_s .. SEP .. owner .. SEP .. lease_id)
+  count_add(K.twait, d.tenant, '1')
   if backlog == 0 then
     redis.call('ZREM', K.idle, d.tenant)
     redis.call('ZADD', K.vb, fmt(vtc(d.tenant)), d.tenant)
@@ -1223,24 +1250,24 @@ local function enqueue(d, now, owner, lease_id)
   redis.call('HINCRBY', K.tierq, d.tier, '1')
   add_ahead(d, 1)
   local qk = qkey(d.tier, d.tenant)
-  local n = redis.call('RPUSH', qk, seq)
+  local n = redis.call('RPUSH', qk, tk.seq_s)
   if P.sf then
     local oq = oqkey(d.tier, d.tenant)
     redis.call('ZADD', oq, fmt(order_key(d, now)), oq_member(seq))
     if n > 1 and oq_first(oq) == seq then -- it goes before the head: it is the head now
       remove_head(load_head(head_key(d.tier, d.tenant)))
-      add_head({ seq = seq, d = d, enq = now }, pass_clock(), false, tonumber(redis.call('LINDEX', qk, '0')))
+      add_head(tk, pass_clock(), false, redis.call('LINDEX', qk, '0'))
     end
   end
   if n == 1 then
-    add_head({ seq = seq, d = d, enq = now }, pass_clock(), false)
+    add_head(tk, pass_clock(), false)
   end
-  redis.call('SADD', rtkey(owner), seq)
+  redis.call('SADD', rtkey(owner), tk.seq_s)
   return seq
 end
 
 local function decr_or_drop(key, field)
-  if tonumber(redis.call('HINCRBY', key, field, '-1')) <= 0 then
+  if redis.call('HINCRBY', key, field, '-1') <= 0 then
     redis.call('HDEL', key, field)
     return true
   end
@@ -1252,8 +1279,8 @@ end
 -- _charge unmarks it; here neither writes (nor reads T:tleases to decide).
 local function forget(tk, now, granted)
   tickets_n = tickets_waiting() - 1 -- (counted before the HDEL below; tk is a waiting ticket)
-  redis.call('HDEL', K.tickets, tk.seq)
-  if count_add(K.twait, tk.d.tenant, -1) == 0 then
+  redis.call('HDEL', K.tickets, tk.seq_s)
+  if count_add(K.twait, tk.d.tenant, '-1') == 0 then
     redis.call('ZREM', K.vb, tk.d.tenant)
     if not granted and not leased(tk.d.tenant) then
       mark_idle(tk.d.tenant, now)
@@ -1261,7 +1288,7 @@ local function forget(tk, now, granted)
   end
   decr_or_drop(K.tierq, tk.d.tier)
   add_ahead(tk.d, -1)
-  redis.call('SREM', rtkey(tk.owner), tk.seq)
+  redis.call('SREM', rtkey(tk.owner), tk.seq_s)
 end
 
 -- policy._leave_ordered: take ``seq`` out of a shortest_first queue (list and zset); true when it
@@ -1293,9 +1320,9 @@ local function withdraw(seq, now)
       remove_head(h)
     elseif h.seq == tk.seq then
       remove_head(h)
-      add_head(load_ticket(nxt), pass_clock(), false, tonumber(redis.call('LINDEX', qk, '0')))
+      add_head(load_ticket(nxt), pass_clock(), false, redis.call('LINDEX', qk, '0'))
     elseif first then
-      reseq(h, tonumber(redis.call('LINDEX', qk, '0')))
+      reseq(h, redis.call('LINDEX', qk, '0'))
     end
   elseif tonumber(redis.call('LINDEX', qk, '0')) == tk.seq then
     redis.call('LPOP', qk)
@@ -1305,7 +1332,7 @@ local function withdraw(seq, now)
       add_head(load_ticket(nxt), pass_clock(), false)
     end
   else
-    redis.call('LREM', qk, '1', tk.seq)
+    redis.call('LREM', qk, '1', tk.seq_s)
   end
   forget(tk, now)
   return tk
@@ -1328,7 +1355,7 @@ local function grant_ticket(tk, now, own)
     end
   end
   if tk.seq ~= own then
-    notify(tk.owner, 'G' .. SEP .. tk.seq .. SEP .. tk.lease .. SEP .. fmt(now) .. SEP .. fmt(queued))
+    notify(tk.owner, 'G' .. SEP .. tk.seq_s .. SEP .. tk.lease .. SEP .. fmt(now) .. SEP .. fmt(queued))
   end
   return queued
 end
@@ -1454,9 +1481,9 @@ local function grant_head(h, tk, now, own, live, held_all)
   charge(tk.d, true)
   local queued = grant_ticket(tk, now, own)
   if nxt then
-    local rs = tonumber(nxt) -- fifo: the queue's first ticket is its next head
+    local rs = nil -- fifo: the queue's first ticket is its next head
     if P.sf then
-      rs = tonumber(redis.call('LINDEX', qk, '0'))
+      rs = redis.call('LINDEX', qk, '0')
     end
     local nh = add_head(load_ticket(nxt), now, false, rs, left)
     if not nh.parked then
@@ -1520,7 +1547,7 @@ local function grant_pass(now, own)
           -- just below the granted rank: the tenant's next head may have the same one
           local c, rs = struct.unpack('>dd', best)
           cursor = struct.pack('>dd', c, rs - 0.5) .. h.tenant
-          local tk = load_ticket(h.seq)
+          local tk = load_ticket(h.seq_s)
           local queued = grant_head(h, tk, now, own, live, held_all)
           if tk.seq == own then
             mine = queued
@@ -1630,7 +1657,7 @@ local function reindex()
     local qk = qkey(tk.d.tier, tk.d.tenant)
     if not seen[qk] then
       seen[qk] = true
-      local rs = tonumber(redis.call('LINDEX', qk, '0'))
+      local rs = redis.call('LINDEX', qk, '0')
       local head_seq = rs
       local oq = oqkey(tk.d.tier, tk.d.tenant)
       redis.call('DEL', oq)
