@@ -8,10 +8,7 @@ local function batch_main(A)
   local i = 1
   while i <= #A do
     local name, n = A[i], tonumber(A[i + 1])
-    local args = {}
-    for j = 1, n do
-      args[j] = A[i + 1 + j]
-    end
+    local args = { unpack(A, i + 2, i + 1 + n) } -- (sized at once, not grown one by one)
     i = i + 2 + n
     if name == 'acquire' then
       out[#out + 1] = acquire_main(args)
