@@ -156,7 +156,13 @@ def comparable(snap: StoreSnapshot) -> Any:
 
 
 async def settle(redis_store: RedisStore, tasks: Sequence[asyncio.Task[Lease]]) -> None:
-    """Until every Redis-side acquire is done or parked on an unresolved ticket."""
+    """Until every Redis-side acquire is done or parked on an unresolved ticket.
+
+    A cancelled acquire keeps its waiter registered until its cleanup (a withdraw in the
+    background) has finished and the task has been woken again, a loop turn or two later: it is
+    pending but not parked, so a cancellation still in flight (``cancelling()``) is not settled,
+    or a check that lands in that gap would take a cancelled acquire for a waiting one.
+    """
 
     async def settled() -> bool:
         for _ in range(5):
@@ -165,6 +171,7 @@ async def settle(redis_store: RedisStore, tasks: Sequence[asyncio.Task[Lease]]) 
         waiters = redis_store._waiters.values()
         return (
             len(pending) == len(waiters)
+            and not any(t.cancelling() for t in pending)
             and not any(w.future.done() for w in waiters)
             and not redis_store._background
         )
