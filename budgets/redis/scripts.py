@@ -13,8 +13,9 @@ entry file per operation, each defining ``<name>_main(A)``. They run in one of t
 * **scripts** (Redis 6, or a server that refuses ``FUNCTION``): per entry, ``lib.lua`` + its
   files + the call, one self-contained source with its own SHA1, run with ``EVALSHA``.
 
-Both wrap an entry as ``begin(keys, args); return { <name>_main(own_args(args)), LOCAL }`` (the
-reply plus the wake-ups for the calling replica; budgets/redis/replies.py parses the replies).
+Both wrap an entry as ``begin(keys, args); reply = { <name>_main(own_args(args)), LOCAL }; flush()``
+(the reply plus the wake-ups for the calling replica, which budgets/redis/replies.py parses; ``flush``
+writes the hashes lib.lua writes behind, see its "state").
 
 The runner starts with the library. ``FCALL`` answered "unknown command" (Redis < 7) or NOPERM
 (an ACL without it), or a ``FUNCTION LOAD`` refused, switches it to scripts for good. Code Redis has lost (a
@@ -80,11 +81,13 @@ def _read(name: str) -> str:
     return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text(encoding="utf-8")
 
 
-_CALL = "begin(KEYS, ARGV)\nreturn { %s_main(own_args(ARGV)), LOCAL }\n"
+_CALL = "begin(KEYS, ARGV)\nlocal reply = { %s_main(own_args(ARGV)), LOCAL }\nflush()\nreturn reply\n"
 
 _REGISTER = """redis.register_function('%s', function(keys, args)
   begin(keys, args)
-  return { %s_main(own_args(args)), LOCAL }
+  local reply = { %s_main(own_args(args)), LOCAL }
+  flush()
+  return reply
 end)
 """
 

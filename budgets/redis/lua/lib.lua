@@ -11,9 +11,10 @@
 -- production (server TIME is used), a number only when a test drives the store's clock. args[2]
 -- is always the calling replica. Each entry file defines ``<name>_main(A)`` with ``A`` = its own
 -- arguments (args[3..]); the loader (budgets/redis/scripts.py) wraps it as
--- ``begin(keys, args); return { <name>_main(own_args(args)), LOCAL }``: the reply plus the
--- wake-ups meant for the caller itself. ``batch`` runs several acquire/release operations in one
--- call (see batch.lua).
+-- ``begin(keys, args); reply = { <name>_main(own_args(args)), LOCAL }; flush(); return reply``:
+-- the reply plus the wake-ups meant for the caller itself; ``flush`` writes what the call wrote
+-- behind (see "state"). ``batch`` runs several acquire/release operations in one call (see
+-- batch.lua).
 
 -- Per-call state, set by ``begin`` (at the end of this file) before every entry function runs:
 -- T the hash-tagged key prefix, K the domain's keys, ARGS the call's arguments, and the caches
@@ -116,7 +117,13 @@ local fmt_c -- number -> text, this call's
 local function fmt(x)
   local s = fmt_c[x]
   if s == nil then
-    s = string.format('%.17g', x)
+    -- A whole number (a count, a cost, a sum of them) formats as an integer: the same text
+    -- below 1e15, without libc's floating-point printing (~2,000 instructions a number).
+    if x % 1 == 0 and x > -1e15 and x < 1e15 and x ~= 0 then
+      s = string.format('%d', x)
+    else
+      s = string.format('%.17g', x)
+    end
     if x ~= 0 and x == x then -- 0 == -0, which format differently; NaN is no table key
       fmt_c[x] = s
     end
@@ -401,9 +408,74 @@ local function pool_limit(p, t)
   return math.floor(t.ceiling * p.cap)
 end
 
--- ---- state (cached per script call, written through) ----
-
+-- ---- state (cached per script call, written behind) ----
+--
+-- The hashes of counts and sums (T:used, T:twait, T:tleases, T:ahead, T:tierq: field -> a
+-- positive number, absent at zero) and the head records (T:heads, below) are read at most once
+-- per call and written once, at its end: ``flush``, which the entry wrapper (budgets/redis/
+-- scripts.py) calls after the entry returns. Why: a batch of 32 cycles changes T:used's shared
+-- pool 64 times and T:ahead's and T:tierq's fields as often, with a net change of zero, and every
+-- redis.call costs ~3,000 instructions in the Lua->Redis bridge before the command's own work.
+-- Nothing reads these hashes past the caches within a call (reindex flushes before it reads
+-- T:heads whole), and other clients see them between calls only, when they are written. A call
+-- that fails half way writes none of them (as it writes half of the rest: a failing call is a bug
+-- either way). What it costs (docs/benchmarks.md, "Written behind"): a call of one operation
+-- executes 3-6 % more instructions than writing through (the caches' tables and bookkeeping
+-- cost more than the one or two commands it saves there); a batch of 32 cycles 10 % fewer at 10
+-- tenants, 2 % at 10,000, and Redis CPU per batched cycle fell more. Batches are what Redis runs
+-- when it is busy.
+local nums_c -- key -> field -> number: what this call knows of the counting hashes (begin makes one
+-- table per hash; T:used's is also ``used_c``, read by every pass)
 local used_c
+local dirty_c -- key -> field -> true: fields changed and not written yet (nil: none)
+
+local function touch(key, field)
+  if dirty_c == nil then
+    dirty_c = {}
+  end
+  local d = dirty_c[key]
+  if d == nil then
+    d = {}
+    dirty_c[key] = d
+  end
+  d[field] = true
+end
+
+-- The field's number (0 when absent).
+local function num(key, field)
+  local c = nums_c[key]
+  local n = c[field]
+  if n == nil then
+    n = (redis.call('HGET', key, field) or 0) + 0
+    c[field] = n
+  end
+  return n
+end
+
+-- Add ``delta`` (a whole number) to the field; at or below zero it is dropped (and reads 0).
+-- Returns the new number. A field the call does not know yet is changed at once with HINCRBY,
+-- which reads it too (a read and a write later would be two commands where one does); a known
+-- one is written behind.
+local function num_add(key, field, delta)
+  local c = nums_c[key]
+  local n = c[field]
+  if n == nil then
+    n = redis.call('HINCRBY', key, field, fmt(delta))
+    if n > 0 then
+      c[field] = n
+      return n
+    end
+  else
+    n = n + delta
+  end
+  if n < 0 then
+    n = 0
+  end
+  c[field] = n
+  touch(key, field)
+  return n
+end
+
 local function used(name)
   local u = used_c[name]
   if u == nil then
@@ -413,15 +485,19 @@ local function used(name)
   return u
 end
 
--- Fetch the in-flight tokens of several pools at once.
+-- Fetch the in-flight tokens of several pools at once: one HMGET of those this call does not know
+-- yet (none, mostly: every pass asks for its groups' pools; no table is made then).
 local function prefetch_used(pools)
-  local missing = {}
+  local missing = nil
   for i = 1, #pools do
     if used_c[pools[i]] == nil then
+      if missing == nil then
+        missing = {}
+      end
       missing[#missing + 1] = pools[i]
     end
   end
-  if #missing > 0 then
+  if missing ~= nil then
     local v = redis.call('HMGET', K.used, unpack(missing))
     for i = 1, #missing do
       used_c[missing[i]] = (v[i] or 0) + 0
@@ -436,24 +512,8 @@ local function add_used(pools, delta)
   end
   settled = false
   prefetch_used(pools)
-  local set, del = {}, {}
   for i = 1, #pools do
-    local name = pools[i]
-    local left = used_c[name] + delta
-    if left > 0 then
-      set[#set + 1] = name
-      set[#set + 1] = left
-    else
-      del[#del + 1] = name
-      left = 0
-    end
-    used_c[name] = left
-  end
-  if #set > 0 then
-    redis.call('HSET', K.used, unpack(set))
-  end
-  if #del > 0 then
-    redis.call('HDEL', K.used, unpack(del))
+    num_add(K.used, pools[i], delta)
   end
 end
 
@@ -474,29 +534,8 @@ local function vtc(tenant) -- nil when the tenant has no counter
   return c
 end
 
--- Waiting tickets (T:twait) and live leases (T:tleases) per tenant, cached per script call and
--- written through by ``count_add``.
-local counts_c
-local function count(key, tenant)
-  local c = counts_c[key]
-  local n = c[tenant]
-  if n == nil then
-    n = (redis.call('HGET', key, tenant) or 0) + 0
-    c[tenant] = n
-  end
-  return n
-end
-
--- ``delta``: '1' or '-1', as text (a number argument costs Redis a %.17g formatting per call).
-local function count_add(key, tenant, delta)
-  local n = redis.call('HINCRBY', key, tenant, delta)
-  if n <= 0 then
-    redis.call('HDEL', key, tenant)
-    n = 0
-  end
-  counts_c[key][tenant] = n
-  return n
-end
+-- Waiting tickets (T:twait) and live leases (T:tleases) per tenant.
+local count, count_add = num, num_add
 
 -- The number of waiting tickets in the domain (HLEN T:tickets), kept by enqueue and forget: every
 -- pass of a batch asks whether anything waits at all.
@@ -639,12 +678,70 @@ local function load_head(hk)
   return h or nil
 end
 
-local function store_head(h)
+-- A head's T:heads record, as ``flush`` writes it.
+local function head_record(h)
   local flags = (h.old and '1' or '0') .. (h.parked and '1' or '0')
-  redis.call('HSET', K.heads, h.hk, flags .. SEP .. h.seq_s .. SEP .. h.cost_s .. SEP .. h.enq_s .. SEP
-    .. fmt(h.counter) .. SEP .. h.gid .. SEP .. h.private_raw .. SEP .. h.rs_s)
+  return flags .. SEP .. h.seq_s .. SEP .. h.cost_s .. SEP .. h.enq_s .. SEP .. fmt(h.counter) .. SEP
+    .. h.gid .. SEP .. h.private_raw .. SEP .. h.rs_s
+end
+
+-- The head record is written at the call's end (``flush``), as it is then: a head stored twice in
+-- a call (activated, repositioned, promoted) is written once.
+local function store_head(h)
   heads_c[h.hk] = h
+  touch(K.heads, h.hk)
   settled = false
+end
+
+-- Write what the call changed in the written-behind hashes (see "state"): per hash one HSET of
+-- the fields that hold something and one HDEL of those that do not. The two argument lists are
+-- kept from call to call (filled to ``ns`` / ``nd``; what lies past is stale): fresh tables per
+-- hash, grown a slot at a time, cost a single call about as much as the commands they save.
+local flush_set, flush_del = {}, {}
+
+local function flush()
+  if dirty_c == nil then
+    return
+  end
+  for key, fields in pairs(dirty_c) do
+    local set, del, ns, nd = flush_set, flush_del, 0, 0
+    if key == K.heads then
+      for hk in pairs(fields) do
+        local h = heads_c[hk]
+        if h then
+          set[ns + 1] = hk
+          set[ns + 2] = head_record(h)
+          ns = ns + 2
+        else
+          nd = nd + 1
+          del[nd] = hk
+        end
+      end
+    else
+      local c = nums_c[key]
+      for f in pairs(fields) do
+        local n = c[f]
+        if n > 0 then
+          set[ns + 1] = f
+          set[ns + 2] = fmt(n)
+          ns = ns + 2
+        else
+          nd = nd + 1
+          del[nd] = f
+        end
+      end
+    end
+    for i = 1, ns, 1000 do
+      redis.call('HSET', key, unpack(set, i, math.min(i + 999, ns)))
+    end
+    for i = 1, nd, 1000 do
+      redis.call('HDEL', key, unpack(del, i, math.min(i + 999, nd)))
+    end
+    if ns > 256 or nd > 256 then -- (a reindex's or a restore's: not kept alive between calls)
+      flush_set, flush_del = {}, {}
+    end
+  end
+  dirty_c = nil
 end
 
 -- Group ids this call knows to be in T:gt:<tier> (it read them there or added them): tier -> gid
@@ -815,7 +912,7 @@ local function remove_head(h, successor)
   if successor then
     left = { private = h.private, private_raw = h.private_raw, gc = gc }
   else
-    redis.call('HDEL', K.heads, h.hk)
+    touch(K.heads, h.hk) -- (deleted by ``flush``: heads_c holds false)
     for i = 1, #h.private do
       redis.call('SREM', pvkey(h.private[i]), h.hk)
     end
@@ -1156,7 +1253,7 @@ end
 -- tenant was backlogged and is not in T:idle (only a tenant with neither tickets nor leases is).
 local function charge(d, queued)
   add_used(d.pools, d.cost)
-  local n = count_add(K.tleases, d.tenant, '1')
+  local n = count_add(K.tleases, d.tenant, 1)
   local spec = tenant_spec(d.tenant)
   local x = (vtc(d.tenant) or 0.0) + prompt_service(d, spec.weight)
   set_vtc(d.tenant, x) -- also T:vl: the tenant holds a lease now
@@ -1196,7 +1293,7 @@ end
 -- charge (served_output of the report; d.decode for a reaped lease, 0 for a grant never delivered).
 local function give_back(d, served, now)
   add_used(d.pools, -d.cost)
-  if count_add(K.tleases, d.tenant, '-1') == 0 then
+  if count_add(K.tleases, d.tenant, -1) == 0 then
     redis.call('ZREM', K.vl, d.tenant)
     if not backlogged(d.tenant) then
       mark_idle(d.tenant, now)
@@ -1222,10 +1319,7 @@ local function add_ahead(d, sign)
     return
   end
   for i = 1, #d.pools do
-    local f = d.pools[i] .. SEP .. d.tier
-    if redis.call('HINCRBY', K.ahead, f, fmt(sign * d.cost)) <= 0 then
-      redis.call('HDEL', K.ahead, f)
-    end
+    num_add(K.ahead, d.pools[i] .. SEP .. d.tier, sign * d.cost)
   end
 end
 
@@ -1244,12 +1338,12 @@ local function enqueue(d, now, owner, lease_id)
   local tk = { seq = seq, seq_s = string.format('%d', seq), d = d, enq = now, enq_s = fmt(now) }
   tickets_n = tickets_waiting() + 1 -- (counted before the HSET below)
   redis.call('HSET', K.tickets, tk.seq_s, pack_demand(d) .. SEP .. tk.enq_s .. SEP .. owner .. SEP .. lease_id)
-  count_add(K.twait, d.tenant, '1')
+  count_add(K.twait, d.tenant, 1)
   if backlog == 0 then
     redis.call('ZREM', K.idle, d.tenant)
     redis.call('ZADD', K.vb, fmt(vtc(d.tenant)), d.tenant)
   end
-  redis.call('HINCRBY', K.tierq, d.tier, '1')
+  num_add(K.tierq, d.tier, 1)
   add_ahead(d, 1)
   local qk = qkey(d.tier, d.tenant)
   local n = redis.call('RPUSH', qk, tk.seq_s)
@@ -1268,27 +1362,19 @@ local function enqueue(d, now, owner, lease_id)
   return seq
 end
 
-local function decr_or_drop(key, field)
-  if redis.call('HINCRBY', key, field, '-1') <= 0 then
-    redis.call('HDEL', key, field)
-    return true
-  end
-  return false
-end
-
 -- policy._forget. ``granted``: the ticket leaves to be charged at once (grant_head), so its
 -- tenant holds a lease before the call ends and is not idle: policy._forget marks it idle and
 -- _charge unmarks it; here neither writes (nor reads T:tleases to decide).
 local function forget(tk, now, granted)
   tickets_n = tickets_waiting() - 1 -- (counted before the HDEL below; tk is a waiting ticket)
   redis.call('HDEL', K.tickets, tk.seq_s)
-  if count_add(K.twait, tk.d.tenant, '-1') == 0 then
+  if count_add(K.twait, tk.d.tenant, -1) == 0 then
     redis.call('ZREM', K.vb, tk.d.tenant)
     if not granted and not leased(tk.d.tenant) then
       mark_idle(tk.d.tenant, now)
     end
   end
-  decr_or_drop(K.tierq, tk.d.tier)
+  num_add(K.tierq, tk.d.tier, -1)
   add_ahead(tk.d, -1)
   redis.call('SREM', rtkey(tk.owner), tk.seq_s)
 end
@@ -1592,7 +1678,7 @@ local function retry_after(d, now)
       for j = 1, #P.tier_order do
         local other = tier_spec(P.tier_order[j])
         if other and other.rank <= t.rank then
-          ahead = ahead + tonumber(redis.call('HGET', K.ahead, name .. SEP .. other.name) or '0')
+          ahead = ahead + num(K.ahead, name .. SEP .. other.name)
         end
       end
       local needed = ahead + d.cost - free
@@ -1625,6 +1711,7 @@ end
 -- layout change). A head keeps its age class; a ticket that only now becomes head is classed as
 -- usual. O(waiting tickets).
 local function reindex()
+  flush() -- (it reads T:heads whole)
   settled = false
   local was_old = {}
   local recs = redis.call('HGETALL', K.heads)
@@ -1697,6 +1784,10 @@ local function upgrade(now)
     end
   end
   redis.call('DEL', K.vb, K.vl, K.idle, K.ahead)
+  nums_c[K.ahead] = {}
+  if dirty_c ~= nil then
+    dirty_c[K.ahead] = nil
+  end
   local counters = redis.call('ZRANGE', K.vtc, '0', '-1', 'WITHSCORES')
   for i = 1, #counters, 2 do
     local tenant, c = counters[i], counters[i + 1]
@@ -1747,9 +1838,11 @@ local function begin(keys, args)
   LOCAL = {}
   now_c, clock_c, P = nil, nil, nil
   fmt_c = {}
-  SP, SX, used_c, vtc_c = new_specs(), new_specs(), {}, {}
+  SP, SX, vtc_c = new_specs(), new_specs(), {}
   kept = nil
-  counts_c = { [K.twait] = {}, [K.tleases] = {} }
+  used_c = {}
+  nums_c = { [K.used] = used_c, [K.twait] = {}, [K.tleases] = {}, [K.ahead] = {}, [K.tierq] = {} }
+  dirty_c = nil
   heads_c = {}
   settled = false
   beaten = nil
