@@ -391,6 +391,43 @@ local function load_policy(d)
   return true
 end
 
+-- The specs of a demand's tenant and pools that this call does not know yet, in one HMGET (charge:
+-- a ticket granted from the queue is often a tenant the call has not read, and its spec and its
+-- private pools' would be two reads). The policy is loaded already.
+local function fetch_specs(d)
+  local fields, pools = nil, nil
+  local tenant_unknown = known_spec('n', d.tenant) == nil
+  if tenant_unknown then
+    fields = { 'n:' .. d.tenant }
+  end
+  for i = 1, #d.pools do
+    local name = d.pools[i]
+    if known_spec('p', name) == nil then
+      if fields == nil then
+        fields = {}
+      end
+      if pools == nil then
+        pools = {}
+      end
+      fields[#fields + 1] = 'p:' .. name
+      pools[#pools + 1] = name
+    end
+  end
+  if fields == nil then
+    return
+  end
+  local v = redis.call('HMGET', K.spec, unpack(fields))
+  local at = 1
+  if tenant_unknown then
+    remember('n', d.tenant, parse_spec('n', d.tenant, v[1]))
+    at = 2
+  end
+  for i = at, #fields do
+    local name = pools[i - at + 1]
+    remember('p', name, parse_spec('p', name, v[i]))
+  end
+end
+
 local function reset_layout_cache()
   P, kept = nil, nil
   SP, SX = new_specs(), new_specs() -- new tables: the ones kept in ``layouts`` may be another call's
@@ -411,11 +448,12 @@ end
 -- ---- state (cached per script call, written behind) ----
 --
 -- The hashes of counts and sums (T:used, T:twait, T:tleases, T:ahead, T:tierq: field -> a
--- positive number, absent at zero) and the head records (T:heads, below) are read at most once
--- per call and written once, at its end: ``flush``, which the entry wrapper (budgets/redis/
--- scripts.py) calls after the entry returns. Why: a batch of 32 cycles changes T:used's shared
--- pool 64 times and T:ahead's and T:tierq's fields as often, with a net change of zero, and every
--- redis.call costs ~3,000 instructions in the Lua->Redis bridge before the command's own work.
+-- positive number, absent at zero), the head records (T:heads, below) and the release meters
+-- (T:rate, "the release rate") are read at most once per call and written once, at its end:
+-- ``flush``, which the entry wrapper (budgets/redis/scripts.py) calls after the entry returns.
+-- Why: a batch of 32 cycles changes T:used's shared pool 64 times and T:ahead's and T:tierq's
+-- fields as often, with a net change of zero, and every redis.call costs ~3,000 instructions in
+-- the Lua->Redis bridge before the command's own work.
 -- Nothing reads these hashes past the caches within a call (reindex flushes before it reads
 -- T:heads whole), and other clients see them between calls only, when they are written. A call
 -- that fails half way writes none of them (as it writes half of the rest: a failing call is a bug
@@ -428,6 +466,7 @@ local nums_c -- key -> field -> number: what this call knows of the counting has
 -- table per hash; T:used's is also ``used_c``, read by every pass)
 local used_c
 local dirty_c -- key -> field -> true: fields changed and not written yet (nil: none)
+local rates_c, rates_at -- pool -> number: T:rate as this call knows it (see "the release rate")
 
 local function touch(key, field)
   if dirty_c == nil then
@@ -705,7 +744,13 @@ local function flush()
   end
   for key, fields in pairs(dirty_c) do
     local set, del, ns, nd = flush_set, flush_del, 0, 0
-    if key == K.heads then
+    if key == K.rate then
+      for pool in pairs(fields) do
+        set[ns + 1] = pool
+        set[ns + 2] = fmt(rates_c[pool]) .. '|' .. fmt(rates_at[pool])
+        ns = ns + 2
+      end
+    elseif key == K.heads then
       for hk in pairs(fields) do
         local h = heads_c[hk]
         if h then
@@ -1254,6 +1299,7 @@ end
 local function charge(d, queued)
   add_used(d.pools, d.cost)
   local n = count_add(K.tleases, d.tenant, 1)
+  fetch_specs(d)
   local spec = tenant_spec(d.tenant)
   local x = (vtc(d.tenant) or 0.0) + prompt_service(d, spec.weight)
   set_vtc(d.tenant, x) -- also T:vl: the tenant holds a lease now
@@ -1266,27 +1312,55 @@ local function charge(d, queued)
 end
 
 
--- budgets.retry.ReleaseRate
-local function rate_value(v, now)
-  if not v then
-    return 0.0
+-- ---- the release rate ----
+--
+-- budgets.retry.ReleaseRate: per pool, tokens released per second, decaying with RATE_TAU. T:rate
+-- holds "<rate>|<at>" per pool; a call keeps the pools it read as numbers (``rates_c``: pool ->
+-- rate, ``rates_at``: pool -> at) and writes them behind (``flush``): a batch's releases all move
+-- the shared pool's meter, and each write was two number formattings and a read of what the last
+-- one wrote. (%.17g gives the same double back: the meter runs as if written and read each time.)
+
+local function read_rate(name, v, now)
+  if v then
+    local bar = string.find(v, '|', 1, true)
+    rates_c[name], rates_at[name] = string.sub(v, 1, bar - 1) + 0, string.sub(v, bar + 1) + 0
+  else
+    rates_c[name], rates_at[name] = 0.0, now
   end
-  local bar = string.find(v, '|', 1, true)
-  local dt = math.max(0.0, now - string.sub(v, bar + 1))
-  return string.sub(v, 1, bar - 1) * math.exp(-dt / RATE_TAU)
+end
+
+-- Pool ``name``'s meter now (read once per call).
+local function rate_now(name, now)
+  local r = rates_c[name]
+  if r == nil then
+    read_rate(name, redis.call('HGET', K.rate, name), now)
+    r = rates_c[name]
+  end
+  return r * math.exp(-math.max(0.0, now - rates_at[name]) / RATE_TAU)
 end
 
 local function rate_add(pools, amount, now)
-  if #pools == 0 then
-    return
-  end
-  local v = redis.call('HMGET', K.rate, unpack(pools))
-  local set = {}
+  local missing = nil
   for i = 1, #pools do
-    set[#set + 1] = pools[i]
-    set[#set + 1] = fmt(rate_value(v[i], now) + amount / RATE_TAU) .. '|' .. fmt(now)
+    if rates_c[pools[i]] == nil then
+      if missing == nil then
+        missing = {}
+      end
+      missing[#missing + 1] = pools[i]
+    end
   end
-  redis.call('HSET', K.rate, unpack(set))
+  if missing ~= nil then
+    local v = redis.call('HMGET', K.rate, unpack(missing))
+    for i = 1, #missing do
+      read_rate(missing[i], v[i], now)
+    end
+  end
+  for i = 1, #pools do
+    local name = pools[i]
+    rates_c[name] = rate_now(name, now) + amount / RATE_TAU
+    rates_at[name] = now
+    touch(K.rate, name)
+  end
 end
 
 -- policy.release + MemoryStore._return (release-rate meters). ``served``: the output tokens to
@@ -1683,7 +1757,7 @@ local function retry_after(d, now)
       end
       local needed = ahead + d.cost - free
       if needed > 0 then
-        local rate = rate_value(redis.call('HGET', K.rate, name), now)
+        local rate = rate_now(name, now)
         if rate > 0 then
           worst = math.max(worst, needed / rate)
         else
@@ -1844,6 +1918,7 @@ local function begin(keys, args)
   nums_c = { [K.used] = used_c, [K.twait] = {}, [K.tleases] = {}, [K.ahead] = {}, [K.tierq] = {} }
   dirty_c = nil
   heads_c = {}
+  rates_c, rates_at = {}, {}
   settled = false
   beaten = nil
   tickets_n, promoted_at = nil, nil
