@@ -524,18 +524,24 @@ local function used(name)
   return u
 end
 
--- Fetch the in-flight tokens of several pools at once: one HMGET of those this call does not know
--- yet (none, mostly: every pass asks for its groups' pools; no table is made then).
-local function prefetch_used(pools)
+-- The names that ``cache`` has no entry for; nil when it has them all (no table is made then).
+local function unknown(cache, names)
   local missing = nil
-  for i = 1, #pools do
-    if used_c[pools[i]] == nil then
+  for i = 1, #names do
+    if cache[names[i]] == nil then
       if missing == nil then
         missing = {}
       end
-      missing[#missing + 1] = pools[i]
+      missing[#missing + 1] = names[i]
     end
   end
+  return missing
+end
+
+-- Fetch the in-flight tokens of several pools at once: one HMGET of those this call does not know
+-- yet (none, mostly: every pass asks for its groups' pools).
+local function prefetch_used(pools)
+  local missing = unknown(used_c, pools)
   if missing ~= nil then
     local v = redis.call('HMGET', K.used, unpack(missing))
     for i = 1, #missing do
@@ -744,36 +750,25 @@ local function flush()
   end
   for key, fields in pairs(dirty_c) do
     local set, del, ns, nd = flush_set, flush_del, 0, 0
-    if key == K.rate then
-      for pool in pairs(fields) do
-        set[ns + 1] = pool
-        set[ns + 2] = fmt(rates_c[pool]) .. '|' .. fmt(rates_at[pool])
-        ns = ns + 2
-      end
-    elseif key == K.heads then
-      for hk in pairs(fields) do
-        local h = heads_c[hk]
-        if h then
-          set[ns + 1] = hk
-          set[ns + 2] = head_record(h)
-          ns = ns + 2
-        else
-          nd = nd + 1
-          del[nd] = hk
-        end
-      end
-    else
-      local c = nums_c[key]
-      for f in pairs(fields) do
+    local c = nums_c[key] -- (nil for T:heads and T:rate)
+    for f in pairs(fields) do
+      local v -- the field's text; nil: delete it
+      if c ~= nil then
         local n = c[f]
-        if n > 0 then
-          set[ns + 1] = f
-          set[ns + 2] = fmt(n)
-          ns = ns + 2
-        else
-          nd = nd + 1
-          del[nd] = f
-        end
+        v = n > 0 and fmt(n) or nil
+      elseif key == K.heads then
+        local h = heads_c[f]
+        v = h and head_record(h) or nil
+      else -- T:rate
+        v = fmt(rates_c[f]) .. '|' .. fmt(rates_at[f])
+      end
+      if v then
+        set[ns + 1] = f
+        set[ns + 2] = v
+        ns = ns + 2
+      else
+        nd = nd + 1
+        del[nd] = f
       end
     end
     for i = 1, ns, 1000 do
@@ -1340,15 +1335,7 @@ local function rate_now(name, now)
 end
 
 local function rate_add(pools, amount, now)
-  local missing = nil
-  for i = 1, #pools do
-    if rates_c[pools[i]] == nil then
-      if missing == nil then
-        missing = {}
-      end
-      missing[#missing + 1] = pools[i]
-    end
-  end
+  local missing = unknown(rates_c, pools)
   if missing ~= nil then
     local v = redis.call('HMGET', K.rate, unpack(missing))
     for i = 1, #missing do
