@@ -458,10 +458,9 @@ end
 -- T:heads whole), and other clients see them between calls only, when they are written. A call
 -- that fails half way writes none of them (as it writes half of the rest: a failing call is a bug
 -- either way). What it costs (docs/benchmarks.md, "Written behind"): a call of one operation
--- executes 3-6 % more instructions than writing through (the caches' tables and bookkeeping
--- cost more than the one or two commands it saves there); a batch of 32 cycles 10 % fewer at 10
--- tenants, 2 % at 10,000, and Redis CPU per batched cycle fell more. Batches are what Redis runs
--- when it is busy.
+-- executes ~6 % more instructions than writing through (the caches' tables and bookkeeping cost
+-- more than the one or two commands it saves there); a batch of 32 cycles 14 % fewer at 10
+-- tenants, 2 % at 10,000. Batches are what Redis runs when it is busy.
 local nums_c -- key -> field -> number: what this call knows of the counting hashes (begin makes one
 -- table per hash; T:used's is also ``used_c``, read by every pass)
 local used_c
