@@ -304,6 +304,14 @@ local function tenant_spec(name)
   return spec('n', name)
 end
 
+-- Ask for spec ``kind:name`` unless this call knows it (load_policy's field lists).
+local function want(fields, kinds, names, kind, name)
+  if known_spec(kind, name) == nil then
+    fields[#fields + 1] = kind .. ':' .. name
+    kinds[#fields], names[#fields] = kind, name
+  end
+end
+
 -- The policy and (optionally) a demand's specs in one round trip; false when Redis has no layout.
 -- Within one script call (a batch) the policy is read once; later calls fetch only new specs.
 local function load_policy(d)
@@ -338,17 +346,11 @@ local function load_policy(d)
   end
   local first = #fields + 1
   local kinds, names = {}, {} -- of the spec fields asked for, from ``first`` on
-  local function want(kind, name)
-    if known_spec(kind, name) == nil then
-      fields[#fields + 1] = kind .. ':' .. name
-      kinds[#fields], names[#fields] = kind, name
-    end
-  end
   if d then
-    want('n', d.tenant)
-    want('t', d.tier)
+    want(fields, kinds, names, 'n', d.tenant)
+    want(fields, kinds, names, 't', d.tier)
     for i = 1, #d.pools do
-      want('p', d.pools[i])
+      want(fields, kinds, names, 'p', d.pools[i])
     end
   end
   if #fields == 0 then
@@ -389,43 +391,6 @@ local function load_policy(d)
     remember(kinds[i], names[i], parse_spec(kinds[i], names[i], v[i]))
   end
   return true
-end
-
--- The specs of a demand's tenant and pools that this call does not know yet, in one HMGET (charge:
--- a ticket granted from the queue is often a tenant the call has not read, and its spec and its
--- private pools' would be two reads). The policy is loaded already.
-local function fetch_specs(d)
-  local fields, pools = nil, nil
-  local tenant_unknown = known_spec('n', d.tenant) == nil
-  if tenant_unknown then
-    fields = { 'n:' .. d.tenant }
-  end
-  for i = 1, #d.pools do
-    local name = d.pools[i]
-    if known_spec('p', name) == nil then
-      if fields == nil then
-        fields = {}
-      end
-      if pools == nil then
-        pools = {}
-      end
-      fields[#fields + 1] = 'p:' .. name
-      pools[#pools + 1] = name
-    end
-  end
-  if fields == nil then
-    return
-  end
-  local v = redis.call('HMGET', K.spec, unpack(fields))
-  local at = 1
-  if tenant_unknown then
-    remember('n', d.tenant, parse_spec('n', d.tenant, v[1]))
-    at = 2
-  end
-  for i = at, #fields do
-    local name = pools[i - at + 1]
-    remember('p', name, parse_spec('p', name, v[i]))
-  end
 end
 
 local function reset_layout_cache()
@@ -514,6 +479,7 @@ local function num_add(key, field, delta)
   return n
 end
 
+-- num(K.used, name), without looking up the hash's table: every pass asks.
 local function used(name)
   local u = used_c[name]
   if u == nil then
@@ -1293,7 +1259,9 @@ end
 local function charge(d, queued)
   add_used(d.pools, d.cost)
   local n = count_add(K.tleases, d.tenant, 1)
-  fetch_specs(d)
+  -- (a ticket granted from the queue is often a tenant this call has not read: its spec and its
+  -- private pools', read by private_pools_changed, in one HMGET)
+  load_policy(d)
   local spec = tenant_spec(d.tenant)
   local x = (vtc(d.tenant) or 0.0) + prompt_service(d, spec.weight)
   set_vtc(d.tenant, x) -- also T:vl: the tenant holds a lease now
