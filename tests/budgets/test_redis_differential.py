@@ -467,12 +467,15 @@ def test_counters_match_bit_for_bit() -> None:
     asyncio.run(run_scenario(session_redis(), ops))  # asserts identical counters at every step
 
 
-# Redis stores a small sorted set as a listpack, a large one as a skiplist; the deployment files set
-# zset-max-listpack-entries 0 (the skiplist's inserts cost fewer instructions: docs/redis.md). The
-# scripts must decide the same on either encoding.
+# Redis stores a small sorted set or hash as a listpack, a large one as a skiplist or hash table; the
+# deployment files set zset-max-listpack-entries 0 and hash-max-listpack-entries 0 (fewer
+# instructions per insert and lookup: docs/redis.md). The scripts must decide the same on either
+# encoding.
 @pytest.fixture(scope="module")
 def skiplist_redis() -> Iterator[RedisServer]:
-    server = RedisServer(extra_args=["--zset-max-listpack-entries", "0"]).start()
+    server = RedisServer(
+        extra_args=["--zset-max-listpack-entries", "0", "--hash-max-listpack-entries", "0"]
+    ).start()
     yield server
     server.stop()
 
@@ -494,7 +497,7 @@ def test_a_redis_of_skiplists_makes_the_memory_stores_decisions(
     asyncio.run(run_scenario(skiplist_redis, ops, order))
 
 
-def test_the_skiplist_server_really_stores_the_domains_sorted_sets_as_skiplists(
+def test_the_skiplist_server_really_stores_the_domains_sorted_sets_as_skiplists_and_hashes_as_tables(
     skiplist_redis: RedisServer,
 ) -> None:
     import redis
@@ -504,4 +507,7 @@ def test_the_skiplist_server_really_stores_the_domains_sorted_sets_as_skiplists(
     zsets = [k for k in client.scan_iter(count=1000) if client.type(k) == b"zset"]
     assert zsets
     assert {client.object("encoding", k) for k in zsets} == {b"skiplist"}
+    hashes = [k for k in client.scan_iter(count=1000) if client.type(k) == b"hash"]
+    assert hashes
+    assert {client.object("encoding", k) for k in hashes} == {b"hashtable"}
     client.close()
