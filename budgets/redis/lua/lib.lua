@@ -1624,6 +1624,11 @@ local function grant_head(h, tk, now, own, live, held_all)
     redis.call('LPOP', qk)
     nxt = redis.call('LINDEX', qk, '0') or nil -- (an empty list's nil bulk reply is false in Lua)
   end
+  if vtc_c[h.tenant] == nil and not h.parked then
+    -- An active head is ranked with its tenant's counter (set_vtc repositions it on every change,
+    -- activate ranks it with the counter of the moment): the charge below needs no ZSCORE.
+    vtc_c[h.tenant] = h.counter
+  end
   local left = remove_head(h, nxt ~= nil)
   forget(tk, now, true)
   charge(tk.d, true)
