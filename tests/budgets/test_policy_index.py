@@ -382,3 +382,26 @@ def test_heads_of_several_tiers_on_one_private_pool_are_parked_and_woken_togethe
     granted = policy.grant_pass(state, 0.0)
     assert [t.demand.tier for t in granted] == ["critical", "standard", "batch"]
     assert "tenant:a" not in state.index.private and state.in_flight == {P: 30, "tenant:a": 30}
+
+
+def test_heads_age_oldest_first_whether_they_became_heads_in_order_or_not() -> None:
+    # New tickets that are heads at once come in enqueue order (the FIFO); a successor of a granted
+    # head was enqueued earlier than the heads before it (the heap). promote takes the oldest of
+    # both, stale entries dropped on the way, at most ``limit`` per call.
+    state = PolicyState(layout([shared(P, 100)], ["a", "b", "c"], backfill_limit_s=2.0))
+    assert policy.grant_immediately(state, Demand("c", "critical", (P,), 100, 0))
+    policy.enqueue(state, Demand("a", "critical", (P,), 60, 0), now=0.0)
+    policy.enqueue(state, Demand("a", "critical", (P,), 60, 0), now=0.5)  # behind a's head
+    policy.enqueue(state, Demand("b", "critical", (P,), 60, 0), now=1.0)
+    index = state.index
+    assert [e[0] for e in index.age_in_order] == [0.0, 1.0] and not index.age
+    policy.release(state, Demand("c", "critical", (P,), 100, 0), None, now=1.2)
+    [granted] = policy.grant_pass(state, 1.2)  # a's head; its successor (enqueued at 0.5) is head
+    assert granted.demand.tenant == "a" and granted.enqueued_at == 0.0
+    assert [e[0] for e in index.age] == [0.5]  # out of order: older than b's 1.0 in the FIFO
+    heads = index.heads
+    assert index.promote(2.6, 2.0, limit=1) == 1  # a's successor, 2.1 s old; a's granted entry dropped
+    assert heads[("critical", "a")].old and not heads[("critical", "b")].old
+    assert index.promote(2.6, 2.0, limit=5) == 0  # b has waited 1.6 s
+    assert index.promote(3.0, 2.0, limit=5) == 1 and heads[("critical", "b")].old
+    assert not index.has_young()
