@@ -111,7 +111,7 @@ local now_c -- this call's instant (script_now, below)
 
 -- A number as text that reads back as the same double. Formatting one costs ~2,500 instructions
 -- (about what a small Redis command costs), and a call writes the same numbers again and again:
--- its instant into several records, a tenant's counter into T:vtc, T:vb and its head record, a
+-- its instant into several records, a tenant's counter into T:vtc and its head record, a
 -- head's enqueued_at into T:age and the record. So each call keeps what it formatted.
 local fmt_c -- number -> text, this call's
 local function fmt(x)
