@@ -15,6 +15,15 @@ twice that, and exits at once after the last cycle. The difference of the two to
 (with the thresholds ``tokengate serve`` sets it costs ~1 µs per cycle, measured by
 ``loadtest.bench.gcheap``; its full collections would land in one run and not the other).
 
+The store runs on a virtual clock that moves ``--clock-step`` seconds each time the store reads it
+(twice per waiting acquire and twice per cycle), so that a head's age counts operations, not wall
+time: under valgrind, fifty times slower, real seconds aged every waiting head long before the
+first cycle, and how many of them a run then promoted depended on how long each run took (two
+runs of one tree differed by a third at 100,000 tenants). With the default step, filling 100,000
+tickets takes ``backfill_limit_s`` (2 s) of that clock and a cycle as long as an enqueue did: with
+one ticket per tenant, heads age past it one per cycle from the first cycle on, as they do in a
+steady state. ``--clock real`` uses the monotonic clock as before.
+
 Instructions are not time: with 100,000 waiting tasks a cycle touches a different task and frame
 each time, and the cache misses that costs show in the scale benchmark only.
 """
@@ -29,15 +38,39 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+CLOCK_STEP = 1e-5  # seconds per clock read (module docstring)
 
-async def _cycles(tenants: int, tickets: int, cycles: int, at_end: Callable[[], object] | None = None) -> int:
-    """The scale benchmark's memory cycle, ``cycles`` of them after the queue is full; ``at_end()``
-    runs right after the last one (the harness exits there: tearing down a hundred thousand waiters
-    costs more than the cycles, and not the same in both runs)."""
+
+class ReadClock:
+    """A clock that moves ``step`` seconds each time it is read (``step`` None: time.monotonic)."""
+
+    def __init__(self, step: float | None) -> None:
+        self.step = step
+        self.now = 1_000_000.0  # (a positive instant far from 0, as monotonic readings are)
+
+    def __call__(self) -> float:
+        if self.step is None:
+            return time.monotonic()
+        self.now += self.step
+        return self.now
+
+
+async def _cycles(
+    tenants: int,
+    tickets: int,
+    cycles: int,
+    at_end: Callable[[], object] | None = None,
+    clock_step: float | None = CLOCK_STEP,
+) -> tuple[int, float]:
+    """The scale benchmark's memory cycle, ``cycles`` of them after the queue is full, on a
+    ``ReadClock``; ``at_end()`` runs right after the last one (the harness exits there: tearing
+    down a hundred thousand waiters costs more than the cycles, and not the same in both runs).
+    Returns the cycles run and the clock's last reading."""
     import gc
 
     from budgets.memory import MemoryStore
@@ -45,7 +78,8 @@ async def _cycles(tenants: int, tickets: int, cycles: int, at_end: Callable[[], 
 
     # scale.memory_cycles with a count instead of a clock, written out here so that it runs on the
     # budgets package of an older tree too (--tree), whose scale.py may lack any new helper.
-    store = MemoryStore(scale_layout(tenants, pool_tokens=COST), reap_interval_s=3600.0)
+    clock = ReadClock(clock_step)
+    store = MemoryStore(scale_layout(tenants, pool_tokens=COST), clock=clock, reap_interval_s=3600.0)
     await store.start()
     granted = 0
     done = asyncio.Event()
@@ -75,10 +109,12 @@ async def _cycles(tenants: int, tickets: int, cycles: int, at_end: Callable[[], 
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     await store.close()
-    return n
+    return n, clock.now
 
 
-def _run(tree: Path, tenants: int, tickets: int, cycles: int, keep: Path, loop: str) -> int:
+def _run(
+    tree: Path, tenants: int, tickets: int, cycles: int, keep: Path, loop: str, clock_step: float | None
+) -> int:
     """Instructions of one process running ``cycles`` cycles under callgrind."""
     out = keep / f"callgrind.{tenants}.{tickets}.{cycles}.out"
     env = dict(os.environ)
@@ -89,7 +125,7 @@ def _run(tree: Path, tenants: int, tickets: int, cycles: int, keep: Path, loop: 
     code = (
         f"import os, runpy, {loop}; "
         f"m = runpy.run_path({__file__!r}); "
-        f"{loop}.run(m['_cycles']({tenants}, {tickets}, {cycles}, lambda: os._exit(0))); "
+        f"{loop}.run(m['_cycles']({tenants}, {tickets}, {cycles}, lambda: os._exit(0), {clock_step!r})); "
         "os._exit(3)"
     )
     cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, "-c", code]
@@ -101,15 +137,18 @@ def _run(tree: Path, tenants: int, tickets: int, cycles: int, keep: Path, loop: 
     return callgrind_total(out)
 
 
-def point(tree: Path, tenants: int, tickets: int, cycles: int, keep: Path, loop: str) -> dict[str, Any]:
-    one = _run(tree, tenants, tickets, cycles, keep, loop)
-    two = _run(tree, tenants, tickets, 2 * cycles, keep, loop)
+def point(
+    tree: Path, tenants: int, tickets: int, cycles: int, keep: Path, loop: str, clock_step: float | None
+) -> dict[str, Any]:
+    one = _run(tree, tenants, tickets, cycles, keep, loop, clock_step)
+    two = _run(tree, tenants, tickets, 2 * cycles, keep, loop, clock_step)
     return {
         "tree": str(tree),
         "tenants": tenants,
         "tickets": tickets,
         "cycles": cycles,
         "loop": loop,
+        "clock_step": clock_step,
         "per_cycle": (two - one) / cycles,
     }
 
@@ -131,8 +170,21 @@ def main(argv: list[str] | None = None) -> int:
         choices=("uvloop", "asyncio"),
         help="event loop (default %(default)s, the gateway's)",
     )
+    p.add_argument(
+        "--clock",
+        default="virtual",
+        choices=("virtual", "real"),
+        help="the store's clock: virtual (--clock-step per read, the default) or real (monotonic)",
+    )
+    p.add_argument(
+        "--clock-step",
+        type=float,
+        default=CLOCK_STEP,
+        help="seconds the virtual clock moves per read (default %(default)s)",
+    )
     p.add_argument("--keep", help="keep the callgrind output here")
     args = p.parse_args(argv)
+    step = None if args.clock == "real" else args.clock_step
     if shutil.which("valgrind") is None:
         print("valgrind not found: install valgrind (apt-get install -y valgrind)", file=sys.stderr)
         return 2
@@ -143,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         for size in args.sizes.split(","):
             tenants, tickets = (int(x) for x in size.split(":"))
             for tree in trees:
-                row = point(tree, tenants, tickets, args.cycles, keep, args.loop)
+                row = point(tree, tenants, tickets, args.cycles, keep, args.loop, step)
                 print(
                     f"{row['tenants']:>7} tenants {row['tickets']:>8} tickets  {tree}: "
                     f"{row['per_cycle']:,.0f} instructions per cycle",
