@@ -20,9 +20,8 @@ Keys (``T`` = ``{tg:<prefix>}``):
 ``T:used``                 hash    pool -> tokens in flight (absent when 0)
 ``T:vtc``                  zset    tenant -> virtual token counter (the score: exact; the
                                    lowest is the first entry)
-``T:vb`` / ``T:vl``        zset    lower bounds of the counters of backlogged tenants / of
-                                   tenants with live leases (the lift rule's bases; written on
-                                   a join or a drop, raised when read: lib.lua ``lowest_member``)
+``T:vb`` / ``T:vl``        zset    counters of backlogged tenants / of tenants with live
+                                   leases (the lift rule's bases)
 ``T:idle``                 zset    tenant -> idle since (no ticket, no lease): forgotten after
                                    ``idle_forget_s``
 ``T:tleases``              hash    tenant -> live leases (absent when 0)

@@ -529,10 +529,7 @@ end
 
 -- Counters live in the sorted set T:vtc (tenant -> counter): the score is the double itself, so
 -- reads are exact, and the lowest counter of all (lift rule 3) is its first entry. T:vb and T:vl
--- hold lower bounds of the counters of backlogged tenants and of tenants with live leases (lift
--- rules 1 and 2), as budgets/queue_index.py's LazyMin does: a member's entry is written when it
--- joins and when its counter drops, not when it rises (every grant and release raises one), and
--- ``lowest_member`` brings an outdated entry up to date when it reaches the top.
+-- hold the counters of backlogged tenants and of tenants with live leases (lift rules 1 and 2).
 local vtc_c
 local function vtc(tenant) -- nil when the tenant has no counter
   local c = vtc_c[tenant]
@@ -566,27 +563,6 @@ end
 
 local function leased(tenant)
   return count(K.tleases, tenant) > 0
-end
-
--- LazyMin.lowest for T:vb and T:vl: the lowest counter of a member other than ``skip``; nil when
--- there is none. An entry below its member's counter is raised and the top read again: every
--- entry is at most its member's counter, so a top entry that equals it is the lowest.
-local function lowest_member(key, skip)
-  while true do
-    local v = redis.call('ZRANGE', key, '0', '1', 'WITHSCORES')
-    local name, score = v[1], v[2]
-    if name ~= nil and name == skip then
-      name, score = v[3], v[4]
-    end
-    if name == nil then
-      return nil
-    end
-    local c = vtc(name)
-    if c == nil or score + 0 == c then -- (nil: no counter, which a member always has; as written)
-      return score + 0
-    end
-    redis.call('ZADD', key, fmt(c), name)
-  end
 end
 
 -- The lowest score of a sorted set whose member is not ``skip``; nil when there is none.
@@ -1022,21 +998,17 @@ local function private_pools_changed(d)
   end
 end
 
--- policy._set_counter. T:vb and T:vl hear of a drop only (``lowest_member``).
+-- policy._set_counter
 local function set_vtc(tenant, x)
   settled = false
-  local before = vtc(tenant)
   vtc_c[tenant] = x
   local s = fmt(x)
   redis.call('ZADD', K.vtc, s, tenant)
-  local drop = before == nil or x < before
   if backlogged(tenant) then
-    if drop then
-      redis.call('ZADD', K.vb, s, tenant)
-    end
+    redis.call('ZADD', K.vb, s, tenant)
     reposition(tenant, x)
   end
-  if drop and leased(tenant) then
+  if leased(tenant) then
     redis.call('ZADD', K.vl, s, tenant)
   end
 end
@@ -1266,10 +1238,10 @@ end
 local function lift(tenant, nobody_waits)
   local base = nil
   if not nobody_waits then
-    base = lowest_member(K.vb, tenant)
+    base = lowest(K.vb, tenant)
   end
   if base == nil then
-    base = lowest_member(K.vl, tenant)
+    base = lowest(K.vl, tenant)
   end
   local own = vtc(tenant)
   if own == nil then
@@ -1291,12 +1263,8 @@ local function charge(d, queued)
   -- private pools', read by private_pools_changed, in one HMGET)
   load_policy(d)
   local spec = tenant_spec(d.tenant)
-  local before = vtc(d.tenant)
-  local x = (before or 0.0) + prompt_service(d, spec.weight)
-  set_vtc(d.tenant, x)
-  if n == 1 and before ~= nil then -- it joins T:vl (set_vtc wrote a tenant without a counter there)
-    redis.call('ZADD', K.vl, fmt(x), d.tenant)
-  end
+  local x = (vtc(d.tenant) or 0.0) + prompt_service(d, spec.weight)
+  set_vtc(d.tenant, x) -- also T:vl: the tenant holds a lease now
   if n == 1 and not queued then
     redis.call('ZREM', K.idle, d.tenant)
   end
