@@ -354,14 +354,15 @@ class QueueIndex:
                 break
             enq, seq, tier, tenant = entry
             head = heads.get((tier, tenant))
-            if head is not None and not head.old and head.ticket.seq == seq and not now - enq >= backfill:
+            stale = head is None or head.old or head.ticket.seq != seq  # granted, withdrawn, displaced
+            if not stale and not now - enq >= backfill:
                 break
             if ordered:
                 in_order.popleft()
             else:
                 heapq.heappop(age)
-            if head is None or head.old or head.ticket.seq != seq:
-                continue  # stale: granted, withdrawn, displaced, or already old
+            if head is None or stale:
+                continue
             promoted += 1
             head.old = True
             group, key = head.group, head.key

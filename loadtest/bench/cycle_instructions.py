@@ -55,8 +55,9 @@ class ReadClock:
 
     def __call__(self) -> float:
         if self.step is None:
-            return time.monotonic()
-        self.now += self.step
+            self.now = time.monotonic()
+        else:
+            self.now += self.step
         return self.now
 
 

@@ -372,6 +372,21 @@ SCENARIOS: dict[str, list[tuple[Any, ...]]] = {
     "lift": [("acq", "a", "critical", 10, 5, (P,)), ("rel", 0, 2)]
     + [op for _ in range(5) for op in (("acq", "b", "critical", 20, 10, (P,)), ("rel", 0, 1))]
     + [("acq", "b", "critical", 70, 0, (P,)), ("acq", "a", "critical", 20, 0, (P,)), ("rel", 0, None)],
+    # Lift's bases after counters rose: a's while it holds a lease (a release charges output), b's
+    # while it is backlogged (the first of its two tickets granted). c joins twice and is lifted to
+    # the true lowest each time: b's counter through T:vl, then b's raised one through T:vb (a base
+    # that missed a rise would lift c to less).
+    "lift_past_raised_counters": [
+        ("acq", "a", "critical", 10, 15, (P,)),
+        ("acq", "a", "critical", 10, 15, (P,)),
+        ("acq", "b", "critical", 30, 0, (P,)),
+        ("rel", 0, 15),
+        ("acq", "c", "critical", 0, 5, (P,)),
+        ("acq", "b", "critical", 30, 0, (P,)),
+        ("acq", "b", "critical", 20, 0, (P,)),
+        ("rel", 0, 0),
+        ("acq", "c", "critical", 40, 0, (P,)),
+    ],
     # Shrinking P fails the waiting ticket that can never fit; dropping tenant c fails its tickets.
     "relayout": [
         ("acq", "a", "critical", 50, 0, (P,)),
