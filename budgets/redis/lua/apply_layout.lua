@@ -8,10 +8,10 @@ local function apply_layout_main(A)
   local now = script_now()
   local digest = A[1]
   local changed = 0
-  if redis.call('HGET', K.layout, 'digest') ~= digest or redis.call('EXISTS', K.spec) == 0 then
+  if rcall('HGET', K.layout, 'digest') ~= digest or rcall('EXISTS', K.spec) == 0 then
     changed = 1
-    local ver = redis.call('HINCRBY', K.layout, 'ver', '1')
-    redis.call('HSET', K.layout, 'digest', digest, 'json', A[2])
+    local ver = rcall('HINCRBY', K.layout, 'ver', '1')
+    rcall('HSET', K.layout, 'digest', digest, 'json', A[2])
     -- T:spec: the policy, then p:/t:/n: fields for pools, tiers and tenants (see lib.lua).
     local fields = {
       'ver', ver, 'pw', A[3], 'dw', A[4], 'backfill', A[5], 'ttl', A[6], 'max_scan', A[7],
@@ -20,12 +20,12 @@ local function apply_layout_main(A)
     for _, packed in ipairs({ A[11], A[12], A[13] }) do
       local entries = split(packed, LSEP)
       for i = 1, #entries do
-        local j = string.find(entries[i], SEP, 1, true)
-        fields[#fields + 1] = string.sub(entries[i], 1, j - 1)
-        fields[#fields + 1] = string.sub(entries[i], j + 1)
+        local j = sfind(entries[i], SEP, 1, true)
+        fields[#fields + 1] = ssub(entries[i], 1, j - 1)
+        fields[#fields + 1] = ssub(entries[i], j + 1)
       end
     end
-    redis.call('DEL', K.spec)
+    rcall('DEL', K.spec)
     hset_many(K.spec, fields)
   end
   reset_layout_cache()
@@ -33,7 +33,7 @@ local function apply_layout_main(A)
   upgrade(now)
   if changed == 1 then
     -- policy.drop_invalid: tickets that can never be granted now leave, then the index is rebuilt
-    local all = redis.call('HKEYS', K.tickets)
+    local all = rcall('HKEYS', K.tickets)
     table.sort(all, function(a, b)
       return tonumber(a) < tonumber(b)
     end)
@@ -41,8 +41,8 @@ local function apply_layout_main(A)
       local tk = load_ticket(all[i])
       local err = check_demand(tk.d)
       if err then
-        redis.call('LREM', qkey(tk.d.tier, tk.d.tenant), 1, tk.seq)
-        redis.call('ZREM', oqkey(tk.d.tier, tk.d.tenant), oq_member(tk.seq)) -- reindex rebuilds the rest
+        rcall('LREM', qkey(tk.d.tier, tk.d.tenant), 1, tk.seq)
+        rcall('ZREM', oqkey(tk.d.tier, tk.d.tenant), oq_member(tk.seq)) -- reindex rebuilds the rest
         forget(tk, pass_clock())
         local msg = 'F' .. SEP .. tk.seq .. SEP .. tk.lease .. SEP .. err[2] .. SEP .. err[3] .. SEP .. tostring(err[4] or '')
         notify(tk.owner, msg)
@@ -52,7 +52,7 @@ local function apply_layout_main(A)
   end
   grant_pass(now, nil)
   if changed == 1 then
-    redis.call('PUBLISH', K.layout, P.ver)
+    rcall('PUBLISH', K.layout, P.ver)
   end
   return { changed, tonumber(P.ver) }
 end

@@ -24,12 +24,12 @@ local function extend_main(A)
   for i = 1, #d.pools do
     local p = pool_spec(d.pools[i])
     if p then
-      over = math.max(over, math.min(tokens, used(d.pools[i]) - p.cap))
+      over = mmax(over, mmin(tokens, used(d.pools[i]) - p.cap))
     end
   end
   d.decode = d.decode + tokens
   d.decode_s = fmt(d.decode)
   d.cost = d.cost + tokens
-  redis.call('HSET', K.leases, id, pack_demand(d) .. SEP .. lease.owner .. SEP .. lease.granted_at .. SEP .. lease.queued_s)
+  rcall('HSET', K.leases, id, pack_demand(d) .. SEP .. lease.owner .. SEP .. lease.granted_at .. SEP .. lease.queued_s)
   return over
 end

@@ -12,9 +12,9 @@ local function heartbeat_main(A)
   local unknown = {}
   for i = 1, #A do
     local id = A[i]
-    if redis.call('ZSCORE', K.lexp, id) then
-      redis.call('ZADD', K.lexp, expiry, id)
-    elseif not redis.call('ZSCORE', K.gone, id) then
+    if rcall('ZSCORE', K.lexp, id) then
+      rcall('ZADD', K.lexp, expiry, id)
+    elseif not rcall('ZSCORE', K.gone, id) then
       unknown[#unknown + 1] = id
     end
   end

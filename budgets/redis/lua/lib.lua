@@ -22,6 +22,17 @@
 -- it: as a Redis 7 function library (loaded once, ``begin`` per FCALL) and as EVAL scripts.
 local T, K, ARGS
 
+-- Globals this code calls on every operation, bound once by ``begin`` (not at load: FUNCTION LOAD
+-- runs the body with only redis.register_function in reach). A function library's global
+-- table is empty, the real globals behind its metatable's __index: each global name read is
+-- two table lookups and a metamethod check, an upvalue one array read.
+local function global_functions() -- (defined before the locals below: these names are the globals)
+  return redis.call, tonumber, unpack, type, pairs, string.sub, string.find, string.format, string.byte,
+    string.match, struct.pack, struct.unpack, math.min, math.max, math.floor
+end
+local rcall, tonumber, unpack, type, pairs, ssub, sfind, sformat, sbyte, smatch, spack, sunpack, mmin, mmax, mfloor
+local INF = 1 / 0
+
 -- policy's "Settled", within one call: true once a pass has run to its end, false again as soon as
 -- anything a pass looks at changes (in-flight tokens, a counter, a head record, a withdrawal, a
 -- forgotten tenant). An acquire in the same call that queues behind its tenant's existing head
@@ -32,7 +43,7 @@ local settled = false
 
 -- The keys of one budget domain (a pure function of its layout key).
 local function keyset(layout)
-  local T = string.sub(layout, 1, -8) -- strip ":layout"
+  local T = ssub(layout, 1, -8) -- strip ":layout"
   return {
     T = T,
     layout = layout,
@@ -77,12 +88,12 @@ local function split(s, sep)
   end
   local i = 1
   while true do
-    local j = string.find(s, sep, i, true)
+    local j = sfind(s, sep, i, true)
     if not j then
-      out[#out + 1] = string.sub(s, i)
+      out[#out + 1] = ssub(s, i)
       return out
     end
-    out[#out + 1] = string.sub(s, i, j - 1)
+    out[#out + 1] = ssub(s, i, j - 1)
     i = j + 1
   end
 end
@@ -90,7 +101,7 @@ end
 -- HSET of a long field/value list, in chunks (Lua's unpack has a limit of a few thousand values).
 local function hset_many(key, fields)
   for i = 1, #fields, 1000 do
-    redis.call('HSET', key, unpack(fields, i, math.min(i + 999, #fields)))
+    rcall('HSET', key, unpack(fields, i, mmin(i + 999, #fields)))
   end
 end
 
@@ -99,7 +110,7 @@ end
 local FIELDS8 = '^([^\31]*)\31([^\31]*)\31([^\31]*)\31([^\31]*)\31([^\31]*)\31([^\31]*)\31([^\31]*)\31([^\31]*)'
 
 local function fields8(v)
-  local a, b, c, d, e, f, g, h = string.match(v, FIELDS8)
+  local a, b, c, d, e, f, g, h = smatch(v, FIELDS8)
   if a == nil then -- fewer than eight fields (a head record of an older version)
     local t = split(v, SEP)
     return t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8]
@@ -120,9 +131,9 @@ local function fmt(x)
     -- A whole number (a count, a cost, a sum of them) formats as an integer: the same text
     -- below 1e15, without libc's floating-point printing (~2,000 instructions a number).
     if x % 1 == 0 and x > -1e15 and x < 1e15 and x ~= 0 then
-      s = string.format('%d', x)
+      s = sformat('%d', x)
     else
-      s = string.format('%.17g', x)
+      s = sformat('%.17g', x)
     end
     if x ~= 0 and x == x then -- 0 == -0, which format differently; NaN is no table key
       fmt_c[x] = s
@@ -141,7 +152,7 @@ local function clock(arg)
   if arg ~= nil and arg ~= '' then
     return tonumber(arg)
   end
-  local t = redis.call('TIME')
+  local t = rcall('TIME')
   return tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
 
@@ -158,22 +169,22 @@ local function qkey(tier, tenant)
 end
 
 -- shortest_first only: the same tickets as T:q:... in a zset by order key (policy.order_key);
--- members struct.pack('>d', seq), so equal keys go by seq (bytewise = numeric for these doubles).
+-- members spack('>d', seq), so equal keys go by seq (bytewise = numeric for these doubles).
 local function oqkey(tier, tenant)
   return T .. ':qo:' .. #tier .. ':' .. tier .. ':' .. tenant
 end
 
 local function oq_member(seq)
-  return struct.pack('>d', seq)
+  return spack('>d', seq)
 end
 
 -- The seq of the lowest (order key, seq) of a shortest_first queue, nil when it is empty.
 local function oq_first(oq)
-  local m = redis.call('ZRANGE', oq, '0', '0')[1]
+  local m = rcall('ZRANGE', oq, '0', '0')[1]
   if m == nil then
     return nil
   end
-  return (struct.unpack('>d', m))
+  return (sunpack('>d', m))
 end
 
 local function rtkey(replica)
@@ -192,7 +203,7 @@ local function notify(owner, payload)
   if owner == CALLER then
     LOCAL[#LOCAL + 1] = payload
   else
-    redis.call('PUBLISH', wake_channel(owner), payload)
+    rcall('PUBLISH', wake_channel(owner), payload)
   end
 end
 
@@ -266,19 +277,19 @@ local function parse_spec(kind, name, v)
   -- (a plain find and subs, not a pattern with a lazy ``.-``: that tries the rest of the pattern at
   -- every character, ~4,000 instructions a match)
   if kind == 'p' then -- "<capacity>|<0/1>"
-    return { cap = string.sub(v, 1, -3) + 0, shared = (string.byte(v, -1) == 49) }
+    return { cap = ssub(v, 1, -3) + 0, shared = (sbyte(v, -1) == 49) }
   elseif kind == 't' then
     local f = split(v, '|')
     return { name = name, rank = tonumber(f[1]), ceiling = tonumber(f[2]), maxwait = tonumber(f[3]) }
   end
-  local bar = string.find(v, '|', 1, true)
-  return { weight = string.sub(v, 1, bar - 1) + 0, maxq = string.sub(v, bar + 1) + 0 }
+  local bar = sfind(v, '|', 1, true)
+  return { weight = ssub(v, 1, bar - 1) + 0, maxq = ssub(v, bar + 1) + 0 }
 end
 
 local function spec(kind, name)
   local v = known_spec(kind, name)
   if v == nil then
-    v = parse_spec(kind, name, redis.call('HGET', K.spec, kind .. ':' .. name))
+    v = parse_spec(kind, name, rcall('HGET', K.spec, kind .. ':' .. name))
     remember(kind, name, v)
   end
   return v
@@ -331,7 +342,7 @@ local function load_policy(d)
   local fields = {}
   local ver, stamp -- of the layout, when it is not in ``layouts`` yet
   if P == nil then
-    local v = redis.call('HMGET', K.layout, 'ver', 'digest')
+    local v = rcall('HMGET', K.layout, 'ver', 'digest')
     if v[1] and v[2] then
       local c = layouts[K.layout]
       if c and c.stamp == v[1] .. SEP .. v[2] then
@@ -356,7 +367,7 @@ local function load_policy(d)
   if #fields == 0 then
     return true
   end
-  local v = redis.call('HMGET', K.spec, unpack(fields))
+  local v = rcall('HMGET', K.spec, unpack(fields))
   if P == nil then
     if not v[1] then
       return false
@@ -407,7 +418,7 @@ local function pool_limit(p, t)
   if not p.shared then
     return p.cap
   end
-  return math.floor(t.ceiling * p.cap)
+  return mfloor(t.ceiling * p.cap)
 end
 
 -- ---- state (cached per script call, written behind) ----
@@ -449,7 +460,7 @@ local function num(key, field)
   local c = nums_c[key]
   local n = c[field]
   if n == nil then
-    n = (redis.call('HGET', key, field) or 0) + 0
+    n = (rcall('HGET', key, field) or 0) + 0
     c[field] = n
   end
   return n
@@ -463,7 +474,7 @@ local function num_add(key, field, delta)
   local c = nums_c[key]
   local n = c[field]
   if n == nil then
-    n = redis.call('HINCRBY', key, field, fmt(delta))
+    n = rcall('HINCRBY', key, field, fmt(delta))
     if n > 0 then
       c[field] = n
       return n
@@ -483,7 +494,7 @@ end
 local function used(name)
   local u = used_c[name]
   if u == nil then
-    u = (redis.call('HGET', K.used, name) or 0) + 0
+    u = (rcall('HGET', K.used, name) or 0) + 0
     used_c[name] = u
   end
   return u
@@ -508,7 +519,7 @@ end
 local function prefetch_used(pools)
   local missing = unknown(used_c, pools)
   if missing ~= nil then
-    local v = redis.call('HMGET', K.used, unpack(missing))
+    local v = rcall('HMGET', K.used, unpack(missing))
     for i = 1, #missing do
       used_c[missing[i]] = (v[i] or 0) + 0
     end
@@ -534,7 +545,7 @@ local vtc_c
 local function vtc(tenant) -- nil when the tenant has no counter
   local c = vtc_c[tenant]
   if c == nil then
-    local v = redis.call('ZSCORE', K.vtc, tenant)
+    local v = rcall('ZSCORE', K.vtc, tenant)
     c = v and v + 0 or false
     vtc_c[tenant] = c
   end
@@ -552,7 +563,7 @@ local count, count_add = num, num_add
 local tickets_n
 local function tickets_waiting()
   if tickets_n == nil then
-    tickets_n = redis.call('HLEN', K.tickets)
+    tickets_n = rcall('HLEN', K.tickets)
   end
   return tickets_n
 end
@@ -567,7 +578,7 @@ end
 
 -- The lowest score of a sorted set whose member is not ``skip``; nil when there is none.
 local function lowest(key, skip)
-  local v = redis.call('ZRANGE', key, '0', '1', 'WITHSCORES')
+  local v = rcall('ZRANGE', key, '0', '1', 'WITHSCORES')
   if v[1] and v[1] ~= skip then
     return v[2] + 0
   end
@@ -585,13 +596,13 @@ end
 --                     absent in records of older versions, where it is the head's own seq)
 -- group id            the demand's shared pools, sorted bytewise, LSEP-joined
 -- T:gy:<n>:<tier>:<gid>  zset, all scores 0: young active heads by rank; member =
---                     struct.pack('>dd', counter, seq) .. tenant, so that the byte order of members
+--                     spack('>dd', counter, seq) .. tenant, so that the byte order of members
 --                     is the order of (counter, seq) for the non-negative doubles involved
 -- T:gc:...        zset  young active heads by cost (member tenant)
 -- T:go:...        zset  old active heads by rank (as T:gy)
 -- T:gt:<tier>     set   group ids with active heads in that tier; T:gtiers: tiers with such a set
 -- T:pv:<pool>     set   heads naming private pool <pool> (parked or not)
--- T:age           zset  young heads by enqueued_at; member struct.pack('>d', seq) .. head key
+-- T:age           zset  young heads by enqueued_at; member spack('>d', seq) .. head key
 -- T:clock         the latest ``now`` of a grant pass (ages outside a pass are measured against it)
 local function head_key(tier, tenant)
   return tier .. SEP .. tenant
@@ -610,17 +621,17 @@ local function pvkey(pool)
 end
 
 local function rank_member(counter, seq, tenant)
-  return struct.pack('>dd', counter, seq) .. tenant
+  return spack('>dd', counter, seq) .. tenant
 end
 
 local function age_member(seq, hk)
-  return struct.pack('>d', seq) .. hk
+  return spack('>d', seq) .. hk
 end
 
 -- Python's (counter, seq) tuple order of two rank members (never Lua's locale-dependent ``<``).
 local function ranked_before(a, b)
-  local c1, s1 = struct.unpack('>dd', a)
-  local c2, s2 = struct.unpack('>dd', b)
+  local c1, s1 = sunpack('>dd', a)
+  local c2, s2 = sunpack('>dd', b)
   if c1 ~= c2 then
     return c1 < c2
   end
@@ -628,9 +639,9 @@ local function ranked_before(a, b)
 end
 
 local function bytes_before(a, b)
-  local n = math.min(#a, #b)
+  local n = mmin(#a, #b)
   for i = 1, n do
-    local x, y = string.byte(a, i), string.byte(b, i)
+    local x, y = sbyte(a, i), sbyte(b, i)
     if x ~= y then
       return x < y
     end
@@ -641,22 +652,22 @@ end
 local clock_c
 local function pass_clock()
   if clock_c == nil then
-    local v = redis.call('GET', K.clock)
-    clock_c = v and tonumber(v) or -math.huge
+    local v = rcall('GET', K.clock)
+    clock_c = v and tonumber(v) or -INF
   end
   return clock_c
 end
 
 local function parse_head(hk, v)
   local flags, seq, cost, enq, counter, gid, private, rs = fields8(v)
-  local sep = string.find(hk, SEP, 1, true)
-  local tier, tenant = string.sub(hk, 1, sep - 1), string.sub(hk, sep + 1)
+  local sep = sfind(hk, SEP, 1, true)
+  local tier, tenant = ssub(hk, 1, sep - 1), ssub(hk, sep + 1)
   return {
     hk = hk,
     tier = tier,
     tenant = tenant,
-    old = string.sub(flags, 1, 1) == '1',
-    parked = string.sub(flags, 2, 2) == '1',
+    old = ssub(flags, 1, 1) == '1',
+    parked = ssub(flags, 2, 2) == '1',
     seq = seq + 0,
     seq_s = seq,
     cost = cost + 0,
@@ -681,7 +692,7 @@ local heads_c
 local function load_head(hk)
   local h = heads_c[hk]
   if h == nil then
-    local v = redis.call('HGET', K.heads, hk)
+    local v = rcall('HGET', K.heads, hk)
     h = v and parse_head(hk, v) or false
     heads_c[hk] = h
   end
@@ -737,10 +748,10 @@ local function flush()
       end
     end
     for i = 1, ns, 1000 do
-      redis.call('HSET', key, unpack(set, i, math.min(i + 999, ns)))
+      rcall('HSET', key, unpack(set, i, mmin(i + 999, ns)))
     end
     for i = 1, nd, 1000 do
-      redis.call('HDEL', key, unpack(del, i, math.min(i + 999, nd)))
+      rcall('HDEL', key, unpack(del, i, mmin(i + 999, nd)))
     end
     if ns > 256 or nd > 256 then -- (a reindex's or a restore's: not kept alive between calls)
       flush_set, flush_del = {}, {}
@@ -771,7 +782,7 @@ local members_c
 local function tier_groups(tier)
   local gids = members_c[tier]
   if gids == nil then
-    gids = redis.call('SMEMBERS', gtkey(tier))
+    gids = rcall('SMEMBERS', gtkey(tier))
     members_c[tier] = gids
     local l = listed(tier)
     for i = 1, #gids do
@@ -788,19 +799,19 @@ local function activate(h, counter, gc_prev)
   local m = rank_member(counter, h.rs, h.tenant)
   local ck = nil
   if h.old then
-    redis.call('ZADD', gkey('o', h.tier, h.gid), '0', m)
+    rcall('ZADD', gkey('o', h.tier, h.gid), '0', m)
   else
-    redis.call('ZADD', gkey('y', h.tier, h.gid), '0', m)
+    rcall('ZADD', gkey('y', h.tier, h.gid), '0', m)
     ck = gkey('c', h.tier, h.gid)
-    redis.call('ZADD', ck, h.cost_s, h.tenant) -- (member: the tenant, so it replaces gc_prev's entry there)
+    rcall('ZADD', ck, h.cost_s, h.tenant) -- (member: the tenant, so it replaces gc_prev's entry there)
   end
   if gc_prev ~= nil and gc_prev ~= ck then
-    redis.call('ZREM', gc_prev, h.tenant)
+    rcall('ZREM', gc_prev, h.tenant)
   end
   local l = listed(h.tier)
   if not l[h.gid] then
-    if redis.call('SADD', gtkey(h.tier), h.gid) == 1 then
-      redis.call('SADD', K.gtiers, h.tier)
+    if rcall('SADD', gtkey(h.tier), h.gid) == 1 then
+      rcall('SADD', K.gtiers, h.tier)
       local m = members_c[h.tier]
       if m then
         m[#m + 1] = h.gid
@@ -813,10 +824,10 @@ end
 local function deactivate(h)
   local m = rank_member(h.counter, h.rs, h.tenant)
   if h.old then
-    redis.call('ZREM', gkey('o', h.tier, h.gid), m)
+    rcall('ZREM', gkey('o', h.tier, h.gid), m)
   else
-    redis.call('ZREM', gkey('y', h.tier, h.gid), m)
-    redis.call('ZREM', gkey('c', h.tier, h.gid), h.tenant)
+    rcall('ZREM', gkey('y', h.tier, h.gid), m)
+    rcall('ZREM', gkey('c', h.tier, h.gid), h.tenant)
   end
   h.parked = true -- an emptied group leaves T:gt:<tier> when a pass finds it empty
 end
@@ -869,7 +880,7 @@ local function add_head(tk, now, old, rs, prev)
     rs_s = rs or tk.seq_s,
   }
   if not h.old then
-    redis.call('ZADD', K.age, h.enq_s, age_member(h.seq, h.hk))
+    rcall('ZADD', K.age, h.enq_s, age_member(h.seq, h.hk))
     if promoted_at ~= nil and promoted_at - h.enq >= P.backfill then
       promoted_at = nil
     end
@@ -877,18 +888,18 @@ local function add_head(tk, now, old, rs, prev)
   if prev == nil or prev.private_raw ~= h.private_raw then
     if prev ~= nil then
       for i = 1, #prev.private do
-        redis.call('SREM', pvkey(prev.private[i]), h.hk)
+        rcall('SREM', pvkey(prev.private[i]), h.hk)
       end
     end
     for i = 1, #private do
-      redis.call('SADD', pvkey(private[i]), h.hk)
+      rcall('SADD', pvkey(private[i]), h.hk)
     end
   end
   local gc_prev = prev and prev.gc
   if private_ok(h.cost, private) then
     activate(h, vtc(d.tenant), gc_prev)
   elseif gc_prev ~= nil then
-    redis.call('ZREM', gc_prev, h.tenant)
+    rcall('ZREM', gc_prev, h.tenant)
   end
   store_head(h) -- (HSET: it replaces the previous head's field too)
   return h
@@ -904,7 +915,7 @@ local function remove_head(h, successor)
   local gc = nil
   if not h.parked then
     if successor and not h.old then
-      redis.call('ZREM', gkey('y', h.tier, h.gid), rank_member(h.counter, h.rs, h.tenant))
+      rcall('ZREM', gkey('y', h.tier, h.gid), rank_member(h.counter, h.rs, h.tenant))
       h.parked = true
       gc = gkey('c', h.tier, h.gid)
     else
@@ -919,11 +930,11 @@ local function remove_head(h, successor)
   else
     touch(K.heads, h.hk) -- (deleted by ``flush``: heads_c holds false)
     for i = 1, #h.private do
-      redis.call('SREM', pvkey(h.private[i]), h.hk)
+      rcall('SREM', pvkey(h.private[i]), h.hk)
     end
   end
   if not h.old then
-    redis.call('ZREM', K.age, age_member(h.seq, h.hk))
+    rcall('ZREM', K.age, age_member(h.seq, h.hk))
   end
   return left
 end
@@ -939,7 +950,7 @@ local function reposition(tenant, counter)
     end
   end
   if #unread > 0 then
-    local recs = redis.call('HMGET', K.heads, unpack(unread))
+    local recs = rcall('HMGET', K.heads, unpack(unread))
     for i = 1, #unread do
       heads_c[unread[i]] = recs[i] and parse_head(unread[i], recs[i]) or false
     end
@@ -949,8 +960,8 @@ local function reposition(tenant, counter)
     if h then
       if not h.parked then
         local kind = h.old and 'o' or 'y'
-        redis.call('ZREM', gkey(kind, h.tier, h.gid), rank_member(h.counter, h.rs, tenant))
-        redis.call('ZADD', gkey(kind, h.tier, h.gid), '0', rank_member(counter, h.rs, tenant))
+        rcall('ZREM', gkey(kind, h.tier, h.gid), rank_member(h.counter, h.rs, tenant))
+        rcall('ZADD', gkey(kind, h.tier, h.gid), '0', rank_member(counter, h.rs, tenant))
         h.counter = counter
         store_head(h)
       end
@@ -964,8 +975,8 @@ local function reseq(h, rs)
   local n = rs + 0
   if not h.parked then
     local kind = h.old and 'o' or 'y'
-    redis.call('ZREM', gkey(kind, h.tier, h.gid), rank_member(h.counter, h.rs, h.tenant))
-    redis.call('ZADD', gkey(kind, h.tier, h.gid), '0', rank_member(h.counter, n, h.tenant))
+    rcall('ZREM', gkey(kind, h.tier, h.gid), rank_member(h.counter, h.rs, h.tenant))
+    rcall('ZADD', gkey(kind, h.tier, h.gid), '0', rank_member(h.counter, n, h.tenant))
   end
   h.rs, h.rs_s = n, rs
   store_head(h)
@@ -973,7 +984,7 @@ end
 
 -- QueueIndex.private_changed: tokens in flight on private ``pool`` changed.
 local function private_changed(pool)
-  local hks = redis.call('SMEMBERS', pvkey(pool))
+  local hks = rcall('SMEMBERS', pvkey(pool))
   for i = 1, #hks do
     local h = load_head(hks[i])
     if h then -- (nil: a head remove_head left for its successor, which is not indexed yet)
@@ -1003,19 +1014,19 @@ local function set_vtc(tenant, x)
   settled = false
   vtc_c[tenant] = x
   local s = fmt(x)
-  redis.call('ZADD', K.vtc, s, tenant)
+  rcall('ZADD', K.vtc, s, tenant)
   if backlogged(tenant) then
-    redis.call('ZADD', K.vb, s, tenant)
+    rcall('ZADD', K.vb, s, tenant)
     reposition(tenant, x)
   end
   if leased(tenant) then
-    redis.call('ZADD', K.vl, s, tenant)
+    rcall('ZADD', K.vl, s, tenant)
   end
 end
 
 -- policy._idle: the tenant has no waiting ticket and no live lease from ``now`` on.
 local function mark_idle(tenant, now)
-  redis.call('ZADD', K.idle, fmt(now), tenant)
+  rcall('ZADD', K.idle, fmt(now), tenant)
 end
 
 -- ``now - since >= after`` for the entries of sorted set ``key`` (scores ``since``), oldest first,
@@ -1027,8 +1038,8 @@ end
 -- tenants fetched the ~1,500 young heads of that window: 93 us of the pass's Redis time.)
 local function aged(key, now, after, limit)
   local edge = now - after
-  local hair = 1e-12 * math.max(1, math.abs(now), math.abs(edge))
-  local v = redis.call('ZRANGEBYSCORE', key, '-inf', fmt(edge + hair), 'WITHSCORES', 'LIMIT', '0', limit)
+  local hair = 1e-12 * mmax(1, math.abs(now), math.abs(edge))
+  local v = rcall('ZRANGEBYSCORE', key, '-inf', fmt(edge + hair), 'WITHSCORES', 'LIMIT', '0', limit)
   local out = {}
   for i = 1, #v, 2 do
     if not (now - tonumber(v[i + 1]) >= after) then
@@ -1043,8 +1054,8 @@ end
 local function forget_idle(now, limit)
   local gone = aged(K.idle, now, P.idle, limit)
   for i = 1, #gone do
-    redis.call('ZREM', K.idle, gone[i])
-    redis.call('ZREM', K.vtc, gone[i])
+    rcall('ZREM', K.idle, gone[i])
+    rcall('ZREM', K.vtc, gone[i])
     vtc_c[gone[i]] = false
     settled = false
   end
@@ -1064,13 +1075,13 @@ local function promote(now, limit)
     promoted_at = now
   end
   for i = 1, #members do
-    local h = load_head(string.sub(members[i], 9))
-    redis.call('ZREM', K.age, members[i])
+    local h = load_head(ssub(members[i], 9))
+    rcall('ZREM', K.age, members[i])
     if not h.parked then
       local m = rank_member(h.counter, h.rs, h.tenant)
-      redis.call('ZREM', gkey('y', h.tier, h.gid), m)
-      redis.call('ZREM', gkey('c', h.tier, h.gid), h.tenant)
-      redis.call('ZADD', gkey('o', h.tier, h.gid), '0', m)
+      rcall('ZREM', gkey('y', h.tier, h.gid), m)
+      rcall('ZREM', gkey('c', h.tier, h.gid), h.tenant)
+      rcall('ZADD', gkey('o', h.tier, h.gid), '0', m)
     end
     h.old = true
     store_head(h)
@@ -1107,7 +1118,7 @@ local function load_ticket(seq)
   if type(seq) == 'number' then
     seq = fmt(seq)
   end
-  local v = redis.call('HGET', K.tickets, seq)
+  local v = rcall('HGET', K.tickets, seq)
   if not v then
     return nil
   end
@@ -1126,9 +1137,9 @@ end
 -- The seq of ``owner``'s waiting ticket for ``lease_id``, nil when there is none. Walks the owner's
 -- tickets: only the recovery of a lost acquire reply asks (withdraw.lua).
 local function owned_ticket(owner, lease_id)
-  local seqs = redis.call('SMEMBERS', rtkey(owner))
+  local seqs = rcall('SMEMBERS', rtkey(owner))
   for i = 1, #seqs do
-    local v = redis.call('HGET', K.tickets, seqs[i])
+    local v = rcall('HGET', K.tickets, seqs[i])
     if v and split(v, SEP)[8] == lease_id then
       return seqs[i]
     end
@@ -1140,17 +1151,17 @@ end
 -- good: a Redis that restarted empty numbers its tickets from 1 again, so a waiter (or a deferred
 -- withdrawal) from before the restart must not take a newer ticket with its old seq for its own.
 local function ticket_is(seq, owner, lease_id)
-  local v = redis.call('HGET', K.tickets, seq)
+  local v = rcall('HGET', K.tickets, seq)
   if not v then
     return false
   end
   local tail = SEP .. owner .. SEP .. lease_id
-  return string.sub(v, -#tail) == tail
+  return ssub(v, -#tail) == tail
 end
 
 -- lease record: demand(5) SEP owner SEP granted_at SEP queued_s
 local function load_lease(id)
-  local v = redis.call('HGET', K.leases, id)
+  local v = rcall('HGET', K.leases, id)
   if not v then
     return nil
   end
@@ -1165,13 +1176,13 @@ local function load_lease(id)
 end
 
 local function store_lease(id, d, owner, now, queued)
-  redis.call('HSET', K.leases, id, pack_demand(d) .. SEP .. owner .. SEP .. fmt(now) .. SEP .. fmt(queued))
-  redis.call('ZADD', K.lexp, fmt(now + P.ttl), id)
+  rcall('HSET', K.leases, id, pack_demand(d) .. SEP .. owner .. SEP .. fmt(now) .. SEP .. fmt(queued))
+  rcall('ZADD', K.lexp, fmt(now + P.ttl), id)
 end
 
 local function delete_lease(id)
-  redis.call('HDEL', K.leases, id)
-  redis.call('ZREM', K.lexp, id)
+  rcall('HDEL', K.leases, id)
+  rcall('ZREM', K.lexp, id)
 end
 
 -- policy.check_demand, as an error reply (nil when the demand can be granted some day).
@@ -1221,7 +1232,7 @@ end
 -- whole reservation when missing or not a whole finite number (n ~= n is NaN).
 local function served_output(decode, reported)
   local n = tonumber(reported)
-  if n == nil or n ~= n or n == math.huge or n == -math.huge or n ~= math.floor(n) then
+  if n == nil or n ~= n or n == INF or n == -INF or n ~= mfloor(n) then
     return decode
   end
   if n < 0 then
@@ -1266,7 +1277,7 @@ local function charge(d, queued)
   local x = (vtc(d.tenant) or 0.0) + prompt_service(d, spec.weight)
   set_vtc(d.tenant, x) -- also T:vl: the tenant holds a lease now
   if n == 1 and not queued then
-    redis.call('ZREM', K.idle, d.tenant)
+    rcall('ZREM', K.idle, d.tenant)
   end
   if d.cost ~= 0 then
     private_pools_changed(d)
@@ -1284,8 +1295,8 @@ end
 
 local function read_rate(name, v, now)
   if v then
-    local bar = string.find(v, '|', 1, true)
-    rates_c[name], rates_at[name] = string.sub(v, 1, bar - 1) + 0, string.sub(v, bar + 1) + 0
+    local bar = sfind(v, '|', 1, true)
+    rates_c[name], rates_at[name] = ssub(v, 1, bar - 1) + 0, ssub(v, bar + 1) + 0
   else
     rates_c[name], rates_at[name] = 0.0, now
   end
@@ -1295,16 +1306,16 @@ end
 local function rate_now(name, now)
   local r = rates_c[name]
   if r == nil then
-    read_rate(name, redis.call('HGET', K.rate, name), now)
+    read_rate(name, rcall('HGET', K.rate, name), now)
     r = rates_c[name]
   end
-  return r * math.exp(-math.max(0.0, now - rates_at[name]) / RATE_TAU)
+  return r * math.exp(-mmax(0.0, now - rates_at[name]) / RATE_TAU)
 end
 
 local function rate_add(pools, amount, now)
   local missing = unknown(rates_c, pools)
   if missing ~= nil then
-    local v = redis.call('HMGET', K.rate, unpack(missing))
+    local v = rcall('HMGET', K.rate, unpack(missing))
     for i = 1, #missing do
       read_rate(missing[i], v[i], now)
     end
@@ -1322,7 +1333,7 @@ end
 local function give_back(d, served, now)
   add_used(d.pools, -d.cost)
   if count_add(K.tleases, d.tenant, -1) == 0 then
-    redis.call('ZREM', K.vl, d.tenant)
+    rcall('ZREM', K.vl, d.tenant)
     if not backlogged(d.tenant) then
       mark_idle(d.tenant, now)
     end
@@ -1353,7 +1364,7 @@ end
 
 -- policy.order_key
 local function order_key(d, enq)
-  return enq + math.min(d.decode * P.per_token, P.max_defer)
+  return enq + mmin(d.decode * P.per_token, P.max_defer)
 end
 
 -- policy.enqueue
@@ -1362,31 +1373,31 @@ local function enqueue(d, now, owner, lease_id)
   if backlog == 0 then
     lift(d.tenant)
   end
-  local seq = redis.call('INCR', K.seq)
-  local tk = { seq = seq, seq_s = string.format('%d', seq), d = d, enq = now, enq_s = fmt(now) }
+  local seq = rcall('INCR', K.seq)
+  local tk = { seq = seq, seq_s = sformat('%d', seq), d = d, enq = now, enq_s = fmt(now) }
   tickets_n = tickets_waiting() + 1 -- (counted before the HSET below)
-  redis.call('HSET', K.tickets, tk.seq_s, pack_demand(d) .. SEP .. tk.enq_s .. SEP .. owner .. SEP .. lease_id)
+  rcall('HSET', K.tickets, tk.seq_s, pack_demand(d) .. SEP .. tk.enq_s .. SEP .. owner .. SEP .. lease_id)
   count_add(K.twait, d.tenant, 1)
   if backlog == 0 then
-    redis.call('ZREM', K.idle, d.tenant)
-    redis.call('ZADD', K.vb, fmt(vtc(d.tenant)), d.tenant)
+    rcall('ZREM', K.idle, d.tenant)
+    rcall('ZADD', K.vb, fmt(vtc(d.tenant)), d.tenant)
   end
   num_add(K.tierq, d.tier, 1)
   add_ahead(d, 1)
   local qk = qkey(d.tier, d.tenant)
-  local n = redis.call('RPUSH', qk, tk.seq_s)
+  local n = rcall('RPUSH', qk, tk.seq_s)
   if P.sf then
     local oq = oqkey(d.tier, d.tenant)
-    redis.call('ZADD', oq, fmt(order_key(d, now)), oq_member(seq))
+    rcall('ZADD', oq, fmt(order_key(d, now)), oq_member(seq))
     if n > 1 and oq_first(oq) == seq then -- it goes before the head: it is the head now
       remove_head(load_head(head_key(d.tier, d.tenant)))
-      add_head(tk, pass_clock(), false, redis.call('LINDEX', qk, '0'))
+      add_head(tk, pass_clock(), false, rcall('LINDEX', qk, '0'))
     end
   end
   if n == 1 then
     add_head(tk, pass_clock(), false)
   end
-  redis.call('SADD', rtkey(owner), tk.seq_s)
+  rcall('SADD', rtkey(owner), tk.seq_s)
   return seq
 end
 
@@ -1395,27 +1406,27 @@ end
 -- _charge unmarks it; here neither writes (nor reads T:tleases to decide).
 local function forget(tk, now, granted)
   tickets_n = tickets_waiting() - 1 -- (counted before the HDEL below; tk is a waiting ticket)
-  redis.call('HDEL', K.tickets, tk.seq_s)
+  rcall('HDEL', K.tickets, tk.seq_s)
   if count_add(K.twait, tk.d.tenant, -1) == 0 then
-    redis.call('ZREM', K.vb, tk.d.tenant)
+    rcall('ZREM', K.vb, tk.d.tenant)
     if not granted and not leased(tk.d.tenant) then
       mark_idle(tk.d.tenant, now)
     end
   end
   num_add(K.tierq, tk.d.tier, -1)
   add_ahead(tk.d, -1)
-  redis.call('SREM', rtkey(tk.owner), tk.seq_s)
+  rcall('SREM', rtkey(tk.owner), tk.seq_s)
 end
 
 -- policy._leave_ordered: take ``seq`` out of a shortest_first queue (list and zset); true when it
 -- was the first ticket.
 local function leave_queue(qk, oq, seq)
-  redis.call('ZREM', oq, oq_member(seq))
-  if tonumber(redis.call('LINDEX', qk, '0')) == seq then
-    redis.call('LPOP', qk)
+  rcall('ZREM', oq, oq_member(seq))
+  if tonumber(rcall('LINDEX', qk, '0')) == seq then
+    rcall('LPOP', qk)
     return true
   end
-  redis.call('LREM', qk, '1', seq)
+  rcall('LREM', qk, '1', seq)
   return false
 end
 
@@ -1436,19 +1447,19 @@ local function withdraw(seq, now)
       remove_head(h)
     elseif h.seq == tk.seq then
       remove_head(h)
-      add_head(load_ticket(nxt), pass_clock(), false, redis.call('LINDEX', qk, '0'))
+      add_head(load_ticket(nxt), pass_clock(), false, rcall('LINDEX', qk, '0'))
     elseif first then
-      reseq(h, redis.call('LINDEX', qk, '0'))
+      reseq(h, rcall('LINDEX', qk, '0'))
     end
-  elseif tonumber(redis.call('LINDEX', qk, '0')) == tk.seq then
-    redis.call('LPOP', qk)
+  elseif tonumber(rcall('LINDEX', qk, '0')) == tk.seq then
+    rcall('LPOP', qk)
     remove_head(load_head(head_key(tk.d.tier, tk.d.tenant)))
-    local nxt = redis.call('LINDEX', qk, '0')
+    local nxt = rcall('LINDEX', qk, '0')
     if nxt then
       add_head(load_ticket(nxt), pass_clock(), false)
     end
   else
-    redis.call('LREM', qk, '1', tk.seq_s)
+    rcall('LREM', qk, '1', tk.seq_s)
   end
   forget(tk, now)
   return tk
@@ -1465,9 +1476,9 @@ local function grant_ticket(tk, now, own)
     -- last beat + TTL): a ticket of a replica that just died gives its grant back within one
     -- TTL of the death, not one TTL after the grant. A live owner beats every TTL/4 or sooner,
     -- so its new lease still has >= 3/4 TTL to receive its first heartbeat.
-    local alive_until = redis.call('ZSCORE', K.replicas, tk.owner)
+    local alive_until = rcall('ZSCORE', K.replicas, tk.owner)
     if alive_until and tonumber(alive_until) < now + P.ttl then
-      redis.call('ZADD', K.lexp, alive_until, tk.lease)
+      rcall('ZADD', K.lexp, alive_until, tk.lease)
     end
   end
   if tk.seq ~= own then
@@ -1512,7 +1523,7 @@ end
 -- policy._room: the least limit - in flight over the group's shared pools.
 local function room_of(g, t)
   prefetch_used(g.pools)
-  local room = math.huge
+  local room = INF
   for i = 1, #g.pools do
     local left = pool_limit(pool_spec(g.pools[i]), t) - used(g.pools[i])
     if left < room then
@@ -1536,13 +1547,13 @@ local function next_candidate(live, t, cursor, held_lower, contributed)
   for i = 1, #live do
     local g = live[i]
     local room = room_of(g, t)
-    local cand = redis.call('ZRANGE', g.o, '0', '0')[1]
+    local cand = rcall('ZRANGE', g.o, '0', '0')[1]
     local cand_old = cand ~= nil
     local succ
     if cursor == nil then
-      succ = redis.call('ZRANGE', g.y, '0', '0')[1]
+      succ = rcall('ZRANGE', g.y, '0', '0')[1]
       if cand == nil and succ == nil then
-        redis.call('SREM', gtkey(t.name), g.gid) -- emptied since (deactivate leaves it)
+        rcall('SREM', gtkey(t.name), g.gid) -- emptied since (deactivate leaves it)
         listed(t.name)[g.gid] = nil
         local m = members_c[t.name]
         if m then
@@ -1554,10 +1565,10 @@ local function next_candidate(live, t, cursor, held_lower, contributed)
         end
       end
     else
-      succ = redis.call('ZRANGEBYLEX', g.y, '(' .. cursor, '+', 'LIMIT', '0', '1')[1]
+      succ = rcall('ZRANGEBYLEX', g.y, '(' .. cursor, '+', 'LIMIT', '0', '1')[1]
     end
     if succ then
-      if tonumber(redis.call('ZRANGE', g.c, '0', '0', 'WITHSCORES')[2]) <= room then
+      if tonumber(rcall('ZRANGE', g.c, '0', '0', 'WITHSCORES')[2]) <= room then
         if cand == nil or ranked_before(succ, cand) then
           cand, cand_old = succ, false
         end
@@ -1589,8 +1600,8 @@ local function grant_head(h, tk, now, own, live, held_all)
     leave_queue(qk, oq, tk.seq)
     nxt = oq_first(oq)
   else
-    redis.call('LPOP', qk)
-    nxt = redis.call('LINDEX', qk, '0') or nil -- (an empty list's nil bulk reply is false in Lua)
+    rcall('LPOP', qk)
+    nxt = rcall('LINDEX', qk, '0') or nil -- (an empty list's nil bulk reply is false in Lua)
   end
   if vtc_c[h.tenant] == nil and not h.parked then
     -- An active head is ranked with its tenant's counter (set_vtc repositions it on every change,
@@ -1604,7 +1615,7 @@ local function grant_head(h, tk, now, own, live, held_all)
   if nxt then
     local rs = nil -- fifo: the queue's first ticket is its next head
     if P.sf then
-      rs = redis.call('LINDEX', qk, '0')
+      rs = rcall('LINDEX', qk, '0')
     end
     local nh = add_head(load_ticket(nxt), now, false, rs, left)
     if not nh.parked then
@@ -1630,7 +1641,7 @@ local function grant_pass(now, own)
   end
   if now > pass_clock() then
     clock_c = now
-    redis.call('SET', K.clock, fmt(now))
+    rcall('SET', K.clock, fmt(now))
   end
   local budget = P.max_scan
   if promote(now, budget) == 0 and settled then
@@ -1663,11 +1674,11 @@ local function grant_pass(now, own)
         end
         budget = budget - 1
         cursor = best
-        local h = load_head(head_key(tier_name, string.sub(best, 17)))
+        local h = load_head(head_key(tier_name, ssub(best, 17)))
         if h.cost <= room then
           -- just below the granted rank: the tenant's next head may have the same one
-          local c, rs = struct.unpack('>dd', best)
-          cursor = struct.pack('>dd', c, rs - 0.5) .. h.tenant
+          local c, rs = sunpack('>dd', best)
+          cursor = spack('>dd', c, rs - 0.5) .. h.tenant
           local tk = load_ticket(h.seq_s)
           local queued = grant_head(h, tk, now, own, live, held_all)
           if tk.seq == own then
@@ -1700,7 +1711,7 @@ end
 -- budgets.retry.retry_after (tokens_ahead from T:ahead)
 local function retry_after(d, now)
   local t = tier_spec(d.tier)
-  local upper = math.max(MIN_RETRY, t.maxwait)
+  local upper = mmax(MIN_RETRY, t.maxwait)
   local worst = 0.0
   for i = 1, #d.pools do
     local name = d.pools[i]
@@ -1718,14 +1729,14 @@ local function retry_after(d, now)
       if needed > 0 then
         local rate = rate_now(name, now)
         if rate > 0 then
-          worst = math.max(worst, needed / rate)
+          worst = mmax(worst, needed / rate)
         else
-          worst = math.huge
+          worst = INF
         end
       end
     end
   end
-  return math.min(math.max(worst, MIN_RETRY), upper)
+  return mmin(mmax(worst, MIN_RETRY), upper)
 end
 
 
@@ -1734,7 +1745,7 @@ end
 local beaten
 local function beat(replica, now)
   if beaten ~= replica then
-    redis.call('ZADD', K.replicas, fmt(now + P.ttl), replica)
+    rcall('ZADD', K.replicas, fmt(now + P.ttl), replica)
     beaten = replica
   end
 end
@@ -1747,7 +1758,7 @@ local function reindex()
   flush() -- (it reads T:heads whole)
   settled = false
   local was_old = {}
-  local recs = redis.call('HGETALL', K.heads)
+  local recs = rcall('HGETALL', K.heads)
   local doomed = { K.heads, K.age }
   for i = 1, #recs, 2 do
     local h = load_head(recs[i])
@@ -1756,9 +1767,9 @@ local function reindex()
       doomed[#doomed + 1] = pvkey(h.private[j])
     end
   end
-  local tiers = redis.call('SMEMBERS', K.gtiers)
+  local tiers = rcall('SMEMBERS', K.gtiers)
   for i = 1, #tiers do
-    local gids = redis.call('SMEMBERS', gtkey(tiers[i]))
+    local gids = rcall('SMEMBERS', gtkey(tiers[i]))
     for j = 1, #gids do
       doomed[#doomed + 1] = gkey('y', tiers[i], gids[j])
       doomed[#doomed + 1] = gkey('c', tiers[i], gids[j])
@@ -1768,26 +1779,26 @@ local function reindex()
   end
   doomed[#doomed + 1] = K.gtiers
   for i = 1, #doomed, 1000 do
-    redis.call('DEL', unpack(doomed, i, math.min(i + 999, #doomed)))
+    rcall('DEL', unpack(doomed, i, mmin(i + 999, #doomed)))
   end
   listed_c, members_c = {}, {}
   heads_c = {}
-  local seqs = redis.call('HKEYS', K.tickets)
+  local seqs = rcall('HKEYS', K.tickets)
   local seen = {}
   for i = 1, #seqs do
     local tk = load_ticket(seqs[i])
     local qk = qkey(tk.d.tier, tk.d.tenant)
     if not seen[qk] then
       seen[qk] = true
-      local rs = redis.call('LINDEX', qk, '0')
+      local rs = rcall('LINDEX', qk, '0')
       local head_seq = rs
       local oq = oqkey(tk.d.tier, tk.d.tenant)
-      redis.call('DEL', oq)
+      rcall('DEL', oq)
       if P.sf then -- the order keys under the new settings
-        local members = redis.call('LRANGE', qk, '0', '-1')
+        local members = rcall('LRANGE', qk, '0', '-1')
         for j = 1, #members do
           local other = load_ticket(members[j])
-          redis.call('ZADD', oq, fmt(order_key(other.d, other.enq)), oq_member(other.seq))
+          rcall('ZADD', oq, fmt(order_key(other.d, other.enq)), oq_member(other.seq))
         end
         head_seq = oq_first(oq)
       end
@@ -1796,7 +1807,7 @@ local function reindex()
       if old == nil then
         add_head(head, pass_clock(), false, rs)
       else
-        add_head(head, -math.huge, old, rs)
+        add_head(head, -INF, old, rs)
       end
     end
   end
@@ -1806,45 +1817,45 @@ end
 -- rebuilt once from the base records. O(tenants + waiting tickets).
 local INDEX_FORMAT = '2'
 local function upgrade(now)
-  if redis.call('HGET', K.layout, 'index') == INDEX_FORMAT then
+  if rcall('HGET', K.layout, 'index') == INDEX_FORMAT then
     return
   end
-  if redis.call('TYPE', K.vtc).ok == 'hash' then
-    local kv = redis.call('HGETALL', K.vtc)
-    redis.call('DEL', K.vtc)
+  if rcall('TYPE', K.vtc).ok == 'hash' then
+    local kv = rcall('HGETALL', K.vtc)
+    rcall('DEL', K.vtc)
     for i = 1, #kv, 2 do
-      redis.call('ZADD', K.vtc, kv[i + 1], kv[i])
+      rcall('ZADD', K.vtc, kv[i + 1], kv[i])
     end
   end
-  redis.call('DEL', K.vb, K.vl, K.idle, K.ahead)
+  rcall('DEL', K.vb, K.vl, K.idle, K.ahead)
   nums_c[K.ahead] = {}
   if dirty_c ~= nil then
     dirty_c[K.ahead] = nil
   end
-  local counters = redis.call('ZRANGE', K.vtc, '0', '-1', 'WITHSCORES')
+  local counters = rcall('ZRANGE', K.vtc, '0', '-1', 'WITHSCORES')
   for i = 1, #counters, 2 do
     local tenant, c = counters[i], counters[i + 1]
     local b, l = backlogged(tenant), leased(tenant)
     if b then
-      redis.call('ZADD', K.vb, c, tenant)
+      rcall('ZADD', K.vb, c, tenant)
     end
     if l then
-      redis.call('ZADD', K.vl, c, tenant)
+      rcall('ZADD', K.vl, c, tenant)
     end
     if not b and not l then
       mark_idle(tenant, now)
     end
   end
-  local all = redis.call('HVALS', K.tickets)
+  local all = rcall('HVALS', K.tickets)
   for i = 1, #all do
     local f = split(all[i], SEP)
     add_ahead(demand(f[1], f[2], f[3], f[4], f[5]), 1)
   end
   for i = 1, #P.tier_order do
-    redis.call('DEL', T .. ':qt:' .. P.tier_order[i]) -- the old per-tier tenant sets
+    rcall('DEL', T .. ':qt:' .. P.tier_order[i]) -- the old per-tier tenant sets
   end
   reindex()
-  redis.call('HSET', K.layout, 'index', INDEX_FORMAT)
+  rcall('HSET', K.layout, 'index', INDEX_FORMAT)
 end
 
 -- ---- entry ----
@@ -1855,6 +1866,10 @@ local keysets_n = 0
 
 -- Every entry function starts here: the call's keys and arguments, and fresh per-call caches.
 local function begin(keys, args)
+  if rcall == nil then
+    rcall, tonumber, unpack, type, pairs, ssub, sfind, sformat, sbyte, smatch, spack, sunpack, mmin, mmax, mfloor =
+      global_functions()
+  end
   local layout = keys[1]
   K = keysets[layout]
   if K == nil then

@@ -13,33 +13,33 @@ local function reap_main(A)
   local me = CALLER
   beat(me, now)
   local limit = tonumber(A[1])  -- leases per call
-  local expired = redis.call('ZRANGEBYSCORE', K.lexp, '-inf', fmt(now), 'LIMIT', 0, limit)
-  local remember = fmt(now + math.max(60, 10 * P.ttl))
+  local expired = rcall('ZRANGEBYSCORE', K.lexp, '-inf', fmt(now), 'LIMIT', 0, limit)
+  local remember = fmt(now + mmax(60, 10 * P.ttl))
   for i = 1, #expired do
     local lease = load_lease(expired[i])
     delete_lease(expired[i])
-    redis.call('ZADD', K.reaped, remember, expired[i])
+    rcall('ZADD', K.reaped, remember, expired[i])
     if lease ~= nil then
       give_back(lease.d, lease.d.decode, now) -- usage unknown: the whole reservation is charged
     end
   end
   local withdrawn = 0
-  local dead = redis.call('ZRANGEBYSCORE', K.replicas, '-inf', '(' .. fmt(now), 'LIMIT', 0, 64)
+  local dead = rcall('ZRANGEBYSCORE', K.replicas, '-inf', '(' .. fmt(now), 'LIMIT', 0, 64)
   for i = 1, #dead do
     local r = dead[i]
     if r ~= me then
-      local seqs = redis.call('SMEMBERS', rtkey(r))
+      local seqs = rcall('SMEMBERS', rtkey(r))
       for j = 1, #seqs do
         if withdraw(seqs[j], now) ~= nil then
           withdrawn = withdrawn + 1
         end
       end
-      redis.call('DEL', rtkey(r))
-      redis.call('ZREM', K.replicas, r)
+      rcall('DEL', rtkey(r))
+      rcall('ZREM', K.replicas, r)
     end
   end
-  redis.call('ZREMRANGEBYSCORE', K.gone, '-inf', fmt(now))
-  redis.call('ZREMRANGEBYSCORE', K.reaped, '-inf', fmt(now))
+  rcall('ZREMRANGEBYSCORE', K.gone, '-inf', fmt(now))
+  rcall('ZREMRANGEBYSCORE', K.reaped, '-inf', fmt(now))
   if #expired > 0 or withdrawn > 0 then
     grant_pass(now, nil)
   end

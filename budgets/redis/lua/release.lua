@@ -11,9 +11,9 @@ local function release_main(A)
   local have_policy = load_policy(lease and lease.d)
   if lease == nil or not have_policy then
     local window = have_policy and 2 * P.ttl or 60
-    redis.call('ZADD', K.gone, fmt(now + window), id)
-    if redis.call('ZSCORE', K.reaped, id) then
-      redis.call('ZREM', K.reaped, id)
+    rcall('ZADD', K.gone, fmt(now + window), id)
+    if rcall('ZSCORE', K.reaped, id) then
+      rcall('ZREM', K.reaped, id)
       return -1
     end
     return 0

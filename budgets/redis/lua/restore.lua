@@ -13,20 +13,20 @@ local function restore_main(A)
   local n = 0
   for i = 1, #A, 7 do
     local id = A[i]
-    if redis.call('HEXISTS', K.leases, id) == 0 and not redis.call('ZSCORE', K.gone, id) then
+    if rcall('HEXISTS', K.leases, id) == 0 and not rcall('ZSCORE', K.gone, id) then
       local d = demand(A[i + 1], A[i + 2], A[i + 3], A[i + 4], A[i + 5])
       load_policy(d)
       add_used(d.pools, d.cost)
       if count_add(K.tleases, d.tenant, 1) == 1 then
-        redis.call('ZREM', K.idle, d.tenant)
+        rcall('ZREM', K.idle, d.tenant)
         local c = vtc(d.tenant)
         if c ~= nil then
-          redis.call('ZADD', K.vl, fmt(c), d.tenant)
+          rcall('ZADD', K.vl, fmt(c), d.tenant)
         end
       end
       private_pools_changed(d)
       store_lease(id, d, CALLER, now, tonumber(A[i + 6]))
-      redis.call('ZREM', K.reaped, id)
+      rcall('ZREM', K.reaped, id)
       n = n + 1
     end
   end
