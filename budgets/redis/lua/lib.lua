@@ -612,6 +612,34 @@ local function gkey(kind, tier, gid)
   return T .. ':g' .. kind .. ':' .. #tier .. ':' .. tier .. ':' .. gid
 end
 
+-- A group of the pass: its keys and shared pools. A pure function of the domain, tier and group,
+-- read only by the pass, so kept across calls (per keyset, bounded).
+-- (By tier, then group: a lookup builds no "<tier><SEP><gid>" string.)
+local function group_of(tier, gid)
+  local groups = K.groups[tier]
+  local g = groups and groups[gid]
+  if g == nil then
+    if K.groups_n >= 4096 then
+      K.groups, K.groups_n = {}, 0
+      groups = nil
+    end
+    if groups == nil then
+      groups = {}
+      K.groups[tier] = groups
+    end
+    g = {
+      gid = gid,
+      pools = split(gid, LSEP),
+      y = gkey('y', tier, gid),
+      c = gkey('c', tier, gid),
+      o = gkey('o', tier, gid),
+    }
+    groups[gid] = g
+    K.groups_n = K.groups_n + 1
+  end
+  return g
+end
+
 local function gtkey(tier)
   return T .. ':gt:' .. tier
 end
@@ -798,11 +826,12 @@ local function activate(h, counter, gc_prev)
   h.counter = counter
   local m = rank_member(counter, h.rs, h.tenant)
   local ck = nil
+  local g = group_of(h.tier, h.gid)
   if h.old then
-    rcall('ZADD', gkey('o', h.tier, h.gid), '0', m)
+    rcall('ZADD', g.o, '0', m)
   else
-    rcall('ZADD', gkey('y', h.tier, h.gid), '0', m)
-    ck = gkey('c', h.tier, h.gid)
+    rcall('ZADD', g.y, '0', m)
+    ck = g.c
     rcall('ZADD', ck, h.cost_s, h.tenant) -- (member: the tenant, so it replaces gc_prev's entry there)
   end
   if gc_prev ~= nil and gc_prev ~= ck then
@@ -823,11 +852,12 @@ end
 
 local function deactivate(h)
   local m = rank_member(h.counter, h.rs, h.tenant)
+  local g = group_of(h.tier, h.gid)
   if h.old then
-    rcall('ZREM', gkey('o', h.tier, h.gid), m)
+    rcall('ZREM', g.o, m)
   else
-    rcall('ZREM', gkey('y', h.tier, h.gid), m)
-    rcall('ZREM', gkey('c', h.tier, h.gid), h.tenant)
+    rcall('ZREM', g.y, m)
+    rcall('ZREM', g.c, h.tenant)
   end
   h.parked = true -- an emptied group leaves T:gt:<tier> when a pass finds it empty
 end
@@ -915,9 +945,10 @@ local function remove_head(h, successor)
   local gc = nil
   if not h.parked then
     if successor and not h.old then
-      rcall('ZREM', gkey('y', h.tier, h.gid), rank_member(h.counter, h.rs, h.tenant))
+      local g = group_of(h.tier, h.gid)
+      rcall('ZREM', g.y, rank_member(h.counter, h.rs, h.tenant))
       h.parked = true
-      gc = gkey('c', h.tier, h.gid)
+      gc = g.c
     else
       deactivate(h)
     end
@@ -959,9 +990,10 @@ local function reposition(tenant, counter)
     local h = heads_c[hks[i]]
     if h then
       if not h.parked then
-        local kind = h.old and 'o' or 'y'
-        rcall('ZREM', gkey(kind, h.tier, h.gid), rank_member(h.counter, h.rs, tenant))
-        rcall('ZADD', gkey(kind, h.tier, h.gid), '0', rank_member(counter, h.rs, tenant))
+        local g = group_of(h.tier, h.gid)
+        local key = h.old and g.o or g.y
+        rcall('ZREM', key, rank_member(h.counter, h.rs, tenant))
+        rcall('ZADD', key, '0', rank_member(counter, h.rs, tenant))
         h.counter = counter
         store_head(h)
       end
@@ -974,9 +1006,10 @@ end
 local function reseq(h, rs)
   local n = rs + 0
   if not h.parked then
-    local kind = h.old and 'o' or 'y'
-    rcall('ZREM', gkey(kind, h.tier, h.gid), rank_member(h.counter, h.rs, h.tenant))
-    rcall('ZADD', gkey(kind, h.tier, h.gid), '0', rank_member(h.counter, n, h.tenant))
+    local g = group_of(h.tier, h.gid)
+    local key = h.old and g.o or g.y
+    rcall('ZREM', key, rank_member(h.counter, h.rs, h.tenant))
+    rcall('ZADD', key, '0', rank_member(h.counter, n, h.tenant))
   end
   h.rs, h.rs_s = n, rs
   store_head(h)
@@ -1079,9 +1112,10 @@ local function promote(now, limit)
     rcall('ZREM', K.age, members[i])
     if not h.parked then
       local m = rank_member(h.counter, h.rs, h.tenant)
-      rcall('ZREM', gkey('y', h.tier, h.gid), m)
-      rcall('ZREM', gkey('c', h.tier, h.gid), h.tenant)
-      rcall('ZADD', gkey('o', h.tier, h.gid), '0', m)
+      local g = group_of(h.tier, h.gid)
+      rcall('ZREM', g.y, m)
+      rcall('ZREM', g.c, h.tenant)
+      rcall('ZADD', g.o, '0', m)
     end
     h.old = true
     store_head(h)
@@ -1487,30 +1521,6 @@ local function grant_ticket(tk, now, own)
   return queued
 end
 
--- A group of the pass: its keys and shared pools. A pure function of the domain, tier and group,
--- read only by the pass, so kept across calls (per keyset, bounded).
-local function group_of(tier, gid)
-  local groups = K.groups
-  local id = tier .. SEP .. gid
-  local g = groups[id]
-  if g == nil then
-    if K.groups_n >= 4096 then
-      groups = {}
-      K.groups, K.groups_n = groups, 0
-    end
-    g = {
-      gid = gid,
-      pools = split(gid, LSEP),
-      y = gkey('y', tier, gid),
-      c = gkey('c', tier, gid),
-      o = gkey('o', tier, gid),
-    }
-    groups[id] = g
-    K.groups_n = K.groups_n + 1
-  end
-  return g
-end
-
 local function held_by(g, held)
   for i = 1, #g.pools do
     if held[g.pools[i]] then
@@ -1543,7 +1553,7 @@ end
 -- room and whether it is old; also adds to held_lower the groups whose young heads it passes.
 local function next_candidate(live, t, cursor, held_lower, contributed)
   local best, best_g, best_room, best_old = nil, nil, 0, false
-  local passing = {}
+  local passing = nil -- { group, its young head }: made when one is passed (mostly none)
   for i = 1, #live do
     local g = live[i]
     local room = room_of(g, t)
@@ -1573,6 +1583,9 @@ local function next_candidate(live, t, cursor, held_lower, contributed)
           cand, cand_old = succ, false
         end
       elseif not contributed[g.gid] then
+        if passing == nil then
+          passing = {}
+        end
         passing[#passing + 1] = { g, succ }
       end
     end
@@ -1580,7 +1593,7 @@ local function next_candidate(live, t, cursor, held_lower, contributed)
       best, best_g, best_room, best_old = cand, g, room, cand_old
     end
   end
-  for i = 1, #passing do
+  for i = 1, passing and #passing or 0 do
     local g, succ = passing[i][1], passing[i][2]
     if best == nil or ranked_before(succ, best) then -- passed over: blocked, none of its group fits
       hold(held_lower, g)
