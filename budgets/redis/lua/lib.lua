@@ -82,7 +82,9 @@ local RATE_TAU = 10.0 -- budgets.retry.RATE_TAU_S
 local MIN_RETRY = 1.0 -- budgets.retry.MIN_RETRY_S
 
 local function split(s, sep)
-  local out = {}
+  -- (two array slots made with the table: most lists here are a demand's pools, one or two, which
+  -- filled one by one from nothing would reallocate the array twice)
+  local out = { nil, nil }
   if s == '' then
     return out
   end
@@ -339,7 +341,7 @@ local function load_policy(d)
       return true
     end
   end
-  local fields = {}
+  local fields = { nil, nil } -- (two slots made with it: see split)
   local ver, stamp -- of the layout, when it is not in ``layouts`` yet
   if P == nil then
     local v = rcall('HMGET', K.layout, 'ver', 'digest')
@@ -356,7 +358,7 @@ local function load_policy(d)
     fields = { 'ver', 'pw', 'dw', 'backfill', 'ttl', 'max_scan', 'tiers', 'idle', 'qo' }
   end
   local first = #fields + 1
-  local kinds, names = {}, {} -- of the spec fields asked for, from ``first`` on
+  local kinds, names = { nil, nil }, { nil, nil } -- of the spec fields asked for, from ``first`` on
   if d then
     want(fields, kinds, names, 'n', d.tenant)
     want(fields, kinds, names, 't', d.tier)
@@ -506,7 +508,7 @@ local function unknown(cache, names)
   for i = 1, #names do
     if cache[names[i]] == nil then
       if missing == nil then
-        missing = {}
+        missing = { nil }
       end
       missing[#missing + 1] = names[i]
     end
