@@ -8,6 +8,10 @@ decision. Two domains of one real Redis get the same layout and the same history
 random operations go to one as a single ``batch`` call and to the other as one call each, all with
 the same clock reading. The replies, the wake-ups and every key of the two domains must be equal
 (but for emptied groups a skipped pass has not dropped yet: ``without_emptied_groups``).
+
+Two more scenarios put forty tenants in one group: a crowded one (old and young sets of dozens of
+heads, grants and promotions through them) and a run of newcomers (a young set growing from nothing
+within the batch, then let in by releases).
 """
 
 from __future__ import annotations
@@ -33,13 +37,13 @@ OWNER = "r1"
 START = 1_796_113_271.25  # the history's clock; the operations run 0.75 s later
 
 
-def busy_layout() -> BudgetLayout:
-    pools = [shared(P, 100), shared(Q, 60)] + [private(f"tenant:{t}", 45) for t in TENANTS]
+def busy_layout(tenants: tuple[str, ...] = TENANTS) -> BudgetLayout:
+    pools = [shared(P, 100), shared(Q, 60)] + [private(f"tenant:{t}", 45) for t in tenants]
     return BudgetLayout(
         pools={p.name: p for p in pools},
         tiers=dict(TIERS),
         tenants={
-            t: TenantSpec(t, weight=(1.0, 2.0, 0.5)[i % 3], max_queue_len=6) for i, t in enumerate(TENANTS)
+            t: TenantSpec(t, weight=(1.0, 2.0, 0.5)[i % 3], max_queue_len=6) for i, t in enumerate(tenants)
         },
         policy=PolicySpec(backfill_limit_s=0.5, max_scan=8, lease_ttl_s=30.0),
     )
@@ -116,18 +120,32 @@ def acquire(lease_id: str, rng: random.Random, tenants: tuple[str, ...] = TENANT
     return "acquire", [lease_id, *pack_demand(d)]
 
 
-async def domains(n: int) -> tuple[Redis, list[Domain]]:
+async def domains(n: int, layout: BudgetLayout | None = None) -> tuple[Redis, list[Domain]]:
     server = session_redis()
     client = Redis.from_url(server.url, decode_responses=True, encoding="latin-1")
     out = []
     for _ in range(n):
         store = RedisStore(
-            busy_layout(), RedisOptions(url=server.url, key_prefix=unique_prefix()), replica_id=OWNER
+            layout or busy_layout(),
+            RedisOptions(url=server.url, key_prefix=unique_prefix()),
+            replica_id=OWNER,
         )
         await store.start()  # writes the layout and loads the library
         await store.close()
         out.append(Domain(client, store))
     return client, out
+
+
+async def same_decisions(one: Domain, each: Domain, now: float, ops: list[tuple[str, list[str]]]) -> None:
+    batch_reply, batch_wakes = await one.batch(now, ops)
+    replies, wakes = [], []
+    for name, args in ops:
+        reply, mine = await each.call(now, name, args)
+        replies.append(reply)
+        wakes += mine
+    assert batch_reply == replies
+    assert batch_wakes == wakes
+    assert await one.dump() == await each.dump()
 
 
 async def compare(seed: int) -> None:
@@ -148,15 +166,7 @@ async def compare(seed: int) -> None:
             else:
                 ops.append(acquire(f"n{i}", rng))
         now = START + 0.75  # heads of the history are past the backfill limit: promotions
-        batch_reply, batch_wakes = await one.batch(now, ops)
-        replies, wakes = [], []
-        for name, args in ops:
-            reply, mine = await each.call(now, name, args)
-            replies.append(reply)
-            wakes += mine
-        assert batch_reply == replies
-        assert batch_wakes == wakes
-        assert await one.dump() == await each.dump()
+        await same_decisions(one, each, now, ops)
     finally:
         await client.aclose()
 
@@ -164,3 +174,72 @@ async def compare(seed: int) -> None:
 @pytest.mark.parametrize("seed", range(40))
 def test_a_batch_makes_the_decisions_of_its_operations_sent_one_by_one(seed: int) -> None:
     asyncio.run(compare(seed))
+
+
+CROWD = tuple(f"t{i:02d}" for i in range(40))
+
+
+async def compare_crowded(seed: int) -> None:
+    """One group of forty heads, old and young. Small leases fill the pool; releasing them (and
+    leases granted in the batch) lets heads in, in rank order through dozens of members."""
+    rng = random.Random(seed)
+    client, (one, each) = await domains(2, busy_layout(CROWD))
+    tier = TIER_NAMES[1]
+
+    def op(lease_id: str, cost: int, decode: int) -> tuple[str, list[str]]:
+        tenant = rng.choice(CROWD)
+        return "acquire", [
+            lease_id,
+            *pack_demand(Demand(tenant, tier, (f"tenant:{tenant}", P), cost - decode, decode)),
+        ]
+
+    try:
+        history = [op(f"h{i}", 5, 0) for i in range(20)]  # 20 x 5 tokens: P is full
+        history += [op(f"h{i}", *rng.choice([(5, 0), (10, 5), (15, 5)])) for i in range(20, 90)]  # waiting
+        for name, args in history:
+            assert await one.call(START, name, args) == await each.call(START, name, args)
+        ids = [f"h{i}" for i in range(90)]
+        ops: list[tuple[str, list[str]]] = []
+        for i in range(90):  # grants (releases), repositions, promotions, new young heads
+            if rng.random() < 0.45:  # a held lease, or a waiting one the batch may have granted by then
+                ops.append(("release", [ids.pop(rng.randrange(len(ids))), rng.choice(["", "0", "3"])]))
+            else:
+                ops.append(op(f"n{i}", *rng.choice([(5, 0), (10, 5)])))
+        await same_decisions(one, each, START + 0.75, ops)
+    finally:
+        await client.aclose()
+
+
+async def compare_newcomers(seed: int) -> None:
+    """A full pool, then twenty tenants new to the queue: one group's young set grows from nothing
+    within the batch; releases at the end let its heads in."""
+    rng = random.Random(seed)
+    client, (one, each) = await domains(2, busy_layout(CROWD))
+    tier = TIER_NAMES[1]
+
+    def op(lease_id: str, tenant: str, cost: int) -> tuple[str, list[str]]:
+        return "acquire", [lease_id, *pack_demand(Demand(tenant, tier, (f"tenant:{tenant}", P), cost, 0))]
+
+    try:
+        for i in range(20):  # 20 x 5 tokens: P is full
+            name, args = op(f"h{i}", CROWD[i], 5)
+            assert await one.call(START, name, args) == await each.call(START, name, args)
+        newcomers = list(CROWD[20:])
+        rng.shuffle(newcomers)
+        ops = [op(f"n{i}", t, rng.choice([5, 10])) for i, t in enumerate(newcomers)]
+        held = [f"h{i}" for i in range(20)]
+        rng.shuffle(held)
+        for i in range(30):
+            if held and rng.random() < 0.6:
+                ops.append(("release", [held.pop(), ""]))
+            else:
+                ops.append(op(f"m{i}", rng.choice(CROWD), rng.choice([5, 10])))
+        await same_decisions(one, each, START + 0.25, ops)
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_batch_decides_the_same_in_a_group_larger_than_what_a_call_keeps_of_it(seed: int) -> None:
+    asyncio.run(compare_crowded(seed))
+    asyncio.run(compare_newcomers(seed))
