@@ -297,10 +297,15 @@ local function spec(kind, name)
   return v
 end
 
+-- (pool_spec and tenant_spec look where the spec usually is first: a shared pool's in SP, a
+-- private pool's or a tenant's in SX once the call has read it; then the whole way, ``spec``.)
 local function pool_spec(name)
   local v = SP.p[name]
   if v == nil then
-    v = spec('p', name)
+    v = SX.p[name]
+    if v == nil then
+      v = spec('p', name)
+    end
   end
   return v
 end
@@ -314,7 +319,11 @@ local function tier_spec(name)
 end
 
 local function tenant_spec(name)
-  return spec('n', name)
+  local v = SX.n[name]
+  if v == nil then
+    v = spec('n', name)
+  end
+  return v
 end
 
 -- Ask for spec ``kind:name`` unless this call knows it (load_policy's field lists).
@@ -488,7 +497,12 @@ local function num_add(key, field, delta)
     n = 0
   end
   c[field] = n
-  touch(key, field)
+  local d = dirty_c and dirty_c[key]
+  if d then -- (touch, without the call, once the hash has a dirty field)
+    d[field] = true
+  else
+    touch(key, field)
+  end
   return n
 end
 
