@@ -177,6 +177,13 @@ def test_a_batch_makes_the_decisions_of_its_operations_sent_one_by_one(seed: int
 
 
 CROWD = tuple(f"t{i:02d}" for i in range(40))
+CROWD_TIER = TIER_NAMES[1]
+
+
+def crowd_acquire(lease_id: str, tenant: str, cost: int, decode: int = 0) -> tuple[str, list[str]]:
+    """An acquire of pool P (and the tenant's own) in CROWD_TIER: every head in one group."""
+    d = Demand(tenant, CROWD_TIER, (f"tenant:{tenant}", P), cost - decode, decode)
+    return "acquire", [lease_id, *pack_demand(d)]
 
 
 async def compare_crowded(seed: int) -> None:
@@ -184,14 +191,9 @@ async def compare_crowded(seed: int) -> None:
     leases granted in the batch) lets heads in, in rank order through dozens of members."""
     rng = random.Random(seed)
     client, (one, each) = await domains(2, busy_layout(CROWD))
-    tier = TIER_NAMES[1]
 
     def op(lease_id: str, cost: int, decode: int) -> tuple[str, list[str]]:
-        tenant = rng.choice(CROWD)
-        return "acquire", [
-            lease_id,
-            *pack_demand(Demand(tenant, tier, (f"tenant:{tenant}", P), cost - decode, decode)),
-        ]
+        return crowd_acquire(lease_id, rng.choice(CROWD), cost, decode)
 
     try:
         history = [op(f"h{i}", 5, 0) for i in range(20)]  # 20 x 5 tokens: P is full
@@ -215,31 +217,26 @@ async def compare_newcomers(seed: int) -> None:
     within the batch; releases at the end let its heads in."""
     rng = random.Random(seed)
     client, (one, each) = await domains(2, busy_layout(CROWD))
-    tier = TIER_NAMES[1]
-
-    def op(lease_id: str, tenant: str, cost: int) -> tuple[str, list[str]]:
-        return "acquire", [lease_id, *pack_demand(Demand(tenant, tier, (f"tenant:{tenant}", P), cost, 0))]
-
     try:
         for i in range(20):  # 20 x 5 tokens: P is full
-            name, args = op(f"h{i}", CROWD[i], 5)
+            name, args = crowd_acquire(f"h{i}", CROWD[i], 5)
             assert await one.call(START, name, args) == await each.call(START, name, args)
         newcomers = list(CROWD[20:])
         rng.shuffle(newcomers)
-        ops = [op(f"n{i}", t, rng.choice([5, 10])) for i, t in enumerate(newcomers)]
+        ops = [crowd_acquire(f"n{i}", t, rng.choice([5, 10])) for i, t in enumerate(newcomers)]
         held = [f"h{i}" for i in range(20)]
         rng.shuffle(held)
         for i in range(30):
             if held and rng.random() < 0.6:
                 ops.append(("release", [held.pop(), ""]))
             else:
-                ops.append(op(f"m{i}", rng.choice(CROWD), rng.choice([5, 10])))
+                ops.append(crowd_acquire(f"m{i}", rng.choice(CROWD), rng.choice([5, 10])))
         await same_decisions(one, each, START + 0.25, ops)
     finally:
         await client.aclose()
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_a_batch_decides_the_same_in_a_group_larger_than_what_a_call_keeps_of_it(seed: int) -> None:
+def test_a_batch_decides_the_same_in_one_group_of_forty_tenants(seed: int) -> None:
     asyncio.run(compare_crowded(seed))
     asyncio.run(compare_newcomers(seed))
