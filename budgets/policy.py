@@ -222,13 +222,13 @@ module changes counters only through ``set_counter`` and the layout only through
 from __future__ import annotations
 
 import bisect
-import heapq
 import math
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from budgets.queue_index import Group, Head, LazyMin, QueueIndex, Ticket
+from budgets.min_tree import MinMap
+from budgets.queue_index import Group, Head, QueueIndex, Ticket
 from budgets.types import (
     AdmissionError,
     BudgetLayout,
@@ -241,6 +241,8 @@ from budgets.types import (
 )
 
 __all__ = ["PolicyState", "Ticket"]
+
+_NO_IDLE = (math.inf, "")  # above every (idle since, tenant): the idle order's empty slots
 
 
 @dataclass(slots=True)
@@ -261,10 +263,12 @@ class PolicyState:
     tier_waiting: dict[str, int] = field(default_factory=dict)  # only tiers with > 0
     ahead: dict[tuple[str, str], int] = field(default_factory=dict)  # (pool, tier) -> waiting tokens
     idle_since: dict[str, float] = field(default_factory=dict)  # tenants idle since (not forgotten)
-    idle_heap: list[tuple[float, str]] = field(default_factory=list)  # idle_since, lazily ordered
-    backlog_min: LazyMin = field(default_factory=LazyMin)  # counters of backlogged tenants
-    lease_min: LazyMin = field(default_factory=LazyMin)  # counters of tenants with live leases
-    all_min: LazyMin = field(default_factory=LazyMin)  # every counter
+    # (idle since, tenant) of the same tenants, oldest first
+    idle_order: MinMap[str, tuple[float, str]] = field(default_factory=lambda: MinMap(_NO_IDLE))
+    # The lift's bases: the counters of backlogged tenants, of tenants with live leases, of all.
+    backlog_min: MinMap[str, float] = field(default_factory=lambda: MinMap(math.inf))
+    lease_min: MinMap[str, float] = field(default_factory=lambda: MinMap(math.inf))
+    all_min: MinMap[str, float] = field(default_factory=lambda: MinMap(math.inf))
     tier_order: tuple[BudgetLayout | None, tuple[str, ...]] = (None, ())  # (layout, tiers by rank)
     # The last grant pass ran to its end and nothing it looks at has changed since: the next pass
     # can only grant after a promotion (see "Settled" in the module docstring).
@@ -377,45 +381,26 @@ def set_counter(state: PolicyState, tenant: str, value: float) -> None:
 
 
 def _set_counter(state: PolicyState, tenant: str, value: float) -> None:
-    counters = state.counters
-    before = counters.get(tenant)
-    counters[tenant] = value
-    backlogged = tenant in state.tenant_waiting
-    if before is None or value < before:  # the lift bases hold lower bounds: tell them of a drop
-        _join(state.all_min, counters, value, tenant, counters)
-        if backlogged:
-            _join(state.backlog_min, counters, value, tenant, state.tenant_waiting)
-        if tenant in state.leases_by_tenant:
-            _join(state.lease_min, counters, value, tenant, state.leases_by_tenant)
-    if backlogged:  # (a head being granted is out of the index already)
-        state.index.reposition(tenant, value)
-
-
-def _join(
-    base: LazyMin, counters: dict[str, float], value: float, tenant: str, members: Mapping[str, object]
-) -> None:
-    """``tenant`` became a member of ``members`` (or its counter dropped): tell ``base``."""
-    if base.add(value, tenant, len(members)):
-        base.rebuild((counters[t], t) for t in members)
+    state.counters[tenant] = value
+    state.all_min.set(tenant, value)
+    if tenant in state.leases_by_tenant:
+        state.lease_min.set(tenant, value)
+    if tenant in state.tenant_waiting:
+        state.backlog_min.set(tenant, value)
+        state.index.reposition(tenant, value)  # (a head being granted is out of the index already)
 
 
 def lift(state: PolicyState, tenant: str) -> None:
     """Apply the lift rule for ``tenant``; the caller guarantees the tenant is not backlogged."""
-    counters = state.counters
-    backlogged, leased = state.tenant_waiting, state.leases_by_tenant
-    base = None
-    # (Only when some *other* tenant is a member: a lone tenant lifting itself, the usual fast path,
-    # has no base, and its heap may hold stale entries to walk.)
-    if backlogged:
-        base = state.backlog_min.lowest(lambda t: counters[t] if t in backlogged else None, skip=tenant)
-    if base is None and (len(leased) > 1 or (leased and tenant not in leased)):
-        base = state.lease_min.lowest(lambda t: counters[t] if t in leased else None, skip=tenant)
-    own = counters.get(tenant)
+    base = state.backlog_min.lowest_other(tenant)  # (math.inf: no such tenant)
+    if base == math.inf:
+        base = state.lease_min.lowest_other(tenant)
+    own = state.counters.get(tenant)
     if own is None:
-        if base is None:
-            base = state.all_min.lowest(counters.get)
-        _set_counter(state, tenant, base if base is not None else 0.0)
-    elif base is not None and base > own:
+        if base == math.inf:
+            base = state.all_min.lowest()
+        _set_counter(state, tenant, base if base != math.inf else 0.0)
+    elif base != math.inf and base > own:
         _set_counter(state, tenant, base)
 
 
@@ -432,8 +417,7 @@ def _charge(state: PolicyState, demand: Demand) -> None:
     value = state.counters.get(tenant, 0.0) + prompt_service(state.layout, demand)
     _set_counter(state, tenant, value)
     if not n:
-        state.idle_since.pop(tenant, None)
-        _join(state.lease_min, state.counters, value, tenant, leased)
+        _active(state, tenant)
     if cost and state.index.private:
         _private_changed(state, demand, freed=False)
 
@@ -455,6 +439,7 @@ def release(state: PolicyState, demand: Demand, actual_decode: int | None, now: 
         state.leases_by_tenant[tenant] = n
     else:
         state.leases_by_tenant.pop(tenant, None)
+        state.lease_min.discard(tenant)
         if tenant not in state.tenant_waiting:
             _idle(state, tenant, state.clock if now is None else now)
     spec = state.layout.tenants.get(tenant)
@@ -506,34 +491,32 @@ def _private_changed(state: PolicyState, demand: Demand, freed: bool) -> None:
 
 def _idle(state: PolicyState, tenant: str, now: float) -> None:
     state.idle_since[tenant] = now
-    heap = state.idle_heap
-    heapq.heappush(heap, (now, tenant))
-    if len(heap) > 64 and len(heap) > 3 * len(state.idle_since):
-        state.idle_heap = [(since, t) for t, since in state.idle_since.items()]
-        heapq.heapify(state.idle_heap)
+    state.idle_order.set(tenant, (now, tenant))
+
+
+def _active(state: PolicyState, tenant: str) -> None:
+    """The tenant has a waiting ticket or a live lease again (it had neither)."""
+    if state.idle_since.pop(tenant, None) is not None:
+        state.idle_order.discard(tenant)
 
 
 def forget_idle(state: PolicyState, now: float, limit: int | None = None) -> int:
     """Forget the counters of tenants idle for ``idle_forget_s`` (module docstring), at most
     ``limit`` of them; returns how many were forgotten."""
     after = state.layout.policy.idle_forget_s
-    heap, since_of, counters = state.idle_heap, state.idle_since, state.counters
+    order, since_of, counters = state.idle_order, state.idle_since, state.counters
     n = 0
-    while heap and (limit is None or n < limit):
-        since, tenant = heap[0]
-        if since_of.get(tenant) != since:
-            heapq.heappop(heap)  # stale: active again, or idle again since
-            continue
-        if not now - since >= after:
+    while limit is None or n < limit:
+        oldest = order.lowest()
+        if oldest == _NO_IDLE or not now - oldest[0] >= after:
             break
-        heapq.heappop(heap)
+        tenant = oldest[1]
+        order.discard(tenant)
         del since_of[tenant]
         counters.pop(tenant, None)
+        state.all_min.discard(tenant)
         state.settled = False
         n += 1
-    base = state.all_min
-    if n and len(base.heap) > 64 and len(base.heap) > 3 * len(counters):  # drop what forgotten tenants left
-        base.rebuild((v, t) for t, v in counters.items())
     return n
 
 
@@ -561,8 +544,8 @@ def enqueue(state: PolicyState, demand: Demand, now: float) -> Ticket:
     state.waiting[ticket.seq] = ticket
     state.tenant_waiting[tenant] = backlog + 1
     if not backlog:
-        state.idle_since.pop(tenant, None)
-        _join(state.backlog_min, state.counters, state.counters[tenant], tenant, state.tenant_waiting)
+        _active(state, tenant)
+        state.backlog_min.set(tenant, state.counters[tenant])
     state.tier_waiting[tier] = state.tier_waiting.get(tier, 0) + 1
     cost = demand.cost
     if cost:
@@ -640,6 +623,7 @@ def _forget(state: PolicyState, ticket: Ticket, now: float | None, granted: bool
         state.tenant_waiting[tenant] = n
     else:
         del state.tenant_waiting[tenant]
+        state.backlog_min.discard(tenant)
         if not granted and tenant not in state.leases_by_tenant:
             _idle(state, tenant, state.clock if now is None else now)
     n = state.tier_waiting[tier] - 1

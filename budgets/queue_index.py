@@ -26,8 +26,6 @@ change of those. It never decides anything by itself; the spec of the pass is th
   and is dropped there; a heap is rebuilt when stale entries outnumber live ones three to one. Heap
   entries hold names and numbers, never a head (the head is looked up by ``(tier, tenant)``): such
   tuples are no work for the garbage collector once it has seen them.
-- Lift needs the lowest counter among backlogged tenants, among tenants with live leases, and among
-  all tenants: :class:`LazyMin` keeps each (entries go stale instead of being removed).
 
 Redis keeps the same structures in sorted sets (budgets/redis/lua/lib.lua).
 """
@@ -36,7 +34,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from sortedcontainers import SortedList
@@ -154,52 +152,6 @@ class Head:
     key: Key | None = None
     old: bool = False
     rank_seq: int = 0  # the lowest seq of its queue (module docstring)
-
-
-class LazyMin:
-    """The lowest current value among the members of a set (lift's bases), without a push per change.
-
-    Entries are ``(value, name)`` with ``value`` at most the member's current value: values only go
-    up, so the owner pushes only when a name becomes a member or its value goes *down*
-    (``set_counter``). ``lowest`` brings outdated entries at the top up to date and drops those of
-    names that are no longer members. ``add`` says when stale entries have piled up (more than three
-    per member): the owner then calls ``rebuild``.
-    """
-
-    __slots__ = ("heap",)
-
-    def __init__(self) -> None:
-        self.heap: list[tuple[float, str]] = []
-
-    def add(self, value: float, name: str, members: int) -> bool:
-        heap = self.heap
-        heapq.heappush(heap, (value, name))
-        return len(heap) > 64 and len(heap) > 3 * members
-
-    def rebuild(self, entries: Iterable[tuple[float, str]]) -> None:
-        self.heap = list(entries)
-        heapq.heapify(self.heap)
-
-    def lowest(self, current: Callable[[str], float | None], skip: str | None = None) -> float | None:
-        """The lowest current value of a member other than ``skip``; ``current(name)`` is a member's
-        value now, None for a name that is not a member. None when there is no such member."""
-        heap = self.heap
-        while heap:
-            value, name = heap[0]
-            now = current(name)
-            if now is None:
-                heapq.heappop(heap)
-            elif now != value:
-                heapq.heapreplace(heap, (now, name))
-            elif name != skip:
-                return value
-            else:  # the lowest is ``skip`` itself: look beneath it, then put it back
-                top = heapq.heappop(heap)
-                try:
-                    return self.lowest(current, skip)
-                finally:
-                    heapq.heappush(heap, top)
-        return None
 
 
 class QueueIndex:
