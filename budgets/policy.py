@@ -822,13 +822,13 @@ def grant_pass(state: PolicyState, now: float) -> list[Ticket]:
                 passing = []
             for g in live:
                 room = _room(g, tier, layout, in_flight)
-                cand = g.lowest_old() if g.n_old else None
+                cand = g.lowest_old()
                 if g.n_young:
                     young = g.young
                     i = 0 if cursor is None else young.bisect_right(cursor)
                     if i < g.n_young:
                         succ = young[i]
-                        if g.lowest_young_cost() <= room:  # type: ignore[operator]
+                        if g.lowest_young_cost() <= room:
                             if cand is None or succ < cand:
                                 cand = succ
                         elif id(g) not in contributed:

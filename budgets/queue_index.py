@@ -13,35 +13,39 @@ change of those. It never decides anything by itself; the spec of the pass is th
 - A head is *young* or *old* (policy docstring: old once it has waited ``backfill_limit_s``, made
   so when it becomes head or by ``promote`` at the start of a pass). In its group an active head is
   young or old too. Young heads are in a sorted list by ``(counter, rank_seq, tenant)`` (the pass
-  walks them from its cursor), and counted per cost, with a small heap of the costs there are (the
-  pass asks "can any young head of this group fit?" of the lowest cost; a head leaving young takes
-  its count out at once). Old heads are in a heap by ``(counter, rank_seq, tenant)`` (the lowest one
-  either fits or holds the group's pools, so nothing but the minimum is ever needed). Young heads,
-  parked or not, are also ordered by enqueue time for ``promote``: in a FIFO while they come in that
-  order (a new ticket that is head at once, enqueued at the latest ``now``), in a heap when not (a
-  successor, enqueued earlier behind its queue's head); ``promote`` takes the lower of the two
-  fronts. With a hundred thousand waiting tenants each new ticket is a head, and a heap pop there
-  walked seventeen levels of cold tuples: the FIFO's is one.
-- Heaps are lazy: an entry whose head left, moved or changed rank stays until it reaches the top
-  and is dropped there; a heap is rebuilt when stale entries outnumber live ones three to one. Heap
-  entries hold names and numbers, never a head (the head is looked up by ``(tier, tenant)``): such
-  tuples are no work for the garbage collector once it has seen them.
+  walks them from its cursor), and counted per cost, with the costs there are in a tree (the pass
+  asks "can any young head of this group fit?" of the lowest cost). Old heads are in a tree by
+  ``(counter, rank_seq, tenant)`` (the lowest one either fits or holds the group's pools, so
+  nothing but the minimum is ever needed). Young heads, parked or not, are also ordered by enqueue
+  time for ``promote``: in a FIFO while they come in that order (a new ticket that is head at once,
+  enqueued at the latest ``now``), in a tree when not (a successor, enqueued earlier behind its
+  queue's head); ``promote`` takes the lower of the two fronts. With a hundred thousand waiting
+  tenants each new ticket is a head, and the FIFO's front is one step where a tree's is seventeen.
+- Every structure is exact: a head that leaves, moves or changes rank takes its entry out (or
+  moves it) at once, at O(log n) at worst (budgets/min_tree.py). Lazy heaps, which leave an entry
+  behind and drop it when it surfaces, were cheaper on average and unbounded at the worst moment:
+  after a round in which every backlogged tenant was served once, all their outdated entries
+  surfaced in one grant pass (355 ms at 100,000 waiting tenants; docs/benchmarks.md).
 
 Redis keeps the same structures in sorted sets (budgets/redis/lua/lib.lua).
 """
 
 from __future__ import annotations
 
-import heapq
-from collections import deque
+import math
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from sortedcontainers import SortedList
 
+from budgets.min_tree import MinMap, MinTree
 from budgets.types import BudgetLayout, Demand
 
 Key = tuple[float, int, str]  # (counter, rank_seq, tenant): the rank of a head inside its tier
+NO_KEY: Key = (math.inf, 0, "")  # above every rank: an empty slot of a group's ``old``
+AgeKey = tuple[float, int, str, str]  # (enqueued_at, seq, tier, tenant) of a young head
+NO_AGE: AgeKey = (math.inf, 0, "", "")
 
 
 @dataclass(slots=True)
@@ -55,12 +59,10 @@ class Group:
     """Active heads of one tier whose demands name the same shared pools (``pools``, sorted)."""
 
     __slots__ = (
-        "cost_heap",
+        "cost_order",
         "costs",
-        "heads",
         "limits",
         "limits_of",
-        "n_old",
         "n_young",
         "old",
         "pools",
@@ -68,48 +70,32 @@ class Group:
         "young",
     )
 
-    def __init__(self, tier: str, pools: tuple[str, ...], heads: dict[tuple[str, str], Head]) -> None:
+    def __init__(self, tier: str, pools: tuple[str, ...]) -> None:
         self.tier = tier
         self.pools = pools
-        self.heads = heads  # the index's, to tell live heap entries from stale ones
         self.young: SortedList = SortedList()  # Key of each young head
-        # cost -> young heads with that cost (0: none left, the cost still in cost_heap); cost_heap
-        # is a heap of the keys of costs: one entry per distinct cost, so as many as there are heads
-        # at worst and far fewer where costs repeat (the same prompt and max_tokens, a benchmark),
-        # small and hot in the caches there, where a lazy entry per head meant a cold pop per head
-        # leaving young.
+        # cost -> young heads with that cost (> 0), and those costs in a tree: one entry per
+        # distinct cost, so as many as there are heads at worst and far fewer where costs repeat
+        # (the same prompt and max_tokens, a benchmark), small and hot in the caches there.
         self.costs: dict[int, int] = {}
-        self.cost_heap: list[int] = []
-        self.old: list[Key] = []  # heap of Key of old heads, lazy
-        self.n_old = 0
+        self.cost_order: MinMap[int, float] = MinMap(math.inf)
+        self.old: MinTree[Key] = MinTree(NO_KEY)  # Key of each old head, in the head's ``slot``
         self.n_young = 0  # len(young), read on every pass without SortedList's Python-level __len__
         # (pool, limit for this tier) of each pool, under the layout ``limits_of`` (the pass's room)
         self.limits: tuple[tuple[str, int], ...] = ()
         self.limits_of: BudgetLayout | None = None
 
     def __bool__(self) -> bool:
-        return self.n_young > 0 or self.n_old > 0
+        return self.n_young > 0 or self.old.n > 0
 
     def lowest_old(self) -> Key | None:
-        """The lowest-ranked old head's key (stale entries dropped on the way)."""
-        old, heads, tier = self.old, self.heads, self.tier
-        while old:
-            key = old[0]
-            head = heads.get((tier, key[2]))
-            if head is not None and head.group is self and head.old and head.key == key:
-                return key
-            heapq.heappop(old)
-        return None
+        """The lowest-ranked old head's key."""
+        key = self.old.cells[1]
+        return None if key is NO_KEY else key
 
-    def lowest_young_cost(self) -> int | None:
-        heap, costs = self.cost_heap, self.costs
-        while heap:
-            cost = heap[0]
-            if costs[cost]:
-                return cost
-            heapq.heappop(heap)
-            del costs[cost]
-        return None
+    def lowest_young_cost(self) -> float:
+        """The lowest cost of a young head (``math.inf`` when none is young)."""
+        return self.cost_order.tree.cells[1]
 
     def add_cost(self, cost: int) -> None:
         """A young head with ``cost`` joined the group (call after counting it in ``n_young``)."""
@@ -119,26 +105,17 @@ class Group:
             costs[cost] = n + 1
             return
         costs[cost] = 1
-        heapq.heappush(self.cost_heap, cost)
-        if len(costs) > 64 and len(costs) > 3 * self.n_young:  # costs no young head has piled up
-            self.costs = {c: k for c, k in costs.items() if k}
-            self.cost_heap = list(self.costs)
-            heapq.heapify(self.cost_heap)
+        self.cost_order.set(cost, cost)
 
     def drop_cost(self, cost: int) -> None:
         """A young head with ``cost`` left the group, or young."""
-        self.costs[cost] -= 1
-
-    def push_old(self, key: Key) -> None:
-        old = self.old
-        heapq.heappush(old, key)
-        if len(old) > 64 and len(old) > 3 * self.n_old:
-            self.old = [k for k in old if self._is_old(k)]
-            heapq.heapify(self.old)
-
-    def _is_old(self, key: Key) -> bool:
-        head = self.heads.get((self.tier, key[2]))
-        return head is not None and head.group is self and head.old and head.key == key
+        costs = self.costs
+        n = costs[cost] - 1
+        if n:
+            costs[cost] = n
+        else:
+            del costs[cost]
+            self.cost_order.discard(cost)
 
 
 @dataclass(slots=True, eq=False)
@@ -152,12 +129,13 @@ class Head:
     key: Key | None = None
     old: bool = False
     rank_seq: int = 0  # the lowest seq of its queue (module docstring)
+    slot: int = -1  # its key's slot in its group's ``old`` (active and old heads only)
 
 
 class QueueIndex:
     """Heads of every ``(tier, tenant)`` FIFO, grouped for the grant pass (module docstring)."""
 
-    __slots__ = ("age", "age_in_order", "groups", "heads", "private", "split")
+    __slots__ = ("age", "age_in_order", "age_last", "groups", "heads", "private", "split")
 
     def __init__(self) -> None:
         self.heads: dict[tuple[str, str], Head] = {}
@@ -165,12 +143,12 @@ class QueueIndex:
         # private pool -> the head naming it, or a list of them (a tenant's own budget: one head per
         # tier, so nearly always one head and no container to make, drop and collect per head)
         self.private: dict[str, Head | list[Head]] = {}
-        # young heads as (enqueued_at, seq, tier, tenant), lazy: an entry is live while that queue's
-        # head is that ticket and young (under shortest_first a ticket can be head, be displaced, and
-        # be head again: its two entries are equal, and the second finds it old and is dropped).
-        # Entries that come in order go to the FIFO ``age_in_order``, the rest to the heap ``age``.
-        self.age: list[tuple[float, int, str, str]] = []
-        self.age_in_order: deque[tuple[float, int, str, str]] = deque()
+        # Each young head's (enqueued_at, seq, tier, tenant), by (tier, tenant), for ``promote``:
+        # entries that come in order in the FIFO ``age_in_order`` (``age_last`` at least its last
+        # entry), the rest in the tree ``age``. A head leaving young leaves them at once.
+        self.age: MinMap[tuple[str, str], AgeKey] = MinMap(NO_AGE)
+        self.age_in_order: OrderedDict[tuple[str, str], AgeKey] = OrderedDict()
+        self.age_last: AgeKey = NO_AGE
         # demand pools -> (shared pools sorted, private pools) under the indexed layout
         self.split: dict[tuple[str, ...], tuple[tuple[str, ...], tuple[str, ...]]] = {}
 
@@ -206,13 +184,11 @@ class QueueIndex:
         if not head.old:
             entry = (ticket.enqueued_at, ticket.seq, tier, tenant)
             in_order = self.age_in_order
-            if not in_order or in_order[-1] <= entry:
-                in_order.append(entry)
+            if not in_order or self.age_last <= entry:
+                in_order[(tier, tenant)] = entry
+                self.age_last = entry
             else:
-                heapq.heappush(self.age, entry)
-            n = len(self.age) + len(in_order)
-            if n > 64 and n > 3 * len(self.heads):
-                self._rebuild_age()
+                self.age.set((tier, tenant), entry)
         self.heads[(tier, tenant)] = head
         private = split[1]
         if private:
@@ -233,7 +209,10 @@ class QueueIndex:
     def remove(self, head: Head) -> None:
         if head.group is not None:
             self._deactivate(head)
-        del self.heads[(head.tier, head.tenant)]
+        queue = (head.tier, head.tenant)
+        del self.heads[queue]
+        if not head.old and self.age_in_order.pop(queue, None) is None:
+            self.age.discard(queue)
         naming = self.private
         for name in head.private:
             was = naming[name]
@@ -267,7 +246,7 @@ class QueueIndex:
             return  # inactive, or the same rank: a second heap entry would only be a duplicate
         head.key = new
         if head.old:
-            group.push_old(new)  # the old entry is stale now
+            group.old.change(head.slot, new)
         else:
             group.young.remove(key)
             group.young.add(new)
@@ -298,23 +277,23 @@ class QueueIndex:
         age, in_order, heads = self.age, self.age_in_order, self.heads
         promoted = 0
         while promoted < limit:
-            if in_order and (not age or in_order[0] <= age[0]):
-                entry, ordered = in_order[0], True
-            elif age:
-                entry, ordered = age[0], False
-            else:
+            entry = age.lowest()
+            ordered = False
+            if in_order:
+                first = next(iter(in_order.values()))
+                if not entry < first:
+                    entry, ordered = first, True
+            elif entry is NO_AGE:
                 break
-            enq, seq, tier, tenant = entry
-            head = heads.get((tier, tenant))
-            stale = head is None or head.old or head.ticket.seq != seq  # granted, withdrawn, displaced
-            if not stale and not now - enq >= backfill:
+            enq, _, tier, tenant = entry
+            if not now - enq >= backfill:
                 break
+            queue = (tier, tenant)
             if ordered:
-                in_order.popleft()
+                del in_order[queue]
             else:
-                heapq.heappop(age)
-            if head is None or stale:
-                continue
+                age.discard(queue)
+            head = heads[queue]
             promoted += 1
             head.old = True
             group, key = head.group, head.key
@@ -322,15 +301,14 @@ class QueueIndex:
                 group.young.remove(key)
                 group.n_young -= 1
                 group.drop_cost(head.ticket.demand.cost)
-                group.n_old += 1
-                group.push_old(key)
+                head.slot = group.old.add(key)
         return promoted
 
     def clear(self) -> None:
         self.heads.clear()
         self.groups.clear()
         self.private.clear()
-        self.age.clear()
+        self.age = MinMap(NO_AGE)
         self.age_in_order.clear()
         self.split.clear()
 
@@ -342,12 +320,11 @@ class QueueIndex:
             by_pools = self.groups[head.tier] = {}
         group = by_pools.get(head.shared)
         if group is None:
-            group = by_pools[head.shared] = Group(head.tier, head.shared, self.heads)
+            group = by_pools[head.shared] = Group(head.tier, head.shared)
         key = (counter, head.rank_seq, head.tenant)
         head.group, head.key = group, key
         if head.old:
-            group.n_old += 1
-            group.push_old(key)
+            head.slot = group.old.add(key)
         else:
             group.young.add(key)
             group.n_young += 1
@@ -357,32 +334,23 @@ class QueueIndex:
         group, key = head.group, head.key
         assert group is not None and key is not None
         if head.old:
-            group.n_old -= 1  # its heap entry goes stale
+            group.old.remove(head.slot)
+            head.slot = -1
         else:
             group.young.remove(key)
             group.n_young -= 1
             group.drop_cost(head.ticket.demand.cost)
         head.group = head.key = None
-        if not group.n_young and not group.n_old:
+        if not group.n_young and not group.old.n:
             by_pools = self.groups[group.tier]
             if by_pools.get(group.pools) is group:
                 del by_pools[group.pools]
                 if not by_pools:
                     del self.groups[group.tier]
 
-    def _rebuild_age(self) -> None:
-        self.age = []
-        self.age_in_order = deque(
-            sorted(
-                (h.ticket.enqueued_at, h.ticket.seq, h.tier, h.tenant)
-                for h in self.heads.values()
-                if not h.old
-            )
-        )
-
     def has_young(self) -> bool:
-        """Whether any entry for ``promote`` is left (possibly stale)."""
-        return bool(self.age or self.age_in_order)
+        """Whether any head is young (parked or not)."""
+        return bool(self.age_in_order) or bool(self.age.slots)
 
 
 def private_ok(head: Head, layout: BudgetLayout, in_flight: Mapping[str, int]) -> bool:

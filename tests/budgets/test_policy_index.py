@@ -186,11 +186,12 @@ def check_index(s: PolicyState, old: set[int]) -> None:
         if head.group is not None:
             active += 1
             assert head.key == (s.counters[tenant], head.ticket.seq, tenant)
-            assert head.key in (head.group.old if head.old else head.group.young)
+            if head.old:
+                assert head.group.old.cells[head.group.old.cap + head.slot] == head.key
+            else:
+                assert head.key in head.group.young
     groups = [g for gs in idx.groups.values() for g in gs.values()]
-    # the old heaps are lazy: stale entries may stay, but the live ones are exactly n_old
-    assert all(len({k for k in g.old if g._is_old(k)}) == g.n_old for g in groups)
-    assert active == sum(len(g.young) + g.n_old for g in groups)
+    assert active == sum(len(g.young) + len(g.old) for g in groups)  # nothing else is held
     ahead: dict[tuple[str, str], int] = {}
     tiers: dict[str, int] = {}
     for t in s.waiting.values():
@@ -350,24 +351,28 @@ def test_a_new_head_that_cannot_fit_leaves_a_settled_state_settled() -> None:
     assert [(t.demand.tenant, t.demand.tier) for t in policy.grant_pass(state, 0.0)] == [("a", "critical")]
 
 
-def test_young_costs_are_counted_and_costs_no_young_head_has_do_not_pile_up() -> None:
-    group = Group("critical", (P,), {})
+def test_young_costs_are_counted_and_a_cost_no_young_head_has_leaves_at_once() -> None:
+    group = Group("critical", (P,))
     for cost in range(1, 201):  # 200 young heads, each with a cost of its own
         group.n_young += 1
         group.add_cost(cost)
-    for cost in range(2, 201):  # all but the cheapest leave: their counts stay, at 0, under it
+    for cost in range(2, 201):  # all but the cheapest leave
         group.n_young -= 1
         group.drop_cost(cost)
-    assert group.lowest_young_cost() == 1 and len(group.costs) == 200
+    assert group.lowest_young_cost() == 1 and group.costs == {1: 1} and group.cost_order.tree.keys() == [1]
     group.n_young += 1
-    group.add_cost(500)  # a new cost, with 199 at 0 against 2 young heads: they are dropped
-    assert group.costs == {1: 1, 500: 1} and sorted(group.cost_heap) == [1, 500]
+    group.add_cost(500)
+    assert group.costs == {1: 1, 500: 1} and sorted(group.cost_order.tree.keys()) == [1, 500]
     group.n_young -= 1
     group.drop_cost(1)
     assert group.lowest_young_cost() == 500
     group.n_young += 1
-    group.add_cost(500)  # a second head with the same cost: counted, no second heap entry
-    assert group.costs == {500: 2} and group.cost_heap == [500]
+    group.add_cost(500)  # a second head with the same cost: counted, no second entry
+    assert group.costs == {500: 2} and group.cost_order.tree.keys() == [500]
+    group.n_young -= 2
+    group.drop_cost(500)
+    group.drop_cost(500)
+    assert group.lowest_young_cost() == math.inf and not group.costs
 
 
 def test_heads_of_several_tiers_on_one_private_pool_are_parked_and_woken_together() -> None:
@@ -387,20 +392,21 @@ def test_heads_of_several_tiers_on_one_private_pool_are_parked_and_woken_togethe
 def test_heads_age_oldest_first_whether_they_became_heads_in_order_or_not() -> None:
     # New tickets that are heads at once come in enqueue order (the FIFO); a successor of a granted
     # head was enqueued earlier than the heads before it (the heap). promote takes the oldest of
-    # both, stale entries dropped on the way, at most ``limit`` per call.
+    # both, at most ``limit`` per call; a head that leaves takes its entry with it.
     state = PolicyState(layout([shared(P, 100)], ["a", "b", "c"], backfill_limit_s=2.0))
     assert policy.grant_immediately(state, Demand("c", "critical", (P,), 100, 0))
     policy.enqueue(state, Demand("a", "critical", (P,), 60, 0), now=0.0)
     policy.enqueue(state, Demand("a", "critical", (P,), 60, 0), now=0.5)  # behind a's head
     policy.enqueue(state, Demand("b", "critical", (P,), 60, 0), now=1.0)
     index = state.index
-    assert [e[0] for e in index.age_in_order] == [0.0, 1.0] and not index.age
+    assert [e[0] for e in index.age_in_order.values()] == [0.0, 1.0] and not index.age.slots
     policy.release(state, Demand("c", "critical", (P,), 100, 0), None, now=1.2)
     [granted] = policy.grant_pass(state, 1.2)  # a's head; its successor (enqueued at 0.5) is head
     assert granted.demand.tenant == "a" and granted.enqueued_at == 0.0
-    assert [e[0] for e in index.age] == [0.5]  # out of order: older than b's 1.0 in the FIFO
+    assert [e[0] for e in index.age.tree.keys()] == [0.5]  # out of order: older than b's 1.0 in the FIFO
+    assert [e[0] for e in index.age_in_order.values()] == [1.0]  # a's granted head left it
     heads = index.heads
-    assert index.promote(2.6, 2.0, limit=1) == 1  # a's successor, 2.1 s old; a's granted entry dropped
+    assert index.promote(2.6, 2.0, limit=1) == 1  # a's successor, 2.1 s old
     assert heads[("critical", "a")].old and not heads[("critical", "b")].old
     assert index.promote(2.6, 2.0, limit=5) == 0  # b has waited 1.6 s
     assert index.promote(3.0, 2.0, limit=5) == 1 and heads[("critical", "b")].old
