@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 
 from budgets import policy
 from budgets.background import BackgroundTask
+from budgets.min_tree import MostlyInOrder
 from budgets.retry import ReleaseRate, retry_after
 from budgets.types import (
     BudgetLayout,
@@ -36,6 +37,8 @@ from budgets.types import (
 )
 
 _log = logging.getLogger(__name__)
+
+_NO_DEADLINE = (float("inf"), 0)  # above every (deadline, seq)
 
 
 @dataclass(slots=True)
@@ -73,11 +76,12 @@ class MemoryStore:
         self._expiry: list[tuple[float, str]] = []
         self._grants = itertools.count()
         self._waiters: dict[int, asyncio.Future[Lease | None]] = {}  # None: its deadline passed
-        # Waiters' deadlines (loop time, seq) in one heap, lazily (a granted waiter's entry stays
-        # until it comes up), and one loop timer for the earliest: a timer per waiter cost a
-        # TimerHandle, its arguments and a slot in the loop's own heap (ordered by a Python-level
-        # comparison) for every waiting request, all walked by each full garbage collection.
-        self._deadlines: list[tuple[float, int]] = []
+        # Waiters' deadlines (loop time, seq) by seq, and one loop timer for the earliest: a timer
+        # per waiter cost a TimerHandle, its arguments and a slot in the loop's own heap (ordered by
+        # a Python-level comparison) for every waiting request, all walked by each full garbage
+        # collection. A waiter that leaves takes its deadline out (a lazy heap's leftovers were
+        # rebuilt away in one O(waiters) step); deadlines mostly come in order, kept in a FIFO.
+        self._deadlines: MostlyInOrder[int, tuple[float, int]] = MostlyInOrder(_NO_DEADLINE)
         self._deadline_timer: asyncio.TimerHandle | None = None
         self._deadline_at = float("inf")
         self._deadline_loop: asyncio.AbstractEventLoop | None = None  # the timer's
@@ -109,7 +113,7 @@ class MemoryStore:
         if self._deadline_timer is not None:
             self._deadline_timer.cancel()
             self._deadline_timer, self._deadline_at = None, float("inf")
-        self._deadlines.clear()
+        self._deadlines = MostlyInOrder(_NO_DEADLINE)
         now = self._clock()
         for seq, fut in waiters.items():
             policy.withdraw(self._state, seq, now)
@@ -121,7 +125,7 @@ class MemoryStore:
 
     async def apply_layout(self, layout: BudgetLayout) -> None:
         for ticket, err in policy.apply_layout(self._state, layout):
-            fut = self._waiters.pop(ticket.seq, None)
+            fut = self._waiter_gone(ticket.seq)
             if fut is not None and not fut.done():
                 fut.set_exception(err)
         self._grant(self._clock())
@@ -157,7 +161,7 @@ class MemoryStore:
         now = self._clock()
         for ticket in tickets:
             policy.withdraw(self._state, ticket.seq, now)
-            fut = self._waiters.pop(ticket.seq, None)
+            fut = self._waiter_gone(ticket.seq)
             if fut is not None and not fut.done():
                 fut.set_exception(outcome(ticket.demand))
         self._grant(self._clock())  # withdrawn tickets may have held pools for themselves
@@ -204,7 +208,7 @@ class MemoryStore:
                 raise
             if lease is not None:
                 return lease
-            self._waiters.pop(ticket.seq, None)
+            self._waiters.pop(ticket.seq, None)  # (its deadline left with the timer's call)
         now = self._clock()
         self._withdraw(ticket.seq, now)
         raise QueueTimeout(
@@ -283,15 +287,15 @@ class MemoryStore:
         return lease
 
     def _add_deadline(self, loop: asyncio.AbstractEventLoop, deadline: float, seq: int) -> None:
-        heap = self._deadlines
-        heapq.heappush(heap, (deadline, seq))
-        if len(heap) > 64 and len(heap) > 3 * len(self._waiters):
-            waiting = self._waiters
-            self._deadlines = heap = [entry for entry in heap if entry[1] in waiting]
-            heapq.heapify(heap)
+        self._deadlines.add(seq, (deadline, seq))
         # (A store used from a new event loop re-arms there: the old loop's timer may never run.)
         if deadline < self._deadline_at or loop is not self._deadline_loop:
-            self._arm_deadline(loop, heap[0][0])
+            self._arm_deadline(loop, self._deadlines.lowest()[0])
+
+    def _waiter_gone(self, seq: int) -> asyncio.Future[Lease | None] | None:
+        """Take a waiter out, with its deadline (the timer stays: it finds nothing due)."""
+        self._deadlines.discard(seq)
+        return self._waiters.pop(seq, None)
 
     def _arm_deadline(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
         if self._deadline_timer is not None:
@@ -304,13 +308,17 @@ class MemoryStore:
         self._deadline_timer, self._deadline_at = None, float("inf")
         # Within a millisecond counts as come: uvloop's timers have millisecond resolution and may
         # fire that much early (a timer per waiter expired its waiter then too).
-        heap, waiters, now = self._deadlines, self._waiters, loop.time() + 0.001
-        while heap and heap[0][0] <= now:
-            fut = waiters.get(heapq.heappop(heap)[1])
+        deadlines, waiters, now = self._deadlines, self._waiters, loop.time() + 0.001
+        while True:
+            at, seq = deadlines.lowest()
+            if not at <= now:  # (also when none is left: _NO_DEADLINE is infinite)
+                break
+            deadlines.discard(seq)
+            fut = waiters.get(seq)
             if fut is not None and not fut.done():
                 fut.set_result(None)
-        if heap:
-            self._arm_deadline(loop, heap[0][0])
+        if deadlines:
+            self._arm_deadline(loop, at)
 
     def _expire_at(self, expires_at: float, lease_id: str) -> None:
         heapq.heappush(self._expiry, (expires_at, lease_id))
@@ -328,7 +336,7 @@ class MemoryStore:
             if ticket.seq == own:
                 mine = lease
                 continue
-            fut = self._waiters.pop(ticket.seq, None)
+            fut = self._waiter_gone(ticket.seq)
             if fut is None or fut.done():
                 # Nobody can take it any more: give it straight back (nothing was served), then
                 # pass again.
@@ -367,7 +375,7 @@ class MemoryStore:
 
     def _abandon(self, seq: int, fut: asyncio.Future[Lease | None]) -> None:
         """The waiter was cancelled: withdraw its ticket, or give back a grant that raced it."""
-        self._waiters.pop(seq, None)
+        self._waiter_gone(seq)
         now = self._clock()
         if fut.done() and not fut.cancelled():  # (cancelled: by the task's cancel, while waiting)
             outcome: Lease | BaseException | None = fut.exception()

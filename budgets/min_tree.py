@@ -22,6 +22,7 @@ returns ``top`` when the tree is empty.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -32,7 +33,7 @@ class _Ordered(Protocol):
 
 K = TypeVar("K", bound=_Ordered)
 
-__all__ = ["MinMap", "MinTree"]
+__all__ = ["MinMap", "MinTree", "MostlyInOrder"]
 
 
 class MinTree(Generic[K]):
@@ -157,3 +158,47 @@ class MinMap(Generic[N, K]):
         if slot is None:
             return self.tree.cells[1]
         return self.tree.lowest_other(slot)
+
+
+class MostlyInOrder(Generic[N, K]):
+    """A :class:`MinMap` for keys that mostly come in increasing order (enqueue times, deadlines).
+
+    Keys at or above the last one taken in go to a FIFO (an ``OrderedDict``: adding, taking out
+    and reading the front are O(1), where a tree's lowest key costs a walk of its height to take
+    out, seventeen cold steps at 100,000); the rest to a tree. Each name holds one key, added
+    once (to change it, discard it and add it again).
+    """
+
+    __slots__ = ("fifo", "last", "tree")
+
+    def __init__(self, top: K) -> None:
+        self.fifo: OrderedDict[N, K] = OrderedDict()
+        self.last = top  # at least the FIFO's last key (keys leave the FIFO without moving it)
+        self.tree: MinMap[N, K] = MinMap(top)
+
+    def __len__(self) -> int:
+        return len(self.fifo) + len(self.tree)
+
+    def __bool__(self) -> bool:
+        return bool(self.fifo) or bool(self.tree.slots)
+
+    def add(self, name: N, key: K) -> None:
+        fifo = self.fifo
+        if not fifo or not key < self.last:
+            fifo[name] = key
+            self.last = key
+        else:
+            self.tree.set(name, key)
+
+    def discard(self, name: N) -> None:
+        if self.fifo.pop(name, None) is None:
+            self.tree.discard(name)
+
+    def lowest(self) -> K:
+        """The lowest key (``top`` when empty)."""
+        low = self.tree.tree.cells[1]
+        if self.fifo:
+            first = next(iter(self.fifo.values()))
+            if not low < first:
+                return first
+        return low

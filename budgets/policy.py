@@ -268,7 +268,9 @@ class PolicyState:
     # The lift's bases: the counters of backlogged tenants, of tenants with live leases, of all.
     backlog_min: MinMap[str, float] = field(default_factory=lambda: MinMap(math.inf))
     lease_min: MinMap[str, float] = field(default_factory=lambda: MinMap(math.inf))
-    all_min: MinMap[str, float] = field(default_factory=lambda: MinMap(math.inf))
+    # ... and of tenants with neither (idle, or not active yet): with no other backlogged or leased
+    # tenant, that is every counter there is (rule 3), and no busy tenant's charge touches it.
+    idle_min: MinMap[str, float] = field(default_factory=lambda: MinMap(math.inf))
     tier_order: tuple[BudgetLayout | None, tuple[str, ...]] = (None, ())  # (layout, tiers by rank)
     # The last grant pass ran to its end and nothing it looks at has changed since: the next pass
     # can only grant after a promotion (see "Settled" in the module docstring).
@@ -382,12 +384,14 @@ def set_counter(state: PolicyState, tenant: str, value: float) -> None:
 
 def _set_counter(state: PolicyState, tenant: str, value: float) -> None:
     state.counters[tenant] = value
-    state.all_min.set(tenant, value)
-    if tenant in state.leases_by_tenant:
+    leased = tenant in state.leases_by_tenant
+    if leased:
         state.lease_min.set(tenant, value)
     if tenant in state.tenant_waiting:
         state.backlog_min.set(tenant, value)
         state.index.reposition(tenant, value)  # (a head being granted is out of the index already)
+    elif not leased:
+        state.idle_min.set(tenant, value)
 
 
 def lift(state: PolicyState, tenant: str) -> None:
@@ -398,7 +402,7 @@ def lift(state: PolicyState, tenant: str) -> None:
     own = state.counters.get(tenant)
     if own is None:
         if base == math.inf:
-            base = state.all_min.lowest()
+            base = state.idle_min.lowest()  # (every counter: nobody else is backlogged or leased)
         _set_counter(state, tenant, base if base != math.inf else 0.0)
     elif base != math.inf and base > own:
         _set_counter(state, tenant, base)
@@ -492,12 +496,16 @@ def _private_changed(state: PolicyState, demand: Demand, freed: bool) -> None:
 def _idle(state: PolicyState, tenant: str, now: float) -> None:
     state.idle_since[tenant] = now
     state.idle_order.set(tenant, (now, tenant))
+    counter = state.counters.get(tenant)
+    if counter is not None:
+        state.idle_min.set(tenant, counter)
 
 
 def _active(state: PolicyState, tenant: str) -> None:
     """The tenant has a waiting ticket or a live lease again (it had neither)."""
     if state.idle_since.pop(tenant, None) is not None:
         state.idle_order.discard(tenant)
+    state.idle_min.discard(tenant)  # (also a newcomer, whose lift gave it a counter just now)
 
 
 def forget_idle(state: PolicyState, now: float, limit: int | None = None) -> int:
@@ -514,7 +522,7 @@ def forget_idle(state: PolicyState, now: float, limit: int | None = None) -> int
         order.discard(tenant)
         del since_of[tenant]
         counters.pop(tenant, None)
-        state.all_min.discard(tenant)
+        state.idle_min.discard(tenant)
         state.settled = False
         n += 1
     return n

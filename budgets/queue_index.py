@@ -33,13 +33,12 @@ Redis keeps the same structures in sorted sets (budgets/redis/lua/lib.lua).
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from sortedcontainers import SortedList
 
-from budgets.min_tree import MinMap, MinTree
+from budgets.min_tree import MinMap, MinTree, MostlyInOrder
 from budgets.types import BudgetLayout, Demand
 
 Key = tuple[float, int, str]  # (counter, rank_seq, tenant): the rank of a head inside its tier
@@ -135,7 +134,7 @@ class Head:
 class QueueIndex:
     """Heads of every ``(tier, tenant)`` FIFO, grouped for the grant pass (module docstring)."""
 
-    __slots__ = ("age", "age_in_order", "age_last", "groups", "heads", "private", "split")
+    __slots__ = ("age", "groups", "heads", "private", "split")
 
     def __init__(self) -> None:
         self.heads: dict[tuple[str, str], Head] = {}
@@ -143,12 +142,9 @@ class QueueIndex:
         # private pool -> the head naming it, or a list of them (a tenant's own budget: one head per
         # tier, so nearly always one head and no container to make, drop and collect per head)
         self.private: dict[str, Head | list[Head]] = {}
-        # Each young head's (enqueued_at, seq, tier, tenant), by (tier, tenant), for ``promote``:
-        # entries that come in order in the FIFO ``age_in_order`` (``age_last`` at least its last
-        # entry), the rest in the tree ``age``. A head leaving young leaves them at once.
-        self.age: MinMap[tuple[str, str], AgeKey] = MinMap(NO_AGE)
-        self.age_in_order: OrderedDict[tuple[str, str], AgeKey] = OrderedDict()
-        self.age_last: AgeKey = NO_AGE
+        # Each young head's (enqueued_at, seq, tier, tenant), by (tier, tenant), for ``promote``;
+        # a head leaving young leaves it at once.
+        self.age: MostlyInOrder[tuple[str, str], AgeKey] = MostlyInOrder(NO_AGE)
         # demand pools -> (shared pools sorted, private pools) under the indexed layout
         self.split: dict[tuple[str, ...], tuple[tuple[str, ...], tuple[str, ...]]] = {}
 
@@ -182,13 +178,7 @@ class QueueIndex:
         head.rank_seq = ticket.seq if rank_seq is None else rank_seq
         head.old = old or now - ticket.enqueued_at >= layout.policy.backfill_limit_s
         if not head.old:
-            entry = (ticket.enqueued_at, ticket.seq, tier, tenant)
-            in_order = self.age_in_order
-            if not in_order or self.age_last <= entry:
-                in_order[(tier, tenant)] = entry
-                self.age_last = entry
-            else:
-                self.age.set((tier, tenant), entry)
+            self.age.add((tier, tenant), (ticket.enqueued_at, ticket.seq, tier, tenant))
         self.heads[(tier, tenant)] = head
         private = split[1]
         if private:
@@ -211,7 +201,7 @@ class QueueIndex:
             self._deactivate(head)
         queue = (head.tier, head.tenant)
         del self.heads[queue]
-        if not head.old and self.age_in_order.pop(queue, None) is None:
+        if not head.old:
             self.age.discard(queue)
         naming = self.private
         for name in head.private:
@@ -274,25 +264,14 @@ class QueueIndex:
     def promote(self, now: float, backfill: float, limit: int) -> int:
         """Young heads that have waited ``backfill`` by ``now`` become old, oldest first (by enqueue
         time, then seq), at most ``limit`` of them; returns how many."""
-        age, in_order, heads = self.age, self.age_in_order, self.heads
+        age, heads = self.age, self.heads
         promoted = 0
         while promoted < limit:
-            entry = age.lowest()
-            ordered = False
-            if in_order:
-                first = next(iter(in_order.values()))
-                if not entry < first:
-                    entry, ordered = first, True
-            elif entry is NO_AGE:
-                break
-            enq, _, tier, tenant = entry
-            if not now - enq >= backfill:
+            enq, _, tier, tenant = age.lowest()
+            if not now - enq >= backfill:  # (also when none is young: NO_AGE's time is infinite)
                 break
             queue = (tier, tenant)
-            if ordered:
-                del in_order[queue]
-            else:
-                age.discard(queue)
+            age.discard(queue)
             head = heads[queue]
             promoted += 1
             head.old = True
@@ -308,8 +287,7 @@ class QueueIndex:
         self.heads.clear()
         self.groups.clear()
         self.private.clear()
-        self.age = MinMap(NO_AGE)
-        self.age_in_order.clear()
+        self.age = MostlyInOrder(NO_AGE)
         self.split.clear()
 
     # ---- internals ----
@@ -350,7 +328,7 @@ class QueueIndex:
 
     def has_young(self) -> bool:
         """Whether any head is young (parked or not)."""
-        return bool(self.age_in_order) or bool(self.age.slots)
+        return bool(self.age)
 
 
 def private_ok(head: Head, layout: BudgetLayout, in_flight: Mapping[str, int]) -> bool:

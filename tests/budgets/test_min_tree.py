@@ -7,7 +7,7 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from budgets.min_tree import MinMap, MinTree
+from budgets.min_tree import MinMap, MinTree, MostlyInOrder
 
 NAMES = [f"t{i}" for i in range(40)]  # enough to grow the tree past a few powers of two
 
@@ -72,3 +72,31 @@ def test_keys_that_rise_in_turn_keep_the_lowest_exact_at_every_step() -> None:
     tree.discard(0)
     assert tree.lowest() == 1.0 and len(tree) == 999
     assert tree.tree.cap == 1024
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(-3, 10), st.integers(0, 30)), max_size=300))
+@settings(max_examples=200, deadline=None)
+def test_mostly_in_order_keys_come_out_lowest_first_wherever_they_were_kept(
+    ops: list[tuple[bool, int, int]],
+) -> None:
+    # Keys mostly rise (a clock that moves on), some come in late; names leave at random.
+    keys: MostlyInOrder[int, tuple[float, int]] = MostlyInOrder((math.inf, 0))
+    model: dict[int, tuple[float, int]] = {}
+    clock = 0
+    for seq, (leave, step, victim) in enumerate(ops):
+        if leave:
+            keys.discard(victim)
+            model.pop(victim, None)
+        elif seq not in model:
+            clock += max(step, 0)
+            key = (float(clock + min(step, 0)), seq)  # a negative step: enqueued before the last
+            keys.add(seq, key)
+            model[seq] = key
+        assert len(keys) == len(model) and bool(keys) == bool(model)
+        assert keys.lowest() == min(model.values(), default=(math.inf, 0))
+    while model:  # taken out lowest first, as promote and the deadline timer do
+        low = keys.lowest()
+        assert low == min(model.values())
+        keys.discard(low[1])
+        del model[low[1]]
+    assert keys.lowest() == (math.inf, 0) and not keys

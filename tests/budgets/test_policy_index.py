@@ -399,12 +399,12 @@ def test_heads_age_oldest_first_whether_they_became_heads_in_order_or_not() -> N
     policy.enqueue(state, Demand("a", "critical", (P,), 60, 0), now=0.5)  # behind a's head
     policy.enqueue(state, Demand("b", "critical", (P,), 60, 0), now=1.0)
     index = state.index
-    assert [e[0] for e in index.age_in_order.values()] == [0.0, 1.0] and not index.age.slots
+    assert [e[0] for e in index.age.fifo.values()] == [0.0, 1.0] and not index.age.tree
     policy.release(state, Demand("c", "critical", (P,), 100, 0), None, now=1.2)
     [granted] = policy.grant_pass(state, 1.2)  # a's head; its successor (enqueued at 0.5) is head
     assert granted.demand.tenant == "a" and granted.enqueued_at == 0.0
-    assert [e[0] for e in index.age.tree.keys()] == [0.5]  # out of order: older than b's 1.0 in the FIFO
-    assert [e[0] for e in index.age_in_order.values()] == [1.0]  # a's granted head left it
+    assert [e[0] for e in index.age.tree.tree.keys()] == [0.5]  # out of order: older than b's 1.0 in the FIFO
+    assert [e[0] for e in index.age.fifo.values()] == [1.0]  # a's granted head left it
     heads = index.heads
     assert index.promote(2.6, 2.0, limit=1) == 1  # a's successor, 2.1 s old
     assert heads[("critical", "a")].old and not heads[("critical", "b")].old

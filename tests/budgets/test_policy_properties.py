@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from collections import Counter
 
 import pytest
@@ -221,6 +222,7 @@ class Model:
         for by_pools in s.index.groups.values():
             for group in by_pools.values():
                 assert group.n_young == len(group.young) and group  # (empty groups are dropped)
+        check_lift_bases(s)
 
     def drain(self) -> None:
         """Owners release everything: every waiting ticket is eventually granted, then all is zero."""
@@ -287,3 +289,19 @@ def test_grant_pass_is_deterministic(ops: list[tuple], order: QueueOrder) -> Non
     a = [t.seq for t in policy.grant_pass(model.state, model.now + 3)]
     b = [t.seq for t in policy.grant_pass(twin, model.now + 3)]
     assert a == b and model.state.counters == twin.counters
+
+
+def check_lift_bases(s: PolicyState) -> None:
+    """The lift's bases hold exactly the counters of their tenants (and the idle order its idle)."""
+    c = s.counters
+    assert set(s.backlog_min.slots) == set(s.tenant_waiting)
+    assert set(s.lease_min.slots) == set(s.leases_by_tenant)
+    idle = {t for t in c if t not in s.tenant_waiting and t not in s.leases_by_tenant}
+    assert set(s.idle_min.slots) == idle and set(s.idle_order.slots) == set(s.idle_since) <= idle
+    for base, members in (
+        (s.backlog_min, s.tenant_waiting),
+        (s.lease_min, s.leases_by_tenant),
+        (s.idle_min, idle),
+    ):
+        assert base.lowest() == min((c[t] for t in members), default=math.inf)
+        assert sorted(base.tree.keys()) == sorted(c[t] for t in members)
