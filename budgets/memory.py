@@ -13,7 +13,6 @@ of it without letting it grant anything more: ``pause``/``resume``, ``leases``, 
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
 import logging
 import secrets
@@ -39,6 +38,7 @@ from budgets.types import (
 _log = logging.getLogger(__name__)
 
 _NO_DEADLINE = (float("inf"), 0)  # above every (deadline, seq)
+_NO_EXPIRY = (float("inf"), "")  # above every (expires_at, lease id)
 
 
 @dataclass(slots=True)
@@ -71,9 +71,10 @@ class MemoryStore:
         self._clock = clock
         self._state = policy.PolicyState(layout)
         self._leases: dict[str, _Live] = {}
-        # (expires_at, lease id), lazily: a heartbeat pushes a new entry and leaves the old one to be
-        # skipped, so a reap looks only at leases that may have expired, not at every lease.
-        self._expiry: list[tuple[float, str]] = []
+        # (expires_at, lease id) by lease id, so that a reap looks only at leases that may have
+        # expired; a lease that leaves or is heartbeaten moves its entry at once (heartbeats and
+        # grants come in clock order: the FIFO's end).
+        self._expiry: MostlyInOrder[str, tuple[float, str]] = MostlyInOrder(_NO_EXPIRY)
         self._grants = itertools.count()
         self._waiters: dict[int, asyncio.Future[Lease | None]] = {}  # None: its deadline passed
         # Waiters' deadlines (loop time, seq) by seq, and one loop timer for the earliest: a timer
@@ -146,7 +147,7 @@ class MemoryStore:
 
     def forget(self, lease_id: str) -> bool:
         """Drop a lease another store has taken over: its tokens come back here, nothing else."""
-        live = self._leases.pop(lease_id, None)
+        live = self._lease_gone(lease_id)
         if live is None:
             return False
         now = self._clock()
@@ -218,13 +219,11 @@ class MemoryStore:
 
     async def release(self, lease_id: str, actual_decode: int | None = None) -> bool:
         # actual_decode is the backend's completion-token count; policy.release clamps it.
-        live = self._leases.pop(lease_id, None)
+        live = self._lease_gone(lease_id)
         if live is None:
             return False
         now = self._clock()
         self._return(live.lease.demand, actual_decode, now)
-        if len(self._expiry) > 64 and len(self._expiry) > 3 * len(self._leases):
-            self._trim_expiry()
         if self._state.waiting:
             self._grant(now)
         return True
@@ -283,7 +282,7 @@ class MemoryStore:
         )
         expires_at = now + self._state.layout.policy.lease_ttl_s
         self._leases[lease.id] = _Live(lease, expires_at, next(self._grants))
-        heapq.heappush(self._expiry, (expires_at, lease.id))
+        self._expiry.add(lease.id, (expires_at, lease.id))
         return lease
 
     def _add_deadline(self, loop: asyncio.AbstractEventLoop, deadline: float, seq: int) -> None:
@@ -321,9 +320,12 @@ class MemoryStore:
             self._arm_deadline(loop, at)
 
     def _expire_at(self, expires_at: float, lease_id: str) -> None:
-        heapq.heappush(self._expiry, (expires_at, lease_id))
-        if len(self._expiry) > 64 and len(self._expiry) > 3 * len(self._leases):
-            self._trim_expiry()
+        self._expiry.discard(lease_id)
+        self._expiry.add(lease_id, (expires_at, lease_id))
+
+    def _lease_gone(self, lease_id: str) -> _Live | None:
+        self._expiry.discard(lease_id)
+        return self._leases.pop(lease_id, None)
 
     def _grant(self, now: float, own: int | None = None) -> Lease | None:
         """Run a grant pass and hand each grant to its waiter; returns ``own``'s lease if granted."""
@@ -349,15 +351,9 @@ class MemoryStore:
         return mine
 
     def _drop_lease(self, lease_id: str, now: float, actual_decode: int | None) -> None:
-        live = self._leases.pop(lease_id, None)
+        live = self._lease_gone(lease_id)
         if live is not None:
             self._return(live.lease.demand, actual_decode, now)
-
-    def _trim_expiry(self) -> None:
-        """Released leases leave their expiry entries behind: dropped once they outnumber the live
-        leases three to one (memory stays bounded by the leases in flight)."""
-        self._expiry = [(live.expires_at, i) for i, live in self._leases.items()]
-        heapq.heapify(self._expiry)
 
     def _return(self, demand: Demand, actual_decode: int | None, now: float) -> None:
         policy.release(self._state, demand, actual_decode, now)
@@ -394,13 +390,14 @@ class MemoryStore:
 
     def _reap(self) -> int:
         now = self._clock()
-        heap, leases = self._expiry, self._leases
+        expiry, leases = self._expiry, self._leases
         expired: list[_Live] = []
-        while heap and heap[0][0] <= now:
-            expires_at, lease_id = heapq.heappop(heap)
-            live = leases.get(lease_id)
-            if live is not None and live.expires_at == expires_at:
-                expired.append(live)
+        while True:
+            expires_at, lease_id = expiry.lowest()
+            if not expires_at <= now:  # (also when none is left: _NO_EXPIRY is infinite)
+                break
+            expiry.discard(lease_id)
+            expired.append(leases[lease_id])
         expired.sort(key=lambda live: live.n)  # grant order, as the leases were granted
         for live in expired:
             self._drop_lease(live.lease.id, now, None)  # usage unknown: the whole reservation is charged

@@ -38,7 +38,7 @@ def test_a_store_used_from_a_new_event_loop_still_times_its_waiters_out() -> Non
         runner.run(second_loop())
 
 
-async def test_a_waiter_that_leaves_takes_its_deadline_and_its_index_entries_with_it() -> None:
+async def test_a_waiter_or_lease_that_leaves_takes_its_deadline_expiry_and_index_entries_with_it() -> None:
     # Granted, cancelled or timed out: nothing a waiter left behind is walked later (a lazy heap
     # kept granted waiters' deadlines until they came up, then dropped them all in one step).
     store = MemoryStore(layout([shared(P, 10)], ["a", "b", "c"]))
@@ -58,8 +58,10 @@ async def test_a_waiter_that_leaves_takes_its_deadline_and_its_index_entries_wit
         for task in granted:
             await store.release(held.id)
             held = await task
+        await store.heartbeat([held.id])  # moves its expiry entry, leaves no second one
+        assert len(store._expiry) == 1
         await store.release(held.id)
-        assert len(store._deadlines) == 0 and not store._waiters
+        assert len(store._deadlines) == 0 and not store._waiters and len(store._expiry) == 0
         state = store._state
         assert not state.index.age and not state.backlog_min and not state.lease_min
         assert not state.index.heads and not state.index.groups
