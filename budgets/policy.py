@@ -265,11 +265,13 @@ class PolicyState:
     idle_since: dict[str, float] = field(default_factory=dict)  # tenants idle since (not forgotten)
     # (idle since, tenant) of the same tenants, oldest first
     idle_order: MinMap[str, tuple[float, str]] = field(default_factory=lambda: MinMap(_NO_IDLE))
-    # The lift's bases: the counters of backlogged tenants, of tenants with live leases, of all.
+    # The lift's bases, each counter in one of them (``_place``): backlogged tenants'; tenants'
+    # with live leases and nothing waiting (rule 2 is asked only when no other tenant is
+    # backlogged: every other leased tenant is here then); everyone else's (idle, or not active
+    # yet: rule 3, asked when nobody else is backlogged or leased, when every counter is here).
+    # So a counter that changes moves one tree, whatever its tenant is doing.
     backlog_min: MinMap[str, float] = field(default_factory=lambda: MinMap(math.inf))
     lease_min: MinMap[str, float] = field(default_factory=lambda: MinMap(math.inf))
-    # ... and of tenants with neither (idle, or not active yet): with no other backlogged or leased
-    # tenant, that is every counter there is (rule 3), and no busy tenant's charge touches it.
     idle_min: MinMap[str, float] = field(default_factory=lambda: MinMap(math.inf))
     tier_order: tuple[BudgetLayout | None, tuple[str, ...]] = (None, ())  # (layout, tiers by rank)
     # The last grant pass ran to its end and nothing it looks at has changed since: the next pass
@@ -384,14 +386,29 @@ def set_counter(state: PolicyState, tenant: str, value: float) -> None:
 
 def _set_counter(state: PolicyState, tenant: str, value: float) -> None:
     state.counters[tenant] = value
-    leased = tenant in state.leases_by_tenant
-    if leased:
-        state.lease_min.set(tenant, value)
     if tenant in state.tenant_waiting:
         state.backlog_min.set(tenant, value)
         state.index.reposition(tenant, value)  # (a head being granted is out of the index already)
-    elif not leased:
+    elif tenant in state.leases_by_tenant:
+        state.lease_min.set(tenant, value)
+    else:
         state.idle_min.set(tenant, value)
+
+
+def _place(state: PolicyState, tenant: str) -> None:
+    """The tenant started or stopped being backlogged or leased: its counter moves to the lift
+    base its state now names (``PolicyState.backlog_min``)."""
+    if tenant in state.tenant_waiting:
+        keep, drop, other = state.backlog_min, state.lease_min, state.idle_min
+    elif tenant in state.leases_by_tenant:
+        keep, drop, other = state.lease_min, state.backlog_min, state.idle_min
+    else:
+        keep, drop, other = state.idle_min, state.backlog_min, state.lease_min
+    drop.discard(tenant)
+    other.discard(tenant)
+    counter = state.counters.get(tenant)
+    if counter is not None:
+        keep.set(tenant, counter)
 
 
 def lift(state: PolicyState, tenant: str) -> None:
@@ -418,10 +435,10 @@ def _charge(state: PolicyState, demand: Demand) -> None:
     leased = state.leases_by_tenant
     n = leased.get(tenant, 0)
     leased[tenant] = n + 1
-    value = state.counters.get(tenant, 0.0) + prompt_service(state.layout, demand)
-    _set_counter(state, tenant, value)
     if not n:
         _active(state, tenant)
+        _place(state, tenant)
+    _set_counter(state, tenant, state.counters.get(tenant, 0.0) + prompt_service(state.layout, demand))
     if cost and state.index.private:
         _private_changed(state, demand, freed=False)
 
@@ -443,7 +460,7 @@ def release(state: PolicyState, demand: Demand, actual_decode: int | None, now: 
         state.leases_by_tenant[tenant] = n
     else:
         state.leases_by_tenant.pop(tenant, None)
-        state.lease_min.discard(tenant)
+        _place(state, tenant)
         if tenant not in state.tenant_waiting:
             _idle(state, tenant, state.clock if now is None else now)
     spec = state.layout.tenants.get(tenant)
@@ -496,16 +513,12 @@ def _private_changed(state: PolicyState, demand: Demand, freed: bool) -> None:
 def _idle(state: PolicyState, tenant: str, now: float) -> None:
     state.idle_since[tenant] = now
     state.idle_order.set(tenant, (now, tenant))
-    counter = state.counters.get(tenant)
-    if counter is not None:
-        state.idle_min.set(tenant, counter)
 
 
 def _active(state: PolicyState, tenant: str) -> None:
     """The tenant has a waiting ticket or a live lease again (it had neither)."""
     if state.idle_since.pop(tenant, None) is not None:
         state.idle_order.discard(tenant)
-    state.idle_min.discard(tenant)  # (also a newcomer, whose lift gave it a counter just now)
 
 
 def forget_idle(state: PolicyState, now: float, limit: int | None = None) -> int:
@@ -553,7 +566,7 @@ def enqueue(state: PolicyState, demand: Demand, now: float) -> Ticket:
     state.tenant_waiting[tenant] = backlog + 1
     if not backlog:
         _active(state, tenant)
-        state.backlog_min.set(tenant, state.counters[tenant])
+        _place(state, tenant)
     state.tier_waiting[tier] = state.tier_waiting.get(tier, 0) + 1
     cost = demand.cost
     if cost:
@@ -631,7 +644,7 @@ def _forget(state: PolicyState, ticket: Ticket, now: float | None, granted: bool
         state.tenant_waiting[tenant] = n
     else:
         del state.tenant_waiting[tenant]
-        state.backlog_min.discard(tenant)
+        _place(state, tenant)
         if not granted and tenant not in state.leases_by_tenant:
             _idle(state, tenant, state.clock if now is None else now)
     n = state.tier_waiting[tier] - 1

@@ -292,16 +292,13 @@ def test_grant_pass_is_deterministic(ops: list[tuple], order: QueueOrder) -> Non
 
 
 def check_lift_bases(s: PolicyState) -> None:
-    """The lift's bases hold exactly the counters of their tenants (and the idle order its idle)."""
+    """Each counter is in the lift base its tenant's state names, and nowhere else."""
     c = s.counters
-    assert set(s.backlog_min.slots) == set(s.tenant_waiting)
-    assert set(s.lease_min.slots) == set(s.leases_by_tenant)
-    idle = {t for t in c if t not in s.tenant_waiting and t not in s.leases_by_tenant}
-    assert set(s.idle_min.slots) == idle and set(s.idle_order.slots) == set(s.idle_since) <= idle
-    for base, members in (
-        (s.backlog_min, s.tenant_waiting),
-        (s.lease_min, s.leases_by_tenant),
-        (s.idle_min, idle),
-    ):
+    backlogged = set(s.tenant_waiting)
+    leased = set(s.leases_by_tenant) - backlogged
+    idle = set(c) - backlogged - leased
+    assert set(s.idle_order.slots) == set(s.idle_since) <= idle
+    for base, members in ((s.backlog_min, backlogged), (s.lease_min, leased), (s.idle_min, idle)):
+        assert set(base.slots) == members
         assert base.lowest() == min((c[t] for t in members), default=math.inf)
         assert sorted(base.tree.keys()) == sorted(c[t] for t in members)
