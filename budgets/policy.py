@@ -265,7 +265,7 @@ class PolicyState:
     idle_since: dict[str, float] = field(default_factory=dict)  # tenants idle since (not forgotten)
     # (idle since, tenant) of the same tenants, oldest first
     idle_order: MinMap[str, tuple[float, str]] = field(default_factory=lambda: MinMap(_NO_IDLE))
-    # The lift's bases, each counter in one of them (``_place``): backlogged tenants'; tenants'
+    # The lift's bases, each counter in one of them (``_move``): backlogged tenants'; tenants'
     # with live leases and nothing waiting (rule 2 is asked only when no other tenant is
     # backlogged: every other leased tenant is here then); everyone else's (idle, or not active
     # yet: rule 3, asked when nobody else is backlogged or leased, when every counter is here).
@@ -395,20 +395,13 @@ def _set_counter(state: PolicyState, tenant: str, value: float) -> None:
         state.idle_min.set(tenant, value)
 
 
-def _place(state: PolicyState, tenant: str) -> None:
-    """The tenant started or stopped being backlogged or leased: its counter moves to the lift
-    base its state now names (``PolicyState.backlog_min``)."""
-    if tenant in state.tenant_waiting:
-        keep, drop, other = state.backlog_min, state.lease_min, state.idle_min
-    elif tenant in state.leases_by_tenant:
-        keep, drop, other = state.lease_min, state.backlog_min, state.idle_min
-    else:
-        keep, drop, other = state.idle_min, state.backlog_min, state.lease_min
-    drop.discard(tenant)
-    other.discard(tenant)
+def _move(state: PolicyState, tenant: str, src: MinMap[str, float], dst: MinMap[str, float]) -> None:
+    """The tenant's state changed (``PolicyState.backlog_min`` says which base each names): its
+    counter moves from ``src`` to ``dst``."""
+    src.discard(tenant)
     counter = state.counters.get(tenant)
     if counter is not None:
-        keep.set(tenant, counter)
+        dst.set(tenant, counter)
 
 
 def lift(state: PolicyState, tenant: str) -> None:
@@ -437,7 +430,8 @@ def _charge(state: PolicyState, demand: Demand) -> None:
     leased[tenant] = n + 1
     if not n:
         _active(state, tenant)
-        _place(state, tenant)
+        if tenant not in state.tenant_waiting:  # (backlogged, it stays in backlog_min)
+            _move(state, tenant, state.idle_min, state.lease_min)
     _set_counter(state, tenant, state.counters.get(tenant, 0.0) + prompt_service(state.layout, demand))
     if cost and state.index.private:
         _private_changed(state, demand, freed=False)
@@ -460,7 +454,8 @@ def release(state: PolicyState, demand: Demand, actual_decode: int | None, now: 
         state.leases_by_tenant[tenant] = n
     else:
         state.leases_by_tenant.pop(tenant, None)
-        _place(state, tenant)
+        if tenant not in state.tenant_waiting:
+            _move(state, tenant, state.lease_min, state.idle_min)
         if tenant not in state.tenant_waiting:
             _idle(state, tenant, state.clock if now is None else now)
     spec = state.layout.tenants.get(tenant)
@@ -566,7 +561,8 @@ def enqueue(state: PolicyState, demand: Demand, now: float) -> Ticket:
     state.tenant_waiting[tenant] = backlog + 1
     if not backlog:
         _active(state, tenant)
-        _place(state, tenant)
+        src = state.lease_min if tenant in state.leases_by_tenant else state.idle_min
+        _move(state, tenant, src, state.backlog_min)
     state.tier_waiting[tier] = state.tier_waiting.get(tier, 0) + 1
     cost = demand.cost
     if cost:
@@ -644,7 +640,8 @@ def _forget(state: PolicyState, ticket: Ticket, now: float | None, granted: bool
         state.tenant_waiting[tenant] = n
     else:
         del state.tenant_waiting[tenant]
-        _place(state, tenant)
+        dst = state.lease_min if tenant in state.leases_by_tenant else state.idle_min
+        _move(state, tenant, state.backlog_min, dst)
         if not granted and tenant not in state.leases_by_tenant:
             _idle(state, tenant, state.clock if now is None else now)
     n = state.tier_waiting[tier] - 1

@@ -328,7 +328,8 @@ class QueueIndex:
 
     def has_young(self) -> bool:
         """Whether any head is young (parked or not)."""
-        return bool(self.age)
+        age = self.age
+        return bool(age.fifo) or bool(age.tree.slots)  # (MostlyInOrder.__bool__, without the call)
 
 
 def private_ok(head: Head, layout: BudgetLayout, in_flight: Mapping[str, int]) -> bool:
