@@ -808,8 +808,7 @@ def grant_pass(state: PolicyState, now: float) -> list[Ticket]:
     layout = state.layout
     index = state.index
     budget = layout.policy.max_scan
-    # (No young head, parked or not: nothing can age, and promote would only look.)
-    promoted = index.promote(now, layout.policy.backfill_limit_s, budget) if index.has_young() else 0
+    promoted = index.promote(now, layout.policy.backfill_limit_s, budget)
     if not promoted and state.settled:
         return []
     state.settled = False  # until this pass reaches its end

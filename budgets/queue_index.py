@@ -134,7 +134,7 @@ class Head:
 class QueueIndex:
     """Heads of every ``(tier, tenant)`` FIFO, grouped for the grant pass (module docstring)."""
 
-    __slots__ = ("age", "groups", "heads", "private", "split")
+    __slots__ = ("age", "age_floor", "groups", "heads", "private", "split")
 
     def __init__(self) -> None:
         self.heads: dict[tuple[str, str], Head] = {}
@@ -145,6 +145,9 @@ class QueueIndex:
         # Each young head's (enqueued_at, seq, tier, tenant), by (tier, tenant), for ``promote``;
         # a head leaving young leaves it at once.
         self.age: MostlyInOrder[tuple[str, str], AgeKey] = MostlyInOrder(NO_AGE)
+        # At most the lowest enqueue time in ``age`` (lowered by each add, raised to the true lowest
+        # when ``promote`` finds nothing aged): most passes promote nothing, and learn it here.
+        self.age_floor = math.inf
         # demand pools -> (shared pools sorted, private pools) under the indexed layout
         self.split: dict[tuple[str, ...], tuple[tuple[str, ...], tuple[str, ...]]] = {}
 
@@ -178,7 +181,10 @@ class QueueIndex:
         head.rank_seq = ticket.seq if rank_seq is None else rank_seq
         head.old = old or now - ticket.enqueued_at >= layout.policy.backfill_limit_s
         if not head.old:
-            self.age.add((tier, tenant), (ticket.enqueued_at, ticket.seq, tier, tenant))
+            enq = ticket.enqueued_at
+            self.age.add((tier, tenant), (enq, ticket.seq, tier, tenant))
+            if enq < self.age_floor:
+                self.age_floor = enq
         self.heads[(tier, tenant)] = head
         private = split[1]
         if private:
@@ -264,11 +270,14 @@ class QueueIndex:
     def promote(self, now: float, backfill: float, limit: int) -> int:
         """Young heads that have waited ``backfill`` by ``now`` become old, oldest first (by enqueue
         time, then seq), at most ``limit`` of them; returns how many."""
+        if not now - self.age_floor >= backfill:  # (no young head at all: the floor is infinite)
+            return 0
         age, heads = self.age, self.heads
         promoted = 0
         while promoted < limit:
             enq, _, tier, tenant = age.lowest()
             if not now - enq >= backfill:  # (also when none is young: NO_AGE's time is infinite)
+                self.age_floor = enq
                 break
             queue = (tier, tenant)
             age.discard(queue)
@@ -288,6 +297,7 @@ class QueueIndex:
         self.groups.clear()
         self.private.clear()
         self.age = MostlyInOrder(NO_AGE)
+        self.age_floor = math.inf
         self.split.clear()
 
     # ---- internals ----
