@@ -640,7 +640,8 @@ def _forget(state: PolicyState, ticket: Ticket, now: float | None, granted: bool
         state.tenant_waiting[tenant] = n
     else:
         del state.tenant_waiting[tenant]
-        dst = state.lease_min if tenant in state.leases_by_tenant else state.idle_min
+        # (granted: leased the moment after, by the charge: straight to lease_min)
+        dst = state.lease_min if granted or tenant in state.leases_by_tenant else state.idle_min
         _move(state, tenant, state.backlog_min, dst)
         if not granted and tenant not in state.leases_by_tenant:
             _idle(state, tenant, state.clock if now is None else now)

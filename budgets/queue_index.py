@@ -94,7 +94,7 @@ class Group:
 
     def lowest_young_cost(self) -> float:
         """The lowest cost of a young head (``math.inf`` when none is young)."""
-        return self.cost_order.tree.cells[1]
+        return self.cost_order.cells[1]
 
     def add_cost(self, cost: int) -> None:
         """A young head with ``cost`` joined the group (call after counting it in ``n_young``)."""

@@ -40,7 +40,7 @@ def test_the_lowest_key_and_the_lowest_of_the_others_are_always_exact(
         for other in NAMES[:6]:
             rest = [v for n, v in model.items() if n != other]
             assert tree.lowest_other(other) == min(rest, default=math.inf)
-    assert sorted(tree.tree.keys()) == sorted(model.values())
+    assert sorted(tree.keys()) == sorted(model.values())
 
 
 @given(st.lists(st.integers(0, 1000), min_size=1, max_size=200), st.data())
@@ -71,7 +71,7 @@ def test_keys_that_rise_in_turn_keep_the_lowest_exact_at_every_step() -> None:
         assert tree.lowest() == (0.0 if t < 999 else 1.0)
     tree.discard(0)
     assert tree.lowest() == 1.0 and len(tree) == 999
-    assert tree.tree.cap == 1024
+    assert tree.cap == 1024
 
 
 @given(st.lists(st.tuples(st.booleans(), st.integers(-3, 10), st.integers(0, 30)), max_size=300))

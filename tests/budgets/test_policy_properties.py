@@ -301,4 +301,4 @@ def check_lift_bases(s: PolicyState) -> None:
     for base, members in ((s.backlog_min, backlogged), (s.lease_min, leased), (s.idle_min, idle)):
         assert set(base.slots) == members
         assert base.lowest() == min((c[t] for t in members), default=math.inf)
-        assert sorted(base.tree.keys()) == sorted(c[t] for t in members)
+        assert sorted(base.keys()) == sorted(c[t] for t in members)
