@@ -73,16 +73,16 @@ class MinTree(Generic[K]):
         cells = self.cells
         i = self.cap + slot
         cells[i] = key
-        i >>= 1
-        while i:
-            a = cells[2 * i]
-            b = cells[2 * i + 1]
-            m = b if b < a else a
+        m = key  # the value just written at cell i: its parent's is the lower of it and i's sibling
+        while i > 1:
+            s = cells[i ^ 1]
+            if s < m:
+                m = s
+            i >>= 1
             was = cells[i]
             if was is m or was == m:  # the cells above were made from this value: unchanged too
                 return
             cells[i] = m
-            i >>= 1
 
     def lowest_except(self, slot: int) -> K:
         """The lowest key in any slot but ``slot``."""
