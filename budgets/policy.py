@@ -227,7 +227,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from budgets.min_tree import MinMap
+from budgets.min_tree import MinMap, MostlyInOrder
 from budgets.queue_index import Group, Head, QueueIndex, Ticket
 from budgets.types import (
     AdmissionError,
@@ -263,8 +263,8 @@ class PolicyState:
     tier_waiting: dict[str, int] = field(default_factory=dict)  # only tiers with > 0
     ahead: dict[tuple[str, str], int] = field(default_factory=dict)  # (pool, tier) -> waiting tokens
     idle_since: dict[str, float] = field(default_factory=dict)  # tenants idle since (not forgotten)
-    # (idle since, tenant) of the same tenants, oldest first
-    idle_order: MinMap[str, tuple[float, str]] = field(default_factory=lambda: MinMap(_NO_IDLE))
+    # (idle since, tenant) of the same tenants, oldest first (they go idle in clock order, mostly)
+    idle_order: MostlyInOrder[str, tuple[float, str]] = field(default_factory=lambda: MostlyInOrder(_NO_IDLE))
     # The lift's bases, each counter in one of them (``_move``): backlogged tenants'; tenants'
     # with live leases and nothing waiting (rule 2 is asked only when no other tenant is
     # backlogged: every other leased tenant is here then); everyone else's (idle, or not active
@@ -456,7 +456,6 @@ def release(state: PolicyState, demand: Demand, actual_decode: int | None, now: 
         state.leases_by_tenant.pop(tenant, None)
         if tenant not in state.tenant_waiting:
             _move(state, tenant, state.lease_min, state.idle_min)
-        if tenant not in state.tenant_waiting:
             _idle(state, tenant, state.clock if now is None else now)
     spec = state.layout.tenants.get(tenant)
     if spec is not None and tenant in state.counters:
@@ -507,7 +506,7 @@ def _private_changed(state: PolicyState, demand: Demand, freed: bool) -> None:
 
 def _idle(state: PolicyState, tenant: str, now: float) -> None:
     state.idle_since[tenant] = now
-    state.idle_order.set(tenant, (now, tenant))
+    state.idle_order.add(tenant, (now, tenant))
 
 
 def _active(state: PolicyState, tenant: str) -> None:

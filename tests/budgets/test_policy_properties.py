@@ -297,7 +297,8 @@ def check_lift_bases(s: PolicyState) -> None:
     backlogged = set(s.tenant_waiting)
     leased = set(s.leases_by_tenant) - backlogged
     idle = set(c) - backlogged - leased
-    assert set(s.idle_order.slots) == set(s.idle_since) <= idle
+    assert set(s.idle_order.fifo) | set(s.idle_order.tree.slots) == set(s.idle_since) <= idle
+    assert len(s.idle_order) == len(s.idle_since)
     for base, members in ((s.backlog_min, backlogged), (s.lease_min, leased), (s.idle_min, idle)):
         assert set(base.slots) == members
         assert base.lowest() == min((c[t] for t in members), default=math.inf)
