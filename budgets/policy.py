@@ -430,7 +430,8 @@ def _charge(state: PolicyState, demand: Demand) -> None:
     leased[tenant] = n + 1
     if not n:
         _active(state, tenant)
-        if tenant not in state.tenant_waiting:  # (backlogged, it stays in backlog_min)
+        # (Backlogged, it stays in backlog_min; granted its last ticket, _forget moved it already.)
+        if tenant not in state.tenant_waiting and tenant not in state.lease_min.slots:
             _move(state, tenant, state.idle_min, state.lease_min)
     _set_counter(state, tenant, state.counters.get(tenant, 0.0) + prompt_service(state.layout, demand))
     if cost and state.index.private:
