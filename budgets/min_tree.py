@@ -4,8 +4,9 @@ Why not a heap with lazy deletion (what budgets/ used before): a lazy heap leave
 each time a member's key changes or the member leaves, and drops it only when it reaches the top.
 That is cheap on average and unbounded at the worst moment: when N members' keys rose together (a
 saturated pool serving N backlogged tenants in turn) their N outdated entries surface together, and
-one call walks all of them (measured: a 355 ms grant pass and a 234 ms enqueue at 100,000 waiting
-tenants, docs/benchmarks.md). A rebuild when stale entries pile up is the same walk at another time.
+one call walks all of them (measured: grant passes of 235–355 ms and enqueues of 204–234 ms at
+100,000 waiting tenants, docs/benchmarks.md, "Every step bounded"). A rebuild when stale entries
+pile up is the same walk at another time.
 
 Here every key sits in a numbered *slot* (a leaf of a complete binary tree over ``2 * capacity``
 list cells; cell ``capacity + slot`` is the slot's key, cell ``i`` below ``capacity`` the lower of

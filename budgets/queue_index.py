@@ -25,7 +25,8 @@ change of those. It never decides anything by itself; the spec of the pass is th
   moves it) at once, at O(log n) at worst (budgets/min_tree.py). Lazy heaps, which leave an entry
   behind and drop it when it surfaces, were cheaper on average and unbounded at the worst moment:
   after a round in which every backlogged tenant was served once, all their outdated entries
-  surfaced in one grant pass (355 ms at 100,000 waiting tenants; docs/benchmarks.md).
+  surfaced in one grant pass (235–355 ms at 100,000 waiting tenants; docs/benchmarks.md,
+  "Every step bounded").
 
 Redis keeps the same structures in sorted sets (budgets/redis/lua/lib.lua).
 """
