@@ -41,6 +41,8 @@ def test_the_lowest_key_and_the_lowest_of_the_others_are_always_exact(
             rest = [v for n, v in model.items() if n != other]
             assert tree.lowest_other(other) == min(rest, default=math.inf)
     assert sorted(tree.keys()) == sorted(model.values())
+    cells = tree.cells  # every inner cell the lower of its two children, after growth too
+    assert all(cells[i] == min(cells[2 * i], cells[2 * i + 1]) for i in range(1, tree.cap))
 
 
 @given(st.lists(st.integers(0, 1000), min_size=1, max_size=200), st.data())
