@@ -320,8 +320,7 @@ class MemoryStore:
             self._arm_deadline(loop, at)
 
     def _expire_at(self, expires_at: float, lease_id: str) -> None:
-        self._expiry.discard(lease_id)
-        self._expiry.add(lease_id, (expires_at, lease_id))
+        self._expiry.add(lease_id, (expires_at, lease_id))  # (moves the lease's entry)
 
     def _lease_gone(self, lease_id: str) -> _Live | None:
         self._expiry.discard(lease_id)

@@ -166,8 +166,8 @@ class MostlyInOrder(Generic[N, K]):
 
     Keys at or above the last one taken in go to a FIFO (an ``OrderedDict``: adding, taking out
     and reading the front are O(1), where a tree's lowest key costs a walk of its height to take
-    out, seventeen cold steps at 100,000); the rest to a tree. Each name holds one key, added
-    once (to change it, discard it and add it again).
+    out, seventeen cold steps at 100,000); the rest to a tree. Each name holds one key: adding a
+    name that is there moves it.
     """
 
     __slots__ = ("fifo", "last", "tree")
@@ -185,6 +185,8 @@ class MostlyInOrder(Generic[N, K]):
 
     def add(self, name: N, key: K) -> None:
         fifo = self.fifo
+        if name in fifo or name in self.tree.slots:  # (the FIFO would keep its old place)
+            self.discard(name)
         if not fifo or not key < self.last:
             fifo[name] = key
             self.last = key

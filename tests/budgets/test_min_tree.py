@@ -89,11 +89,12 @@ def test_mostly_in_order_keys_come_out_lowest_first_wherever_they_were_kept(
         if leave:
             keys.discard(victim)
             model.pop(victim, None)
-        elif seq not in model:
+        else:
             clock += max(step, 0)
-            key = (float(clock + min(step, 0)), seq)  # a negative step: enqueued before the last
-            keys.add(seq, key)
-            model[seq] = key
+            name = seq if step % 4 else victim  # now and then a name that may be there: it moves
+            key = (float(clock + min(step, 0)), name)  # a negative step: enqueued before the last
+            keys.add(name, key)
+            model[name] = key
         assert len(keys) == len(model) and bool(keys) == bool(model)
         assert keys.lowest() == min(model.values(), default=(math.inf, 0))
     while model:  # taken out lowest first, as promote and the deadline timer do
