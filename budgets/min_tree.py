@@ -132,9 +132,6 @@ class MinMap(MinTree[K], Generic[N, K]):
         super().__init__(top)
         self.slots: dict[N, int] = {}
 
-    def __contains__(self, name: object) -> bool:
-        return name in self.slots
-
     def set(self, name: N, key: K) -> None:
         slot = self.slots.get(name)
         if slot is None:
