@@ -841,11 +841,10 @@ def grant_pass(state: PolicyState, now: float) -> list[Ticket]:
             for g in live:
                 room = _room(g, tier, layout, in_flight)
                 cand = g.lowest_old()
-                if g.n_young:
-                    young = g.young
-                    i = 0 if cursor is None else young.bisect_right(cursor)
-                    if i < g.n_young:
-                        succ = young[i]
+                young = g.young
+                if young.n:
+                    succ = young.first() if cursor is None else young.after(cursor)
+                    if succ is not None:
                         if g.lowest_young_cost() <= room:
                             if cand is None or succ < cand:
                                 cand = succ

@@ -12,9 +12,10 @@ change of those. It never decides anything by itself; the spec of the pass is th
   :class:`Group`: the heads of one tier that name the same shared pools.
 - A head is *young* or *old* (policy docstring: old once it has waited ``backfill_limit_s``, made
   so when it becomes head or by ``promote`` at the start of a pass). In its group an active head is
-  young or old too. Young heads are in a sorted list by ``(counter, rank_seq, tenant)`` (the pass
-  walks them from its cursor), and counted per cost, with the costs there are in a tree (the pass
-  asks "can any young head of this group fit?" of the lowest cost). Old heads are in a tree by
+  young or old too. Young heads are in order by ``(counter, rank_seq, tenant)`` (short sorted
+  buckets, budgets/sorted_keys.py: the pass asks for the first one above its cursor), and counted
+  per cost, with the costs there are in a tree (the pass asks "can any young head of this group
+  fit?" of the lowest cost). Old heads are in a tree by
   ``(counter, rank_seq, tenant)`` (the lowest one either fits or holds the group's pools, so
   nothing but the minimum is ever needed). Young heads, parked or not, are also ordered by enqueue
   time for ``promote``: in a FIFO while they come in that order (a new ticket that is head at once,
@@ -37,9 +38,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from sortedcontainers import SortedList
-
 from budgets.min_tree import MinMap, MinTree, MostlyInOrder
+from budgets.sorted_keys import SortedKeys
 from budgets.types import BudgetLayout, Demand
 
 Key = tuple[float, int, str]  # (counter, rank_seq, tenant): the rank of a head inside its tier
@@ -63,7 +63,6 @@ class Group:
         "costs",
         "limits",
         "limits_of",
-        "n_young",
         "old",
         "pools",
         "tier",
@@ -73,20 +72,19 @@ class Group:
     def __init__(self, tier: str, pools: tuple[str, ...]) -> None:
         self.tier = tier
         self.pools = pools
-        self.young: SortedList = SortedList()  # Key of each young head
+        self.young: SortedKeys[Key] = SortedKeys()  # Key of each young head
         # cost -> young heads with that cost (> 0), and those costs in a tree: one entry per
         # distinct cost, so as many as there are heads at worst and far fewer where costs repeat
         # (the same prompt and max_tokens, a benchmark), small and hot in the caches there.
         self.costs: dict[int, int] = {}
         self.cost_order: MinMap[int, float] = MinMap(math.inf)
         self.old: MinTree[Key] = MinTree(NO_KEY)  # Key of each old head, in the head's ``slot``
-        self.n_young = 0  # len(young), read on every pass without SortedList's Python-level __len__
         # (pool, limit for this tier) of each pool, under the layout ``limits_of`` (the pass's room)
         self.limits: tuple[tuple[str, int], ...] = ()
         self.limits_of: BudgetLayout | None = None
 
     def __bool__(self) -> bool:
-        return self.n_young > 0 or self.old.n > 0
+        return self.young.n > 0 or self.old.n > 0
 
     def lowest_old(self) -> Key | None:
         """The lowest-ranked old head's key."""
@@ -98,7 +96,7 @@ class Group:
         return self.cost_order.cells[1]
 
     def add_cost(self, cost: int) -> None:
-        """A young head with ``cost`` joined the group (call after counting it in ``n_young``)."""
+        """A young head with ``cost`` joined the group."""
         costs = self.costs
         n = costs.get(cost)
         if n is not None:
@@ -288,7 +286,6 @@ class QueueIndex:
             group, key = head.group, head.key
             if group is not None and key is not None:  # active (a parked head only keeps the flag)
                 group.young.remove(key)
-                group.n_young -= 1
                 group.drop_cost(head.ticket.demand.cost)
                 head.slot = group.old.add(key)
         return promoted
@@ -316,7 +313,6 @@ class QueueIndex:
             head.slot = group.old.add(key)
         else:
             group.young.add(key)
-            group.n_young += 1
             group.add_cost(head.ticket.demand.cost)
 
     def _deactivate(self, head: Head) -> None:
@@ -327,10 +323,9 @@ class QueueIndex:
             head.slot = -1
         else:
             group.young.remove(key)
-            group.n_young -= 1
             group.drop_cost(head.ticket.demand.cost)
         head.group = head.key = None
-        if not group.n_young and not group.old.n:
+        if not group.young.n and not group.old.n:
             by_pools = self.groups[group.tier]
             if by_pools.get(group.pools) is group:
                 del by_pools[group.pools]
