@@ -16,8 +16,8 @@ the granted tenant then queues a new ticket, so the backlog stays the same size.
   grants the next ticket) and queues again, so a cycle is one release, one grant, one wake-up and
   one enqueue. Beyond ``--memory-max-tickets`` (a waiting acquire costs a few kB) the same cycle
   runs on the policy alone, without asyncio (``policy`` rows; ``--memory-max-tickets 0`` for all).
-  Both also report the collector's share: its collections per generation in the cycles' window
-  and their time per cycle (``gc.callbacks``);
+  Both also report the collector's share: its collections per generation in the cycles' window,
+  their time per cycle and the longest of each generation (``gc.callbacks``);
 * **Redis store**: the same cycle as script calls (a release, then the granted tenant's new
   acquire), pipelined ``--window`` cycles at a time from one connection: cycles per second of that
   driver, Redis CPU per cycle (``INFO cpu``, so the capacity of one Redis is 1e6 / that), and the
@@ -132,11 +132,13 @@ class PassTimer:
 class CollectorTime:
     """Collections per generation and the time they took, while ``on`` (``gc.callbacks``): how much
     of a cycle is the collector walking what waits (a waiting acquire outlives the young
-    generations, so each is walked by every generation's collection before it is freed)."""
+    generations, so each is walked by every generation's collection before it is freed), and the
+    longest collection of each generation: a stall every request in flight waits out."""
 
     def __init__(self) -> None:
         self.collections = [0, 0, 0]
         self.seconds = [0.0, 0.0, 0.0]
+        self.longest = [0.0, 0.0, 0.0]
         self.on = False
         self._t0 = 0.0
 
@@ -145,8 +147,10 @@ class CollectorTime:
             self._t0 = time.perf_counter()
         elif self.on:
             generation = info["generation"]
+            took = time.perf_counter() - self._t0
             self.collections[generation] += 1
-            self.seconds[generation] += time.perf_counter() - self._t0
+            self.seconds[generation] += took
+            self.longest[generation] = max(self.longest[generation], took)
 
     def __enter__(self) -> CollectorTime:
         gc.callbacks.append(self._callback)
@@ -160,6 +164,7 @@ class CollectorTime:
             "us_per_cycle": sum(self.seconds) / max(1, cycles) * 1e6,
             "collections": list(self.collections),
             "ms": [s * 1e3 for s in self.seconds],
+            "longest_ms": [s * 1e3 for s in self.longest],
         }
 
 
@@ -657,7 +662,11 @@ def print_row(r: dict[str, Any]) -> None:
     )
     if "collector" in r:
         c = r["collector"]
-        extra += f" (collector {c['us_per_cycle']:.1f}; collections {'/'.join(map(str, c['collections']))})"
+        longest = "/".join(f"{ms:.1f}" for ms in c["longest_ms"])
+        extra += (
+            f" (collector {c['us_per_cycle']:.1f}; collections {'/'.join(map(str, c['collections']))}, "
+            f"longest {longest} ms)"
+        )
     print(
         f"{r['store']:<7} {r['tenants']:>7} tenants {r['tickets']:>8} tickets: {r['cycles_per_s']:>9,.0f} cycles/s, "
         f"{extra}; {what} p50 {pas['p50_ms']:.3f} p99 {pas['p99_ms']:.3f} max {pas['max_ms']:.3f} ms",

@@ -89,3 +89,4 @@ def test_the_collector_timer_counts_the_collections_of_its_window_and_no_others(
     per = collector.per_cycle(1000)
     assert per["collections"] == [1, 1, 1]
     assert per["us_per_cycle"] == pytest.approx(sum(collector.seconds) / 1000 * 1e6)
+    assert 0 < per["longest_ms"][2] <= per["ms"][2] and per["longest_ms"][0] <= per["ms"][0]
