@@ -150,7 +150,10 @@ class GcConfig:
     flight or waiting is a few dozen containers, so under load the defaults walk the whole heap
     (every waiting request) several times a second: 59 µs of collector per request, and one
     200+ ms stall per full collection with 100,000 waiters (docs/benchmarks.md, "Garbage
-    collection"). Reference counting still frees everything that is not a cycle at once.
+    collection"). Reference counting still frees everything that is not a cycle at once. With tens
+    of thousands of requests waiting, a young collection walks many times ``threshold0`` objects
+    (frees of old objects count against new ones): a lower ``threshold0`` gives shorter, more
+    frequent stalls (docs/observability.md, "The gateway's own pauses").
     """
 
     threshold0: int = 10_000
