@@ -43,6 +43,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -129,18 +130,29 @@ def callgrind_events(out: Path) -> dict[str, int]:
     return dict(zip(names, totals + [0] * (len(names) - len(totals)), strict=True))
 
 
-def _run(
-    tree: Path,
-    tenants: int,
-    tickets: int,
-    cycles: int,
-    keep: Path,
-    loop: str,
-    clock_step: float | None,
-    cache_sim: bool = False,
-) -> dict[str, int]:
+@dataclass(frozen=True)
+class Setup:
+    """One point to measure: a tree, a size, and how to run it (``main``'s options)."""
+
+    tree: Path
+    tenants: int
+    tickets: int
+    keep: Path  # where callgrind writes
+    loop: str
+    clock_step: float | None
+    cache_sim: bool = False
+
+
+def _run(setup: Setup, cycles: int) -> dict[str, int]:
     """The event totals of one process running ``cycles`` cycles under callgrind."""
-    out = keep / f"callgrind.{tenants}.{tickets}.{cycles}.out"
+    tree, tenants, tickets, loop, clock_step = (
+        setup.tree,
+        setup.tenants,
+        setup.tickets,
+        setup.loop,
+        setup.clock_step,
+    )
+    out = setup.keep / f"callgrind.{tenants}.{tickets}.{cycles}.out"
     env = dict(os.environ)
     here = Path(__file__).resolve().parents[2]
     env["PYTHONPATH"] = os.pathsep.join([str(tree), str(here), env.get("PYTHONPATH", "")])
@@ -153,7 +165,7 @@ def _run(
         "os._exit(3)"
     )
     cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"]
-    if cache_sim:
+    if setup.cache_sim:
         cmd.append("--cache-sim=yes")
     cmd += [sys.executable, "-c", code]
     done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=3600)
@@ -162,29 +174,20 @@ def _run(
     return callgrind_events(out)
 
 
-def point(
-    tree: Path,
-    tenants: int,
-    tickets: int,
-    cycles: int,
-    keep: Path,
-    loop: str,
-    clock_step: float | None,
-    cache_sim: bool = False,
-) -> dict[str, Any]:
-    one = _run(tree, tenants, tickets, cycles, keep, loop, clock_step, cache_sim)
-    two = _run(tree, tenants, tickets, 2 * cycles, keep, loop, clock_step, cache_sim)
+def point(setup: Setup, cycles: int) -> dict[str, Any]:
+    one = _run(setup, cycles)
+    two = _run(setup, 2 * cycles)
     per = {name: (two[name] - one[name]) / cycles for name in two}
     row: dict[str, Any] = {
-        "tree": str(tree),
-        "tenants": tenants,
-        "tickets": tickets,
+        "tree": str(setup.tree),
+        "tenants": setup.tenants,
+        "tickets": setup.tickets,
         "cycles": cycles,
-        "loop": loop,
-        "clock_step": clock_step,
+        "loop": setup.loop,
+        "clock_step": setup.clock_step,
         "per_cycle": per["Ir"],
     }
-    if cache_sim:
+    if setup.cache_sim:
         row["d1_misses_per_cycle"] = per["D1mr"] + per["D1mw"]
         row["ll_misses_per_cycle"] = per["DLmr"] + per["DLmw"]
     return row
@@ -237,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         for size in args.sizes.split(","):
             tenants, tickets = (int(x) for x in size.split(":"))
             for tree in trees:
-                row = point(tree, tenants, tickets, args.cycles, keep, args.loop, step, args.cache_sim)
+                setup = Setup(tree, tenants, tickets, keep, args.loop, step, args.cache_sim)
+                row = point(setup, args.cycles)
                 misses = ""
                 if args.cache_sim:
                     misses = (
