@@ -577,7 +577,7 @@ def enqueue(state: PolicyState, demand: Demand, now: float) -> Ticket:
         if pol.tenant_queue_order != "fifo":
             state.ordered[key] = [(order_key(pol, ticket), ticket.seq)]
         head = state.index.add(
-            tier, tenant, ticket, state.layout, state.counters[tenant], state.in_flight, state.clock
+            key, ticket, state.layout, state.counters[tenant], state.in_flight, state.clock
         )
         if state.settled and _may_fit(state, head):
             state.settled = False  # a new head that a pass may grant
@@ -591,8 +591,7 @@ def enqueue(state: PolicyState, demand: Demand, now: float) -> Ticket:
                 index = state.index
                 index.remove(index.heads[key])
                 index.add(
-                    tier,
-                    tenant,
+                    key,
                     ticket,
                     state.layout,
                     state.counters[tenant],
@@ -678,9 +677,7 @@ def withdraw(state: PolicyState, seq: int, now: float | None = None) -> Ticket |
         index.remove(index.heads[key])
         if fifo:
             tenant = key[1]
-            index.add(
-                key[0], tenant, fifo[0], state.layout, state.counters[tenant], state.in_flight, state.clock
-            )
+            index.add(key, fifo[0], state.layout, state.counters[tenant], state.in_flight, state.clock)
         else:
             del state.queues[key]
     else:
@@ -704,10 +701,9 @@ def _withdraw_ordered(
         index.remove(head)
     elif head.ticket is ticket:
         index.remove(head)
-        tier, tenant = key
+        tenant = key[1]
         index.add(
-            tier,
-            tenant,
+            key,
             state.waiting[order[0][1]],
             state.layout,
             state.counters[tenant],
@@ -757,15 +753,15 @@ def reindex(state: PolicyState) -> None:
     pol = layout.policy
     state.ordered.clear()
     ordered = pol.tenant_queue_order != "fifo"
-    for (tier, tenant), fifo in state.queues.items():
+    for key, fifo in state.queues.items():
         if ordered:
-            order = state.ordered[(tier, tenant)] = sorted((order_key(pol, t), t.seq) for t in fifo)
+            order = state.ordered[key] = sorted((order_key(pol, t), t.seq) for t in fifo)
             head = state.waiting[order[0][1]]
         else:
             head = fifo[0]
         old = was_old.get(head.seq)
         at = clock if old is None else -math.inf
-        index.add(tier, tenant, head, layout, counters[tenant], in_flight, at, bool(old), fifo[0].seq)
+        index.add(key, head, layout, counters[key[1]], in_flight, at, bool(old), fifo[0].seq)
 
 
 def _may_fit(state: PolicyState, head: Head) -> bool:
@@ -884,8 +880,7 @@ def grant_pass(state: PolicyState, now: float) -> list[Ticket]:
                 granted.append(ticket)
                 if nxt is not None:
                     new = index.add(
-                        tier_name,
-                        tenant,
+                        qkey,
                         nxt,
                         layout,
                         state.counters[tenant],

@@ -154,8 +154,7 @@ class QueueIndex:
 
     def add(
         self,
-        tier: str,
-        tenant: str,
+        queue: tuple[str, str],
         ticket: Ticket,
         layout: BudgetLayout,
         counter: float,
@@ -165,7 +164,10 @@ class QueueIndex:
         rank_seq: int | None = None,
     ) -> Head:
         """Index the new head of a queue: old if ``old`` or if it has waited ``backfill_limit_s`` by
-        ``now``; ranked with ``rank_seq`` (the queue's lowest seq; default the ticket's own)."""
+        ``now``; ranked with ``rank_seq`` (the queue's lowest seq; default the ticket's own).
+        ``queue`` is ``(tier, tenant)``, the caller's key object: the index keeps it rather than a
+        copy (everything kept here outlives a young collection, which walks it first)."""
+        tier, tenant = queue
         names = ticket.demand.pools
         split = self.split.get(names)
         if split is None:
@@ -181,10 +183,10 @@ class QueueIndex:
         head.old = old or now - ticket.enqueued_at >= layout.policy.backfill_limit_s
         if not head.old:
             enq = ticket.enqueued_at
-            self.age.add((tier, tenant), (enq, ticket.seq, tier, tenant))
+            self.age.add(queue, (enq, ticket.seq, tier, tenant))
             if enq < self.age_floor:
                 self.age_floor = enq
-        self.heads[(tier, tenant)] = head
+        self.heads[queue] = head
         private = split[1]
         if private:
             naming = self.private
