@@ -21,6 +21,7 @@ _TYPES = {
     408: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     431: "invalid_request_error",
     429: "rate_limit_error",
     499: "client_closed_request",

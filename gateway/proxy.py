@@ -290,6 +290,7 @@ class Proxy:
         raw_auth: str | None = None
         tier_name: str | None = None
         max_wait_s: float | None = None
+        encoded: bytes | None = None
         fwd = x.headers
         drop = REQUEST_DROP
         for name, value in x.scope["headers"]:
@@ -320,6 +321,8 @@ class Proxy:
                 continue
             if name == b"content-type":
                 x.has_content_type = True
+            elif name == b"content-encoding" and value.strip().lower() not in (b"", b"identity"):
+                encoded = value
             fwd.append((name.decode("latin-1"), value.decode("latin-1")))
         # The backend's logs can then be joined with ours.
         fwd.append(("x-request-id", x.record.request_id))
@@ -329,6 +332,15 @@ class Proxy:
         tier = self.auth.tier_for(tenant, tier_name)
         x.record.tier = tier.name
         x.tenant, x.tier = tenant, tier
+        if encoded is not None:
+            # The price is read from the body: a compressed one would be priced at its compressed
+            # size (a pass-through route) and then inflated by any backend that decodes it.
+            raise ApiError(
+                415,
+                f"Content-Encoding {show_value(encoded.decode('latin-1'))} is not supported: send the"
+                " request body uncompressed, without a Content-Encoding header",
+                code="unsupported_content_encoding",
+            )
         # A client may ask to wait less than its tier allows, never more.
         x.max_wait_s = tier.max_queue_wait_s if max_wait_s is None else min(max_wait_s, tier.max_queue_wait_s)
         if self.open_mode and raw_auth is not None:

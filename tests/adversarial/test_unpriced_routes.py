@@ -4,6 +4,7 @@ reach any other /v1 route unless an operator allowed it."""
 
 from __future__ import annotations
 
+import gzip
 import logging
 
 import httpx
@@ -60,4 +61,33 @@ async def test_responses_usage_is_recorded_and_the_output_limit_enforced(
         assert r.content == sent.sent  # relayed byte for byte, usage event included
     line = orjson.loads([rec.getMessage() for rec in caplog.records if rec.name == "tokengate.access"][-1])
     assert (line["prompt_tokens"], line["completion_tokens"]) == (11, 5)
+    assert await gw.wait_idle() == {name: 0 for name in await gw.in_flight()}
+
+
+async def test_a_compressed_body_is_refused_not_priced_at_its_compressed_size(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
+) -> None:
+    # 4 kB of gzip is 2 MB of text to a backend that decodes request bodies; a pass-through route
+    # priced the 4 kB (and forwarded it with its Content-Encoding header).
+    stub, url = stub_backend
+    gw = await gateway_factory(
+        config(url, 20_000) | {"passthrough": {"routes": [{"method": "POST", "path": "/v1/rerank"}]}}
+    )
+    inflated = orjson.dumps({"model": "stub-model", "query": "q", "documents": ["word " * 400_000]})
+    body = gzip.compress(inflated)
+    assert len(body) * 100 < len(inflated)
+    async with httpx.AsyncClient(base_url=gw.url, headers={"authorization": "Bearer k"}) as c:
+        for coding in ("gzip", "GZIP", "br", "deflate, gzip"):
+            headers = {"content-type": "application/json", "content-encoding": coding}
+            r = await c.post("/v1/rerank", content=body, headers=headers)
+            assert r.status_code == 415, r.text
+            err = r.json()["error"]
+            assert err["code"] == "unsupported_content_encoding" and "uncompressed" in err["message"]
+        plain = await c.post(
+            "/v1/rerank",
+            content=orjson.dumps({"model": "stub-model", "query": "q", "documents": ["a"]}),
+            headers={"content-type": "application/json", "content-encoding": "identity"},
+        )
+        assert plain.status_code == 200, plain.text
+    assert [req.path for req in stub.requests] == ["/v1/rerank"]  # only the uncompressed one
     assert await gw.wait_idle() == {name: 0 for name in await gw.in_flight()}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import random
 from typing import Any
 
@@ -90,6 +91,15 @@ async def test_400_for_bad_completions_and_json(closed: RunningGateway) -> None:
         assert_error(await c.post("/v1/chat/completions", json=[1, 2]), 400, code="invalid_json")
         r = await c.post("/v1/chat/completions", json=chat("word " * 40000) | {"model": "stub-model"})
         assert r.status_code == 413  # over max_body_bytes before any JSON parsing
+
+
+async def test_415_for_a_compressed_body_after_the_key_is_checked(closed: RunningGateway) -> None:
+    gz = {"content-type": "application/json", "content-encoding": "gzip"}
+    body = gzip.compress(orjson.dumps(chat() | {"model": "stub-model"}))
+    async with httpx.AsyncClient(base_url=closed.url) as c:
+        assert_error(await c.post("/v1/chat/completions", content=body, headers=gz), 401)
+        r = await c.post("/v1/chat/completions", content=body, headers=gz | AUTH)
+        assert_error(r, 415, code="unsupported_content_encoding")
 
 
 async def test_401s(closed: RunningGateway) -> None:
