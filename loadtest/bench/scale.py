@@ -31,6 +31,14 @@ the granted tenant then queues a new ticket, so the backlog stays the same size.
   (``tracemalloc``) and in Redis (``MEMORY USAGE`` of every key of the domain), and what an idle
   tenant costs once ``idle_forget_s`` has forgotten it.
 
+Every point is measured in the steady state: before its window it runs ``--warm-rounds`` rounds of
+its backlog unmeasured (default one: every waiting ticket granted once, at most ``--warm-cap``
+seconds; each row says how many cycles it warmed, and whether the cap cut that short). A first round
+is not what a saturated endpoint runs: each of its cycles also grants a tenant for the first time
+and builds that tenant's one-time state (at 100,000 tenants it took ~35 % more CPU per cycle,
+with a young collection every ~5,000 cycles instead of every ~100,000; docs/benchmarks.md). ``--warm-rounds 0`` measures after about a
+second of warming, as this benchmark did before 2026-12-04.
+
 The process runs as ``tokengate serve`` does: on uvloop (``--loop asyncio`` for asyncio's own
 loop) and with the collector thresholds it sets (config ``gc``; ``--gc python`` for Python's own):
 a memory-store waiter is a handful of container objects, and how often the collector walks them
@@ -102,6 +110,22 @@ def summary(durations: Sequence[float]) -> dict[str, float]:
     }
 
 
+def warm_target(tickets: int, rounds: float) -> int:
+    """Cycles to run before the measured window: ``rounds`` times the backlog. After one round every
+    waiting ticket has been granted once, and each tenant's one-time state exists (its lease count,
+    its pool's release meter, its slot in each tree and table, grown to size): the steady state of
+    an endpoint that stays saturated, which the window then measures. In a first round a cycle also
+    pays for that growth (and its new objects raise the collector's count: at 100,000 tenants a
+    young collection every ~5,000 cycles instead of every ~100,000)."""
+    return int(tickets * rounds)
+
+
+def warm_done(warmed: int, target: int, started: float, least_s: float, cap_s: float) -> bool:
+    """Whether warming may stop: ``target`` cycles and ``least_s`` seconds run, or ``cap_s`` spent."""
+    spent = time.perf_counter() - started
+    return spent >= cap_s or (warmed >= target and spent >= least_s)
+
+
 class PassTimer:
     """``policy.grant_pass`` timed in place (the memory store calls it through the module)."""
 
@@ -171,9 +195,12 @@ class CollectorTime:
 # ---- memory store ----
 
 
-async def memory_cycles(tenants: int, tickets: int, seconds: float) -> dict[str, Any]:
+async def memory_cycles(
+    tenants: int, tickets: int, seconds: float, warm_rounds: float = 0.0, warm_cap_s: float = 120.0
+) -> dict[str, Any]:
     """``tickets + 1`` acquire tasks on a pool that holds one lease: each, once granted, releases at
-    once (the release grants the next ticket) and queues again at the back of its tenant's FIFO."""
+    once (the release grants the next ticket) and queues again at the back of its tenant's FIFO.
+    Warmed for ``warm_rounds`` rounds of the backlog (``warm_target``), at most ``warm_cap_s``."""
     store = MemoryStore(scale_layout(tenants, pool_tokens=COST), reap_interval_s=3600.0)
     await store.start()
     granted = 0
@@ -192,7 +219,12 @@ async def memory_cycles(tenants: int, tickets: int, seconds: float) -> dict[str,
     try:
         await asyncio.sleep(0)  # all queued
         await store.release(first.id, DECODE)
-        await asyncio.sleep(min(1.0, seconds / 3))  # warm
+        target, started = warm_target(tickets, warm_rounds), time.perf_counter()
+        while True:  # (polled: the waiters count their grants, nothing signals a count)
+            await asyncio.sleep(0.05)
+            if warm_done(granted, target, started, min(1.0, seconds / 3), warm_cap_s):
+                break
+        warmed = granted
         gc.collect()
         # Cycles first, untimed (two clock reads per pass are not the store's work), then as long
         # again with every grant pass timed.
@@ -215,6 +247,8 @@ async def memory_cycles(tenants: int, tickets: int, seconds: float) -> dict[str,
             "cpu_us_per_cycle": cpu / max(1, n) * 1e6,
             "collector": collector.per_cycle(n),
             "grant_pass": summary(timer.durations),
+            "warm_cycles": warmed,
+            "warm_complete": warmed >= target,
         }
     finally:
         running = False
@@ -224,8 +258,11 @@ async def memory_cycles(tenants: int, tickets: int, seconds: float) -> dict[str,
         await store.close()
 
 
-def policy_cycles(tenants: int, tickets: int, seconds: float) -> dict[str, Any]:
-    """The same cycle on budgets.policy alone (no store, no asyncio): what a pass costs the loop."""
+def policy_cycles(
+    tenants: int, tickets: int, seconds: float, warm_rounds: float = 0.0, warm_cap_s: float = 120.0
+) -> dict[str, Any]:
+    """The same cycle on budgets.policy alone (no store, no asyncio): what a pass costs the loop.
+    Warmed as ``memory_cycles``."""
     state = policy.PolicyState(scale_layout(tenants))
     held: deque[Demand] = deque()
     for i in range(IN_FLIGHT):
@@ -236,6 +273,24 @@ def policy_cycles(tenants: int, tickets: int, seconds: float) -> dict[str, Any]:
     for i in range(tickets):
         policy.enqueue(state, demand(i % tenants), now)
     durations: list[float] = []
+
+    def cycle(timed: bool) -> None:
+        now = time.monotonic()
+        policy.release(state, held.popleft(), DECODE, now)
+        p0 = time.perf_counter()
+        got = policy.grant_pass(state, now)
+        if timed:
+            durations.append(time.perf_counter() - p0)
+        for ticket in got:
+            held.append(ticket.demand)
+            policy.enqueue(state, ticket.demand, now)
+            policy.grant_pass(state, now)  # the new ticket's pass, as acquire runs it
+
+    target, started, warmed = warm_target(tickets, warm_rounds), time.perf_counter(), 0
+    while not warm_done(warmed, target, started, 0.0, warm_cap_s):
+        for _ in range(100):
+            cycle(False)
+        warmed += 100
     cycles = 0
     gc.collect()
     with CollectorTime() as collector:
@@ -243,15 +298,7 @@ def policy_cycles(tenants: int, tickets: int, seconds: float) -> dict[str, Any]:
         cpu0, t0 = time.process_time(), time.perf_counter()
         stop = t0 + seconds
         while time.perf_counter() < stop:
-            now = time.monotonic()
-            policy.release(state, held.popleft(), DECODE, now)
-            p0 = time.perf_counter()
-            got = policy.grant_pass(state, now)
-            durations.append(time.perf_counter() - p0)
-            for ticket in got:
-                held.append(ticket.demand)
-                policy.enqueue(state, ticket.demand, now)
-                policy.grant_pass(state, now)  # the new ticket's pass, as acquire runs it
+            cycle(True)
             cycles += 1
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     return {
@@ -262,6 +309,8 @@ def policy_cycles(tenants: int, tickets: int, seconds: float) -> dict[str, Any]:
         "cpu_us_per_cycle": cpu / cycles * 1e6,
         "collector": collector.per_cycle(cycles),
         "grant_pass": summary(durations),
+        "warm_cycles": warmed,
+        "warm_complete": warmed >= target,
     }
 
 
@@ -480,10 +529,12 @@ async def redis_cycles(
     batched: bool,
     lua: str,
     clock_step: float | None = None,
+    warm_rounds: float = 0.0,
+    warm_cap_s: float = 120.0,
 ) -> dict[str, Any]:
     """``batched``: each round is one ``batch`` script call (the releases and the new acquires);
     else one script call per operation, pipelined. ``lua``: ``functions`` or ``scripts``.
-    ``clock_step``: see ``Driver``."""
+    ``clock_step``: see ``Driver``. Warmed as ``memory_cycles``."""
     d = Driver(url, scale_layout(tenants), lua, clock_step)
     await d.start()
     try:
@@ -527,9 +578,9 @@ async def redis_cycles(
                 n += 1
             return n
 
-        warm_until = time.perf_counter() + min(1.0, seconds / 3)
-        while time.perf_counter() < warm_until:
-            await turn()
+        target, started, warmed = warm_target(tickets, warm_rounds), time.perf_counter(), 0
+        while not warm_done(warmed, target, started, min(1.0, seconds / 3), warm_cap_s):
+            warmed += await turn()
         await d.client.config_resetstat()
         cpu0 = await redis_cpu(d.client)
         cycles = 0
@@ -556,6 +607,8 @@ async def redis_cycles(
             "script": summary(durations),
             "bytes_per_waiting_ticket": per_ticket,
             "commands_per_cycle": commands,
+            "warm_cycles": warmed,
+            "warm_complete": warmed >= target,
         }
     finally:
         await d.close()
@@ -629,13 +682,24 @@ async def run_all(args: argparse.Namespace, url: str) -> dict[str, Any]:
     for tenants, tickets in sizes(args.sizes):
         if "memory" in args.stores:
             if tickets <= args.memory_max_tickets:
-                results["cycles"].append(await memory_cycles(tenants, tickets, args.seconds))
+                row = await memory_cycles(tenants, tickets, args.seconds, args.warm_rounds, args.warm_cap)
             else:
-                results["cycles"].append(policy_cycles(tenants, tickets, args.seconds))
+                row = policy_cycles(tenants, tickets, args.seconds, args.warm_rounds, args.warm_cap)
+            results["cycles"].append(row)
             print_row(results["cycles"][-1])
         if "redis" in args.stores:
             for batched in (False, True):
-                row = await redis_cycles(url, tenants, tickets, args.seconds, args.window, batched, args.lua)
+                row = await redis_cycles(
+                    url,
+                    tenants,
+                    tickets,
+                    args.seconds,
+                    args.window,
+                    batched,
+                    args.lua,
+                    warm_rounds=args.warm_rounds,
+                    warm_cap_s=args.warm_cap,
+                )
                 results["cycles"].append(row)
                 print_row(row)
                 if args.commandstats:
@@ -669,7 +733,9 @@ def print_row(r: dict[str, Any]) -> None:
         )
     print(
         f"{r['store']:<7} {r['tenants']:>7} tenants {r['tickets']:>8} tickets: {r['cycles_per_s']:>9,.0f} cycles/s, "
-        f"{extra}; {what} p50 {pas['p50_ms']:.3f} p99 {pas['p99_ms']:.3f} max {pas['max_ms']:.3f} ms",
+        f"{extra}; {what} p50 {pas['p50_ms']:.3f} p99 {pas['p99_ms']:.3f} max {pas['max_ms']:.3f} ms; "
+        f"after {r['warm_cycles']:,} warm cycles"
+        + ("" if r["warm_complete"] else " (--warm-cap reached: a first round, not the steady state)"),
         flush=True,
     )
 
@@ -696,6 +762,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help=f"--sizes {QUICK_SIZES} --seconds 2")
     parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per point")
     parser.add_argument("--window", type=int, default=32, help="redis: cycles per pipelined round trip")
+    parser.add_argument(
+        "--warm-rounds",
+        type=float,
+        default=1.0,
+        help="unmeasured cycles first, in rounds of the backlog (default %(default)s: every waiting ticket "
+        "granted once; 0: about a second, a first round)",
+    )
+    parser.add_argument("--warm-cap", type=float, default=120.0, help="most seconds of warming per point")
     parser.add_argument("--memory-max-tickets", type=int, default=100_000, help="beyond: the policy alone")
     parser.add_argument("--stores", default="memory,redis", help="memory,redis (default both)")
     parser.add_argument(
