@@ -291,11 +291,15 @@ class Proxy:
         tier_name: str | None = None
         max_wait_s: float | None = None
         encoded: bytes | None = None
+        hop: set[str] | None = None  # headers the client's Connection header names: this hop's only
         fwd = x.headers
         drop = REQUEST_DROP
         for name, value in x.scope["headers"]:
             if name in drop:
-                if name == b"authorization":
+                if name == b"connection":
+                    named = {t.strip().lower() for t in value.decode("latin-1").split(",")}
+                    hop = named if hop is None else hop | named
+                elif name == b"authorization":
                     raw_auth = value.decode("latin-1")
                     key = bearer_key(raw_auth)
                 elif name == b"content-length":
@@ -324,6 +328,9 @@ class Proxy:
             elif name == b"content-encoding" and value.strip().lower() not in (b"", b"identity"):
                 encoded = value
             fwd.append((name.decode("latin-1"), value.decode("latin-1")))
+        if hop:
+            fwd[:] = [(n, v) for n, v in fwd if n not in hop]  # (ASGI names are lower case)
+            x.has_content_type = x.has_content_type and "content-type" not in hop
         # The backend's logs can then be joined with ours.
         fwd.append(("x-request-id", x.record.request_id))
 

@@ -117,6 +117,7 @@ async def test_headers_auth_replaced_hop_by_hop_stripped(
     assert h["authorization"] == "Bearer backend-secret"
     assert h["x-custom"] == "kept"
     assert "te" not in h and "keep-alive" not in h and "x-tokengate-tier" not in h
+    assert "x-private" not in h  # named by the client's Connection header: for this hop only
     assert "client-key" not in repr(h)
 
 
