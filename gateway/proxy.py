@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("tokengate.proxy")
 
 _DRAINING = "The gateway is shutting down; retry on another replica"
+# Connection options that name no forwarded header: "close", and headers never forwarded anyway.
+_NOT_FORWARDED = frozenset({"close", *(name.decode("latin-1") for name in REQUEST_DROP)})
 # A stream's lease grows once its output reaches this share of what the lease holds.
 _GROW_AT = 0.9
 
@@ -328,7 +330,7 @@ class Proxy:
             elif name == b"content-encoding" and value.strip().lower() not in (b"", b"identity"):
                 encoded = value
             fwd.append((name.decode("latin-1"), value.decode("latin-1")))
-        if hop:
+        if hop and not hop <= _NOT_FORWARDED:  # (most clients send "keep-alive": nothing to do)
             fwd[:] = [(n, v) for n, v in fwd if n not in hop]  # (ASGI names are lower case)
             x.has_content_type = x.has_content_type and "content-type" not in hop
         # The backend's logs can then be joined with ours.
