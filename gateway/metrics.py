@@ -37,7 +37,7 @@ OUTCOMES = (
     "ok",  # 2xx from the backend, relayed
     "backend_4xx",  # the backend refused the request; relayed as is
     "upstream_error",  # 502/504: connect failure, timeout, backend 5xx, broken stream
-    "rejected",  # refused before reaching a backend: 400/401/404/413/429/503
+    "rejected",  # refused before reaching a backend: 400/401/404/413/415/429/503
     "client_disconnect",  # the client went away (queued, waiting or mid-stream)
     "shutdown",  # cancelled by the drain deadline
     "internal_error",
