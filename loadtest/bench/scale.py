@@ -33,11 +33,9 @@ the granted tenant then queues a new ticket, so the backlog stays the same size.
 
 Every point is measured in the steady state: before its window it runs ``--warm-rounds`` rounds of
 its backlog unmeasured (default one: every waiting ticket granted once, at most ``--warm-cap``
-seconds; each row says how many cycles it warmed, and whether the cap cut that short). A first round
-is not what a saturated endpoint runs: each of its cycles also grants a tenant for the first time
-and builds that tenant's one-time state (at 100,000 tenants it took ~35 % more CPU per cycle,
-with a young collection every ~5,000 cycles instead of every ~100,000; docs/benchmarks.md). ``--warm-rounds 0`` measures after about a
-second of warming, as this benchmark did before 2026-12-04.
+seconds; each row says how many cycles it warmed, and whether the cap cut that short). Why, and
+what a first round costs instead: ``warm_target``. ``--warm-rounds 0`` measures after about a
+second of warming (the policy rows: none), as this benchmark did before 2026-12-04.
 
 The process runs as ``tokengate serve`` does: on uvloop (``--loop asyncio`` for asyncio's own
 loop) and with the collector thresholds it sets (config ``gc``; ``--gc python`` for Python's own):
@@ -115,8 +113,9 @@ def warm_target(tickets: int, rounds: float) -> int:
     waiting ticket has been granted once, and each tenant's one-time state exists (its lease count,
     its pool's release meter, its slot in each tree and table, grown to size): the steady state of
     an endpoint that stays saturated, which the window then measures. In a first round a cycle also
-    pays for that growth (and its new objects raise the collector's count: at 100,000 tenants a
-    young collection every ~5,000 cycles instead of every ~100,000)."""
+    pays for that growth (at 100,000 tenants ~35 % more CPU per cycle), and its new objects raise
+    the collector's count (a young collection every ~5,000 cycles instead of every ~100,000;
+    docs/benchmarks.md, "Tickets or tenants")."""
     return int(tickets * rounds)
 
 
@@ -686,7 +685,7 @@ async def run_all(args: argparse.Namespace, url: str) -> dict[str, Any]:
             else:
                 row = policy_cycles(tenants, tickets, args.seconds, args.warm_rounds, args.warm_cap)
             results["cycles"].append(row)
-            print_row(results["cycles"][-1])
+            print_row(row)
         if "redis" in args.stores:
             for batched in (False, True):
                 row = await redis_cycles(
