@@ -59,9 +59,14 @@ class RedisServer:
     ``stop`` (kill and remove its directory)."""
 
     def __init__(
-        self, port: int | None = None, workdir: Path | None = None, extra_args: Sequence[str] = ()
+        self,
+        port: int | None = None,
+        workdir: Path | None = None,
+        extra_args: Sequence[str] = (),
+        executable: str = REDIS_SERVER,
     ) -> None:
         self.port = port or free_port()
+        self.executable = executable
         self.extra_args = list(extra_args)  # more config directives, e.g. ("--rename-command", "FCALL", "")
         self._own_dir = workdir is None
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="tg-redis-"))
@@ -80,7 +85,7 @@ class RedisServer:
         if self.running:
             return self
         args = [
-            REDIS_SERVER,
+            self.executable,
             "--port",
             str(self.port),
             "--bind",

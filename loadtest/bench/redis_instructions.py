@@ -103,7 +103,7 @@ async def _measure(
     if mode == "fast":
         row = await scale.redis_fast_path(url, tenants, seconds, 32, "functions")
     else:
-        clock = {}
+        clock: dict[str, Any] = {}
         if clock_step is not None:
             if "clock_step" not in inspect.signature(scale.redis_cycles).parameters:
                 raise RuntimeError(

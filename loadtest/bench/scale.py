@@ -54,7 +54,7 @@ import time
 import tracemalloc
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,7 @@ from budgets import policy
 from budgets.memory import MemoryStore
 from budgets.redis import RedisOptions, RedisStore
 from budgets.redis.keys import SEP, pack_demand
-from budgets.redis.scripts import ScriptRunner
+from budgets.redis.scripts import Library, ScriptRunner
 from budgets.types import BudgetLayout, Demand, PolicySpec, PoolSpec, TenantSpec, TierSpec
 from gateway.config import GcConfig
 from gateway.serve import tune_collector
@@ -408,7 +408,12 @@ class Driver:
     fast Redis runs: under valgrind, 50 times slower, real time would age every head."""
 
     def __init__(
-        self, url: str, lay: BudgetLayout, lua: str = "functions", clock_step: float | None = None
+        self,
+        url: str,
+        lay: BudgetLayout,
+        lua: str = "functions",
+        clock_step: float | None = None,
+        library: Library | None = None,
     ) -> None:
         self.url = url
         self.layout = lay
@@ -416,6 +421,8 @@ class Driver:
         self.store = RedisStore(lay, RedisOptions(url=url, key_prefix=self.prefix), replica_id=OWNER)
         self.client = Redis.from_url(url, decode_responses=True)
         self.runner = ScriptRunner(functions=lua == "functions")
+        if library is not None and self.runner.library is not None:  # (an instrumented build of it)
+            self.runner.library = library
         self.key = self.store.keys.layout
         self.ids = 0
         self.clock_step = clock_step
@@ -530,11 +537,15 @@ async def redis_cycles(
     clock_step: float | None = None,
     warm_rounds: float = 0.0,
     warm_cap_s: float = 120.0,
+    library: Library | None = None,
+    window_marks: Callable[[Redis, bool], Awaitable[None]] | None = None,
 ) -> dict[str, Any]:
     """``batched``: each round is one ``batch`` script call (the releases and the new acquires);
     else one script call per operation, pipelined. ``lua``: ``functions`` or ``scripts``.
-    ``clock_step``: see ``Driver``. Warmed as ``memory_cycles``."""
-    d = Driver(url, scale_layout(tenants), lua, clock_step)
+    ``clock_step``: see ``Driver``. Warmed as ``memory_cycles``. ``library``: the function library
+    to load instead of the store's own; ``window_marks(client, started)`` runs just before the
+    measured window (True) and just after it (False), for profilers."""
+    d = Driver(url, scale_layout(tenants), lua, clock_step, library)
     await d.start()
     try:
         held: deque[str] = deque()
@@ -580,6 +591,8 @@ async def redis_cycles(
         target, started, warmed = warm_target(tickets, warm_rounds), time.perf_counter(), 0
         while not warm_done(warmed, target, started, min(1.0, seconds / 3), warm_cap_s):
             warmed += await turn()
+        if window_marks is not None:
+            await window_marks(d.client, True)
         await d.client.config_resetstat()
         cpu0 = await redis_cpu(d.client)
         cycles = 0
@@ -589,6 +602,8 @@ async def redis_cycles(
             cycles += await turn()
         wall = time.perf_counter() - t0
         cpu = await redis_cpu(d.client) - cpu0
+        if window_marks is not None:
+            await window_marks(d.client, False)
         commands = await command_costs(d.client, cycles)
         # Script durations in a shorter run of their own: logging every command costs Redis CPU.
         await slowlog_reset(d.client)
