@@ -25,8 +25,8 @@ redis-server built without that line, for profiling only, never to run a gateway
     sed -i 's/"debug = nil\\\\n"/"\\\\n"/' src/function_lua.c src/eval.c
     make -j2 BUILD_TLS=no          # then --redis-server redis-7.0.15/src/redis-server
 
-A Redis that keeps it off answers the library's load with "nonexistent global variable 'debug'";
-the tool says so and stops.
+A stock Redis answers the profiler's first call with "nonexistent global variable 'debug'"; the
+tool says so and stops.
 """
 
 from __future__ import annotations
