@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import sys
 from collections import Counter
 from dataclasses import dataclass
@@ -210,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--redis-option", action="append", metavar="NAME=VALUE", help="a redis-server setting")
     p.add_argument("--json", help="write the samples here")
     args = p.parse_args(argv)
+    if shutil.which(args.redis_server) is None:
+        p.error(f"--redis-server {args.redis_server!r}: no such executable (see --help for how to build one)")
     try:
         server_args = config_args(args.redis_option)
     except ValueError as e:

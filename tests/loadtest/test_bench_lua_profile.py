@@ -66,6 +66,15 @@ def test_a_stock_redis_server_is_named_as_the_reason_it_cannot_run() -> None:
         lua_profile.main(["--sizes", "10:20", "--seconds", "0.1"])
 
 
+def test_a_redis_server_path_that_is_not_there_is_named_in_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        lua_profile.main(["--redis-server", str(tmp_path / "redis-server")])
+    assert exit_.value.code == 2
+    assert "no such executable" in capsys.readouterr().err
+
+
 async def test_the_scale_driver_loads_the_library_it_is_given_and_marks_the_measured_window() -> None:
     lib = load_library()
     probe = "redis.register_function('tg_probe_fn', function(keys, args) return 1 end)\n"
