@@ -15,9 +15,16 @@ Chat (``/v1/chat/completions``), following the OpenAI cookbook's counting rules:
 * content: a string counts its tokens; a list of parts sums its parts: ``text`` / ``refusal``
   parts count their text, ``image_url`` costs ``image_tokens``, ``input_audio`` / ``audio_url``
   ``audio_tokens``, ``video_url`` ``video_tokens``, ``file`` ``file_tokens``;
+* any other field of a message (``reasoning_content`` / ``reasoning`` of earlier turns,
+  ``tool_call_id``, whatever key an engine's chat template reads): a string counts its tokens, any
+  other non-null value the tokens of its compact JSON;
 * ``reply_priming_tokens`` once (the assistant header the model is primed with);
 * ``tools`` / ``functions``: tokens of their compact JSON + ``tools_overhead_tokens``;
-* ``response_format`` of type ``json_schema``: tokens of the schema object's compact JSON.
+* ``response_format`` of type ``json_schema``: tokens of the schema object's compact JSON;
+* ``documents`` and ``chat_template_kwargs`` (vLLM / SGLang: the chat template renders them into
+  the prompt): tokens of their compact JSON;
+* a ``chat_template`` sent with the request is refused (400 ``unsupported_parameter``): it can make
+  a prompt of any length out of the same messages, so nothing in the body bounds its cost.
 
 Responses (``/v1/responses``), priced like chat:
 
@@ -44,7 +51,8 @@ Responses (``/v1/responses``), priced like chat:
 Completions (``/v1/completions``): each prompt is its own sequence. A string counts its tokens,
 a token-id array its length; ``suffix`` adds its tokens to every prompt. A token id is an integer
 in [0, 2**63); an empty token-id array inside an array of them is refused (an empty string prompt
-is legal).
+is legal). ``prompt_embeds`` (vLLM) is refused (400 ``unsupported_parameter``): how many tokens an
+embedding tensor holds depends on the model's hidden size, which the gateway does not know.
 Embeddings: the same shapes for ``input``; decode is 0.
 
 Pass-through routes (allow-listed POSTs such as ``/v1/rerank``, ``/v1/score``, ``/v1/audio/...``)
@@ -62,7 +70,7 @@ Per choice, the request asks for ``max_completion_tokens``, else ``max_tokens``,
 ``default_max_tokens`` given by the caller (a tenant/class setting). Asking for more than
 ``max_tokens_limit`` is an error; the default is silently clamped to it. Each sequence's per-choice
 reservation is capped at ``context_length - prompt tokens`` (never below 0), and multiplied by the
-number of choices: ``n``, or for completions ``max(n, best_of)``; both are at most ``MAX_CHOICES``
+number of choices: ``max(n, best_of)`` (chat too: vLLM's chat API runs ``best_of`` sequences); both are at most ``MAX_CHOICES``
 (128, OpenAI's limit), so no cost can leave 64-bit integers. A prompt longer than
 ``context_length`` is rejected (code ``context_length_exceeded``).
 Responses: one sequence (the API has no ``n``) reserving ``max_output_tokens``, else the default,
@@ -257,6 +265,17 @@ def _compact_json(value: object, param: str) -> str:
         raise InvalidRequest(
             f"'{param}' cannot be serialized as JSON ({exc}); numbers must fit in 64 bits", param=param
         ) from None
+
+
+# A chat message's fields that _message_tokens counts by their own rules; any other one is counted
+# whole (_other_message_fields_tokens).
+_COUNTED_MESSAGE_FIELDS = frozenset(("role", "content", "name", "tool_calls", "function_call"))
+
+
+def _field_param(where: str, key: str) -> str:
+    """``where.key`` for an error's ``param``, or ``where`` alone when the client's key is not a short
+    plain name (it is echoed in the message)."""
+    return f"{where}.{key}" if len(key) <= _ECHO_CHARS and key.isidentifier() else where
 
 
 def _token_ids(value: list[Any]) -> bool:
@@ -675,7 +694,8 @@ class Pricer:
         prefill += self._tools_tokens(tok, body, "tools")
         prefill += self._tools_tokens(tok, body, "functions")
         prefill += self._response_format_tokens(tok, body)
-        choices = self._choices(body, allow_best_of=False)
+        prefill += self._template_input_tokens(tok, body)
+        choices = self._choices(body, allow_best_of=True)
         requested, key = self._requested_max(body, ("max_completion_tokens", "max_tokens"))
         per_choice = self._per_choice(requested, key, default_max_tokens, max_tokens_limit)
         self._check_context(prefill, context_length, "messages")
@@ -690,6 +710,14 @@ class Pricer:
         max_tokens_limit: int | None,
         context_length: int,
     ) -> Cost:
+        if body.get("prompt_embeds") is not None:
+            raise InvalidRequest(
+                "'prompt_embeds' is not accepted here: the gateway cannot tell how many tokens an "
+                "embedding tensor holds, so it cannot price the request; send the prompt as text or "
+                "token ids",
+                param="prompt_embeds",
+                code="unsupported_parameter",
+            )
         lengths = self._prompt_lengths(tok, body.get("prompt"), "prompt")
         suffix = body.get("suffix")
         if suffix is not None:
@@ -903,7 +931,23 @@ class Pricer:
                 f"assistant message with tool_calls), got {_kind(content)}",
                 param=f"{where}.content",
             )
+        if len(message) > 2:  # (role and content are most messages' only fields)
+            n += self._other_message_fields_tokens(tok, message, where)
         return n + (calls or 0)
+
+    def _other_message_fields_tokens(self, tok: Tokenizer, message: dict[str, Any], where: str) -> int:
+        """A message's fields beyond OpenAI's counted ones: what an engine's chat template may render
+        (``reasoning_content`` / ``reasoning`` of earlier turns, ``tool_call_id``, any key a custom
+        template reads). A string counts its tokens, any other value its compact JSON."""
+        n = 0
+        for key, value in message.items():
+            if key in _COUNTED_MESSAGE_FIELDS or value is None:
+                continue
+            if isinstance(value, str):
+                n += tok.count(value)
+            else:
+                n += tok.count(_compact_json(value, _field_param(where, key)))
+        return n
 
     def _tool_calls_tokens(self, tok: Tokenizer, message: dict[str, Any], where: str) -> int | None:
         """Tokens of the assistant's tool_calls / legacy function_call; None when it has neither."""
@@ -989,6 +1033,41 @@ class Pricer:
         if not tools:
             return 0
         return self._s.tools_overhead_tokens + tok.count(_compact_json(tools, key))
+
+    def _template_input_tokens(self, tok: Tokenizer, body: Mapping[str, Any]) -> int:
+        """Engine extensions of chat that the backend's chat template renders into the prompt (vLLM,
+        SGLang): ``documents`` and ``chat_template_kwargs``, counted as their compact JSON. A
+        ``chat_template`` sent with the request is refused: it can make a prompt of any length out of
+        the same messages, so nothing in the body bounds what it costs."""
+        if body.get("chat_template") is not None:
+            raise InvalidRequest(
+                "'chat_template' is not accepted here: a template sent with the request can turn the "
+                "messages into a prompt of any length, which the gateway cannot price before it runs; "
+                "remove it (the model's own chat template is used)",
+                param="chat_template",
+                code="unsupported_parameter",
+            )
+        n = 0
+        documents = body.get("documents")
+        if documents is not None:
+            if not isinstance(documents, list) or not all(isinstance(d, dict) for d in documents):
+                raise InvalidRequest(
+                    f'\'documents\' must be an array of objects (e.g. {{"title": ..., "text": ...}}), '
+                    f"got {_kind(documents)}",
+                    param="documents",
+                )
+            if documents:
+                n += tok.count(_compact_json(documents, "documents"))
+        kwargs = body.get("chat_template_kwargs")
+        if kwargs is not None:
+            if not isinstance(kwargs, dict):
+                raise InvalidRequest(
+                    f"'chat_template_kwargs' must be an object, got {_kind(kwargs)}",
+                    param="chat_template_kwargs",
+                )
+            if kwargs:
+                n += tok.count(_compact_json(kwargs, "chat_template_kwargs"))
+        return n
 
     def _response_format_tokens(self, tok: Tokenizer, body: Mapping[str, Any]) -> int:
         fmt = body.get("response_format")

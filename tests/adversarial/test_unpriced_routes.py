@@ -40,6 +40,78 @@ async def test_a_30k_token_responses_request_is_priced_at_its_size(
     assert stub.requests[0].body["max_output_tokens"] == 500
 
 
+# Prompt text in the fields vLLM's and SGLang's chat templates render beyond OpenAI's: each used to
+# cost 12 tokens here whatever it carried.
+ENGINE_FIELDS: dict[str, dict[str, object]] = {
+    "documents": {"documents": [{"title": "manual", "text": WORDS}]},
+    "chat_template_kwargs": {"chat_template_kwargs": {"custom_instructions": WORDS}},
+    "reasoning_content": {
+        "messages": [
+            {"role": "assistant", "content": "4", "reasoning_content": WORDS},
+            {"role": "user", "content": "and 3+3?"},
+        ]
+    },
+}
+
+
+@pytest.mark.parametrize("field", list(ENGINE_FIELDS))
+async def test_prompt_text_carried_in_an_engine_field_is_priced_at_its_size(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory, field: str
+) -> None:
+    stub, url = stub_backend
+    small = await gateway_factory(config(url, 20_000))
+    big = await gateway_factory(config(url, 100_000))
+    body = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
+    body |= ENGINE_FIELDS[field]
+    async with httpx.AsyncClient(headers={"authorization": "Bearer k"}) as c:
+        refused = await c.post(small.url + "/v1/chat/completions", json=body)
+        assert refused.status_code == 413 and refused.json()["error"]["code"] == "cost_exceeds_capacity"
+        r = await c.post(big.url + "/v1/chat/completions", json=body)
+        assert r.status_code == 200
+        assert int(r.headers["x-tokengate-cost"]) >= 30_000
+    assert len(stub.requests) == 1  # only the one that fits reached the backend
+    for gw in (small, big):
+        assert await gw.wait_idle() == {name: 0 for name in await gw.in_flight()}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (
+            "/v1/chat/completions",
+            {
+                "model": "stub-model",
+                "messages": [{"role": "user", "content": "hi"}],
+                "chat_template": "{% for i in range(100000) %}{{ messages[0].content }}{% endfor %}",
+            },
+            "chat_template",
+        ),
+        (
+            "/v1/completions",
+            {"model": "stub-model", "prompt": "x", "prompt_embeds": "AAAA" * 1000},
+            "prompt_embeds",
+        ),
+    ],
+)
+async def test_what_cannot_be_priced_is_refused_before_the_backend(
+    stub_backend: tuple[StubBackend, str],
+    gateway_factory: GatewayFactory,
+    path: str,
+    body: dict[str, object],
+    param: str,
+) -> None:
+    stub, url = stub_backend
+    gw = await gateway_factory(config(url, 100_000))
+    async with httpx.AsyncClient(base_url=gw.url, headers={"authorization": "Bearer k"}) as c:
+        r = await c.post(path, json=body)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert (error["param"], error["code"]) == (param, "unsupported_parameter")
+    assert error["type"] == "invalid_request_error"
+    assert stub.requests == []
+    assert await gw.wait_idle() == {name: 0 for name in await gw.in_flight()}
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_responses_usage_is_recorded_and_the_output_limit_enforced(
     stub_backend: tuple[StubBackend, str],
