@@ -668,13 +668,23 @@ class Proxy:
         """The bytes to send; re-serialized only when something must change. Sets whether the client
         asked for usage. ``x.body`` stays as the client sent it (a retry builds its payload again)."""
         body, kind = x.body, x.kind
-        if body is None or kind is RouteKind.PASSTHROUGH or kind is RouteKind.EMBEDDING:
+        if body is None or kind is RouteKind.PASSTHROUGH:
             x.client_wants_usage = False
             return x.raw
         assert x.cost is not None and x.tier is not None
         changes: dict[str, Any] = {}
+        # The engine's scheduling priority is the tier's (accepts_priority) or nobody's: a client's
+        # own "priority" would jump the queue of an engine scheduling by it.
+        drop_priority = False
+        if backend.spec.accepts_priority:
+            if body.get("priority") != x.tier.rank:
+                changes["priority"] = x.tier.rank
+        elif "priority" in body:
+            drop_priority = True
         wants_usage = True
-        if kind is RouteKind.RESPONSES:
+        if kind is RouteKind.EMBEDDING:
+            wants_usage = False
+        elif kind is RouteKind.RESPONSES:
             # The Responses API always reports usage (in response.completed) and has no
             # stream_options; its output limit is max_output_tokens, for one sequence.
             if self.enforce_max_tokens and body.get("max_output_tokens") is None:
@@ -693,12 +703,13 @@ class Proxy:
                 and body.get("max_completion_tokens") is None
             ):
                 changes["max_tokens"] = max(x.cost.per_choice, 1)
-        if backend.spec.accepts_priority and body.get("priority") != x.tier.rank:
-            changes["priority"] = x.tier.rank
         x.client_wants_usage = wants_usage
-        if not changes:
+        if not changes and not drop_priority:
             return x.raw
-        return orjson.dumps({**body, **changes})
+        out = {**body, **changes}
+        if drop_priority:
+            del out["priority"]
+        return orjson.dumps(out)
 
     def _request_headers(self, x: Exchange, backend: Backend) -> list[tuple[str, str]]:
         headers = x.headers

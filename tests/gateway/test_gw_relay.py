@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import httpx
 import orjson
+import pytest
 
 from classifiers import default_tokenizer
 from tests.conftest import GatewayFactory, RunningGateway, StubBackend, serve_asgi, stub_pools
@@ -145,6 +146,31 @@ async def test_priority_from_tier_only_where_accepted(
     async with httpx.AsyncClient(base_url=gw2.url, headers={"authorization": "Bearer g"}) as c:
         await c.post("/v1/chat/completions", json=chat(max_tokens=1))
     assert "priority" not in stub.requests[-1].body
+
+
+@pytest.mark.parametrize("accepts", [True, False])
+async def test_a_clients_own_priority_never_reaches_the_engine(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory, accepts: bool
+) -> None:
+    # An engine scheduling by priority (vLLM --scheduling-policy priority) runs lower values first: a
+    # batch-tier tenant sending "priority": -1000 would jump every other tenant's requests there.
+    stub, url = stub_backend
+    tenants = {"low": {"keys": ["b"], "tier": "batch"}}
+    gw = await gateway_factory({"pools": stub_pools(url, accepts_priority=accepts), "tenants": tenants})
+    routes = [
+        ("/v1/chat/completions", chat(max_tokens=1, priority=-1000)),
+        ("/v1/completions", {"model": "stub-model", "prompt": "hi", "max_tokens": 1, "priority": -1000}),
+        ("/v1/embeddings", {"model": "stub-model", "input": "hi", "priority": -1000}),
+        ("/v1/responses", {"model": "stub-model", "input": "hi", "max_output_tokens": 1, "priority": -1000}),
+    ]
+    async with httpx.AsyncClient(base_url=gw.url, headers={"authorization": "Bearer b"}) as c:
+        for path, body in routes:
+            r = await c.post(path, json=body)
+            assert r.status_code == 200, (path, r.text)
+            sent = stub.requests[-1].body
+            assert sent.get("priority") == (2 if accepts else None), path
+            assert sent["model"] == "stub-model"
+    assert await gw.wait_idle() == {name: 0 for name in await gw.in_flight()}
 
 
 async def test_embeddings_priced_prompt_only(gateway: RunningGateway) -> None:
