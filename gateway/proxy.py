@@ -326,6 +326,13 @@ class Proxy:
                     x.record.request_id = adopted
                 continue
             if name == b"content-type":
+                if x.has_content_type:  # (engines' parsers refuse it, in their own words, or pick one)
+                    raise ApiError(
+                        400,
+                        "The request has more than one Content-Type header; send one: "
+                        "'Content-Type: application/json'",
+                        code="invalid_header",
+                    )
                 x.has_content_type = True
             elif name == b"content-encoding" and value.strip().lower() not in (b"", b"identity"):
                 encoded = value

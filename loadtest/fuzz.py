@@ -139,6 +139,9 @@ def _valid_body(route: str, rng: random.Random) -> dict[str, Any]:
             ]
         if rng.random() < 0.3:
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "s", "schema": {}}}
+        if rng.random() < 0.2:  # engine extensions a chat template renders (priced since 2026-12-04)
+            body["documents"] = [{"title": "t", "text": "hello " * rng.randint(1, 20)}]
+            body["chat_template_kwargs"] = {"enable_thinking": rng.random() < 0.5}
         return body
     if route == "/v1/completions":
         return {
@@ -217,7 +220,21 @@ def _dumps(obj: Any) -> bytes:
 
 
 def _mutate(body: dict[str, Any], rng: random.Random) -> tuple[str, dict[str, Any]]:
-    keys = [*body.keys(), "n", "best_of", "stream_options", "tools", "response_format", "prompt", "input"]
+    keys = [
+        *body.keys(),
+        "n",
+        "best_of",
+        "stream_options",
+        "tools",
+        "response_format",
+        "prompt",
+        "input",
+        "documents",
+        "chat_template_kwargs",
+        "chat_template",
+        "prompt_embeds",
+        "priority",
+    ]
     key = rng.choice(keys)
     action = rng.random()
     out = dict(body)
@@ -226,7 +243,9 @@ def _mutate(body: dict[str, Any], rng: random.Random) -> tuple[str, dict[str, An
         return f"delete:{key}", out
     if action < 0.3 and isinstance(out.get("messages"), list):
         msg = dict(out["messages"][0])
-        field_name = rng.choice(["role", "content", "name", "tool_calls", "function_call"])
+        field_name = rng.choice(
+            ["role", "content", "name", "tool_calls", "function_call", "reasoning_content", "tool_call_id"]
+        )
         msg[field_name] = rng.choice(_EXTREMES)(rng)
         out["messages"] = [msg]
         return f"message.{field_name}", out

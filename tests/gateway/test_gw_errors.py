@@ -102,6 +102,25 @@ async def test_415_for_a_compressed_body_after_the_key_is_checked(closed: Runnin
         assert_error(r, 415, code="unsupported_content_encoding")
 
 
+async def test_two_content_type_headers_are_a_clear_400_that_never_reaches_the_backend(
+    gateway: RunningGateway, stub_backend: tuple[StubBackend, str]
+) -> None:
+    # Forwarded as they came, an engine's parser answered in its own words (aiohttp: a text/plain
+    # "Duplicate 'Content-Type' header found.") or picked one of the two.
+    stub, _ = stub_backend
+    raw = await RawRequest.post(gateway.url, "/v1/chat/completions", chat(), {"Content-Type": "text/plain"})
+    try:
+        status, headers = await raw.read_head()
+        body = await raw.reader.readexactly(int(headers["content-length"]))
+    finally:
+        await raw.close()
+    assert status == 400
+    error = orjson.loads(body)["error"]
+    assert error["code"] == "invalid_header" and "one Content-Type" in error["message"]
+    assert stub.requests == []
+    assert await gateway.wait_idle() == {name: 0 for name in await gateway.in_flight()}
+
+
 async def test_401s(closed: RunningGateway) -> None:
     async with httpx.AsyncClient(base_url=closed.url) as c:
         assert_error(await c.post("/v1/chat/completions", json=chat()), 401, code="missing_api_key")
