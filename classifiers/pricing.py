@@ -15,9 +15,9 @@ Chat (``/v1/chat/completions``), following the OpenAI cookbook's counting rules:
 * content: a string counts its tokens; a list of parts sums its parts: ``text`` / ``refusal``
   parts count their text, ``image_url`` costs ``image_tokens``, ``input_audio`` / ``audio_url``
   ``audio_tokens``, ``video_url`` ``video_tokens``, ``file`` ``file_tokens``;
-* any other field of a message (``reasoning_content`` / ``reasoning`` of earlier turns,
-  ``tool_call_id``, whatever key an engine's chat template reads): a string counts its tokens, any
-  other non-null value the tokens of its compact JSON;
+* any other fields of a message (``reasoning_content`` / ``reasoning`` of earlier turns,
+  ``tool_call_id``, whatever key an engine's chat template reads): the tokens of the compact JSON
+  object of those that are not null;
 * ``reply_priming_tokens`` once (the assistant header the model is primed with);
 * ``tools`` / ``functions``: tokens of their compact JSON + ``tools_overhead_tokens``;
 * ``response_format`` of type ``json_schema``: tokens of the schema object's compact JSON;
@@ -270,12 +270,6 @@ def _compact_json(value: object, param: str) -> str:
 # A chat message's fields that _message_tokens counts by their own rules; any other one is counted
 # whole (_other_message_fields_tokens).
 _COUNTED_MESSAGE_FIELDS = frozenset(("role", "content", "name", "tool_calls", "function_call"))
-
-
-def _field_param(where: str, key: str) -> str:
-    """``where.key`` for an error's ``param``, or ``where`` alone when the client's key is not a short
-    plain name (it is echoed in the message)."""
-    return f"{where}.{key}" if len(key) <= _ECHO_CHARS and key.isidentifier() else where
 
 
 def _token_ids(value: list[Any]) -> bool:
@@ -938,16 +932,13 @@ class Pricer:
     def _other_message_fields_tokens(self, tok: Tokenizer, message: dict[str, Any], where: str) -> int:
         """A message's fields beyond OpenAI's counted ones: what an engine's chat template may render
         (``reasoning_content`` / ``reasoning`` of earlier turns, ``tool_call_id``, any key a custom
-        template reads). A string counts its tokens, any other value its compact JSON."""
-        n = 0
-        for key, value in message.items():
-            if key in _COUNTED_MESSAGE_FIELDS or value is None:
-                continue
-            if isinstance(value, str):
-                n += tok.count(value)
-            else:
-                n += tok.count(_compact_json(value, _field_param(where, key)))
-        return n
+        template reads), counted as the compact JSON of those that are not null: one count per
+        message however many keys it carries (a 4 MB body of tiny fields is one tokenizer call per
+        message, not one per key), a few tokens of keys and quotes above the values' own."""
+        other = {k: v for k, v in message.items() if k not in _COUNTED_MESSAGE_FIELDS and v is not None}
+        if not other:
+            return 0
+        return tok.count(_compact_json(other, where))
 
     def _tool_calls_tokens(self, tok: Tokenizer, message: dict[str, Any], where: str) -> int | None:
         """Tokens of the assistant's tool_calls / legacy function_call; None when it has neither."""

@@ -93,7 +93,7 @@ def test_assistant_tool_calls_with_null_content(pricer: Pricer) -> None:
     expected = (
         (3 + count("user") + count("Weather?"))
         + (3 + count("assistant") + s.per_tool_call_tokens + count("get_weather") + count('{"city":"Oslo"}'))
-        + (3 + count("tool") + count("sunny") + count("c1"))  # (tool_call_id: templates may render it)
+        + (3 + count("tool") + count("sunny") + count('{"tool_call_id":"c1"}'))  # (templates may render it)
         + 3
     )
     assert pricer.price_chat(body, **LIMITS).prefill == expected
