@@ -344,6 +344,31 @@ def _offloadable(tok: Tokenizer) -> bool:
     return hasattr(tok, "count_nogil") and hasattr(tok, "cached_count")
 
 
+# Characters per job of the encode pool (Pricer._encode): ~1 ms of tiktoken, so a job's thread
+# overhead is small next to its work, and the two threads still share a long prompt's texts.
+_JOB_CHARS = 16_384
+
+
+def _jobs(texts: list[str]) -> list[list[str]]:
+    """``texts`` in order, cut into runs of at least ``_JOB_CHARS`` characters (the last may be less)."""
+    jobs: list[list[str]] = []
+    job: list[str] = []
+    size = 0
+    for text in texts:
+        job.append(text)
+        size += len(text)
+        if size >= _JOB_CHARS:
+            jobs.append(job)
+            job, size = [], 0
+    if job:
+        jobs.append(job)
+    return jobs
+
+
+def _count_each(count: Callable[[str], int], texts: list[str]) -> list[int]:
+    return [count(text) for text in texts]
+
+
 class _Probe:
     """The tokenizer a walk sees in `Pricer.aprice_*`: counts now what is cheap, defers the rest.
 
@@ -624,14 +649,20 @@ class Pricer:
         return walk(probe, *args)
 
     async def _encode(self, tok: Tokenizer, texts: list[str]) -> list[int]:
-        """Token counts of `texts`, encoded concurrently in the pool while the loop runs on."""
+        """Token counts of `texts`, encoded concurrently in the pool while the loop runs on.
+
+        Texts go to the pool in jobs of at least ``_JOB_CHARS`` characters (a long text is a job of
+        its own): a body of 100,000 tiny texts (prompts, content parts, messages) is a few dozen
+        jobs, not 100,000 futures to submit, wrap, wait for and wake the loop for, which stalled the
+        loop for seconds (docs/benchmarks.md, "Pricing long prompts off the event loop")."""
         pool = self._executor()
         off: OffLoopCounting = tok  # type: ignore[assignment]  # _first_pass checked _offloadable
-        futures: list[concurrent.futures.Future[int]] = []
+        jobs = _jobs(texts)
+        futures: list[concurrent.futures.Future[list[int]]] = []
         if pool is not None:
             try:
-                for text in texts:
-                    futures.append(pool.submit(off.count_nogil, text))
+                for job in jobs:
+                    futures.append(pool.submit(_count_each, off.count_nogil, job))
             except RuntimeError:  # closed between _executor() and submit: the rest run inline below
                 pass
         if futures:
@@ -642,13 +673,13 @@ class Pricer:
                 for f in futures:
                     f.cancel()
                 raise
-        counts = []
-        for i, text in enumerate(texts):
+        counts: list[int] = []
+        for i, job in enumerate(jobs):
             # Not submitted, or cancelled by close(): counted here, inline (shutdown fails no request).
             if i >= len(futures) or futures[i].cancelled():
-                counts.append(tok.count(text))
+                counts += [tok.count(text) for text in job]
             else:
-                counts.append(futures[i].result())
+                counts += futures[i].result()
         return counts
 
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor | None:

@@ -5,6 +5,11 @@ Two numbers: *cold* prices a prompt the tokenizer has never seen (every chunk re
 prompt or a chat history). `measure` returns them for the gateway's benchmark, with what a short
 one-message chat costs through ``price_chat`` and through ``aprice_chat`` (its fast path: no
 thread hop; best of several runs).
+
+``--tiny N`` measures a hostile shape instead: bodies of ``N`` tiny never-seen texts (completions
+prompts, chat content parts, chat messages), priced with ``aprice_*`` as the gateway does, while a
+1 ms ticker runs on the same loop: the body's size, the pricing's wall time and the longest time
+the loop did not tick (what every other request on that gateway waits).
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import random
 import statistics
 import time
 from typing import Any
+
+import orjson
 
 from classifiers.pricing import Pricer
 from classifiers.tokenizers import TokenizerRegistry, default_tokenizer
@@ -113,11 +120,88 @@ def measure(tokens: int = 28_000, rounds: int = 20) -> dict[str, float]:
     }
 
 
+TINY_SHAPES = ("prompts", "parts", "messages")
+
+
+def tiny_body(shape: str, n: int, seed: int) -> dict[str, Any]:
+    """A body of ``n`` tiny texts no tokenizer memo has seen (``seed`` makes them new)."""
+    texts = [f"{seed}x{i} y" for i in range(n)]
+    if shape == "prompts":
+        return {"model": "bench", "max_tokens": 1, "prompt": texts}
+    if shape == "parts":
+        parts = [{"type": "text", "text": t} for t in texts]
+        return {"model": "bench", "max_tokens": 1, "messages": [{"role": "user", "content": parts}]}
+    return {"model": "bench", "max_tokens": 1, "messages": [{"role": "user", "content": t} for t in texts]}
+
+
+async def _stall(work: Any) -> tuple[float, float]:
+    """(wall seconds of ``work``, longest gap between ticks of a 1 ms ticker on the same loop)."""
+    gaps: list[float] = []
+    done = False
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while not done:
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    task = asyncio.ensure_future(ticker())
+    await asyncio.sleep(0.01)
+    t0 = time.perf_counter()
+    await work
+    wall = time.perf_counter() - t0
+    done = True
+    await task
+    return wall, max(gaps)
+
+
+def tiny(n: int, seed: int = 1) -> list[dict[str, Any]]:
+    """For each shape: its body's kilobytes, the pricing's wall ms and the longest loop stall in ms."""
+    pricer = Pricer(TokenizerRegistry())
+    limits: dict[str, Any] = {"default_max_tokens": 1, "max_tokens_limit": None, "context_length": 10**8}
+
+    async def run() -> list[dict[str, Any]]:
+        rows = []
+        for i, shape in enumerate(TINY_SHAPES):
+            body = tiny_body(shape, n, seed * 10 + i)
+            price = pricer.aprice_completion if shape == "prompts" else pricer.aprice_chat
+            wall, stall = await _stall(price(body, **limits))
+            rows.append(
+                {
+                    "shape": shape,
+                    "texts": n,
+                    "kb": len(orjson.dumps(body)) / 1024,
+                    "wall_ms": wall * 1e3,
+                    "stall_ms": stall * 1e3,
+                }
+            )
+        return rows
+
+    try:
+        return asyncio.run(run())
+    finally:
+        pricer.close()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m loadtest.bench.pricing", description=__doc__)
     parser.add_argument("--tokens", type=int, default=28_000)
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument(
+        "--tiny", type=int, metavar="N", help="price bodies of N tiny never-seen texts instead"
+    )
     args = parser.parse_args(argv)
+    if args.tiny is not None:
+        if args.tiny < 1:
+            parser.error("--tiny must be at least 1")
+        for row in tiny(args.tiny):
+            print(
+                f"{row['texts']:,} tiny {row['shape']:8s} ({row['kb']:,.0f} KB): priced in {row['wall_ms']:,.0f} ms, "
+                f"longest loop stall {row['stall_ms']:,.0f} ms"
+            )
+        return
     r = measure(args.tokens, args.rounds)
     print(
         f"price_chat, {r['prompt_tokens']:.0f}-token prompt: cold {r['cold_ms']:.2f} ms, "

@@ -179,6 +179,33 @@ async def test_many_medium_texts_cannot_add_up_to_a_long_inline_encode(
     assert sum(c.chars for c in recording.calls if c.method == "count_nogil") >= sum(map(len, texts)) - budget
 
 
+async def test_many_tiny_texts_go_to_the_pool_in_a_few_jobs_with_exact_counts(
+    pricer: Pricer, recording: Recording, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One future per text made a 1 MB body of 100,000 prompts stall the loop for seconds: the
+    # futures' submission, wrapping and wake-ups were the loop's, not the threads', work.
+    prompts = [f"{i} tiny never seen {i}" for i in range(20_000)]
+    body = {"model": "m", "prompt": prompts}
+    pool = pricer._executor()
+    assert pool is not None
+    jobs = 0
+    submit = pool.submit
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        nonlocal jobs
+        jobs += 1
+        return submit(*args, **kwargs)
+
+    monkeypatch.setattr(pool, "submit", counting)
+    cost = await pricer.aprice_completion(body, **LIMITS)
+    assert cost == Pricer(TokenizerRegistry()).price_completion(body, **LIMITS)
+    assert 1 <= jobs <= sum(map(len, prompts)) // 16_384 + 1
+    loop = threading.get_ident()
+    pooled = [c for c in recording.calls if c.method == "count_nogil"]
+    assert len(pooled) >= len(prompts) - pricer.settings.inline_max_chars  # all but the inline budget's
+    assert all(c.thread != loop for c in pooled)
+
+
 async def test_no_threads_means_everything_inline(recording: Recording) -> None:
     pricer = Pricer(OneTokenizer(recording), PricingSettings(encode_threads=0))
     body = chat(prose(3, 10_000))

@@ -1,0 +1,36 @@
+"""The pricing benchmark's hostile shapes (``--tiny N``): bodies the gateway really accepts, each of
+``N`` texts, priced the way the gateway prices them. (The figures are a benchmark's, run by hand.)"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from classifiers import Pricer, TokenizerRegistry
+from loadtest.bench import pricing
+
+LIMITS: dict[str, Any] = {"default_max_tokens": 1, "max_tokens_limit": None, "context_length": 10**8}
+
+
+@pytest.mark.parametrize("shape", pricing.TINY_SHAPES)
+def test_each_tiny_shape_is_a_valid_body_of_n_new_texts(shape: str) -> None:
+    pricer = Pricer(TokenizerRegistry())
+    body = pricing.tiny_body(shape, 500, seed=3)
+    price = pricer.price_completion if shape == "prompts" else pricer.price_chat
+    assert price(body, **LIMITS).prefill >= 500  # every text counted
+    assert pricing.tiny_body(shape, 500, seed=4) != body  # another seed: texts no memo has seen
+
+
+def test_a_small_tiny_run_reports_every_shape(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = pricing.tiny(300)
+    assert [r["shape"] for r in rows] == list(pricing.TINY_SHAPES)
+    assert all(r["texts"] == 300 and r["kb"] > 0 and r["wall_ms"] > 0 and r["stall_ms"] > 0 for r in rows)
+    pricing.main(["--tiny", "50"])
+    assert capsys.readouterr().out.count("longest loop stall") == 3
+
+
+def test_tiny_below_one_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        pricing.main(["--tiny", "0"])
+    assert exc.value.code == 2 and "--tiny" in capsys.readouterr().err
