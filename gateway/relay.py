@@ -59,35 +59,140 @@ def _upstream_message(data: bytes) -> str:
     return data[:200].decode("utf-8", "replace")
 
 
+# A non-streamed answer up to this size is read whole and its usage parsed from it; a larger one
+# (a long generation with logprobs runs to hundreds of MB) is relayed chunk by chunk as it arrives,
+# keeping only its last ``_TAIL_BYTES`` to find the usage object, so the gateway never holds it
+# whole, nor parses it on the event loop.
+_WHOLE_MAX_BYTES = 1 << 20
+_TAIL_BYTES = 64 << 10
+# What is read of a failed (>= 500) answer: its message goes to the operator's log, cut anyway.
+_ERROR_BYTES = 64 << 10
+
+
 async def relay_whole(x: Exchange, resp: aiohttp.ClientResponse, backend: Backend, t_up: float) -> Any:
-    """A non-streamed answer (or any answer >= 500): read it all, relay it with a content-length."""
+    """A non-streamed answer (or any answer >= 500): up to ``_WHOLE_MAX_BYTES`` read whole and relayed
+    with a content-length; larger (or of unknown length and found larger), relayed as it arrives."""
     rec = x.record
-    data = await resp.read()
-    rec.backend_s = perf_counter() - t_up
     status = resp.status
     if status >= 500:
+        data = await resp.content.read(_ERROR_BYTES)
+        rec.backend_s = perf_counter() - t_up
         rec.error = f"{backend.name}: HTTP {status}: {_upstream_message(data)}"
         log.warning("upstream error on pool %s: %s", rec.pool, rec.error)
         raise ApiError(
             502, f"The backend for pool {rec.pool!r} failed with HTTP {status}", code="upstream_error"
         )
-    usage = None
-    if 200 <= status < 300 and b'"usage"' in data and "Content-Encoding" not in resp.headers:
-        try:
-            obj = orjson.loads(data)
-            usage = obj.get("usage") if isinstance(obj, dict) else None
-        except orjson.JSONDecodeError:
-            pass
+    length = resp.content_length
+    if length is not None and length <= _WHOLE_MAX_BYTES:
+        data = await resp.read()
+    else:
+        data = await _read_upto(resp, _WHOLE_MAX_BYTES)
+        if len(data) > _WHOLE_MAX_BYTES:
+            return await _relay_large(x, resp, status, data, t_up)
+    rec.backend_s = perf_counter() - t_up
+    usage = _usage(data) if 200 <= status < 300 and "Content-Encoding" not in resp.headers else None
     headers = _answer_headers(x, resp)
     headers.append((b"content-length", str(len(data)).encode()))
-    rec.status = status
-    if status >= 400:
-        rec.outcome = rec.reason = "backend_4xx"
-    x.started = True
-    x.done = True
+    _answered(x, status)
     await x.send({"type": "http.response.start", "status": status, "headers": headers})
     await x.send({"type": "http.response.body", "body": data, "more_body": False})
     return usage
+
+
+def _usage(data: bytes) -> Any:
+    """The top-level usage object of a whole JSON answer, if it has one."""
+    if b'"usage"' not in data:
+        return None
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    return obj.get("usage") if isinstance(obj, dict) else None
+
+
+def _answered(x: Exchange, status: int) -> None:
+    x.record.status = status
+    if status >= 400:
+        x.record.outcome = x.record.reason = "backend_4xx"
+    x.started = True
+    x.done = True
+
+
+async def _read_upto(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The answer's bytes until its end or until more than ``limit`` have come (then a little more)."""
+    parts: list[bytes] = []
+    size = 0
+    while size <= limit:
+        chunk = await resp.content.readany()
+        if not chunk:
+            break
+        parts.append(chunk)
+        size += len(chunk)
+    return b"".join(parts)
+
+
+async def _relay_large(
+    x: Exchange, resp: aiohttp.ClientResponse, status: int, head: bytes, t_up: float
+) -> Any:
+    """Relay an answer larger than ``_WHOLE_MAX_BYTES``: what was read so far, then the rest as it
+    arrives; the usage object is looked for in its last ``_TAIL_BYTES``."""
+    headers = _answer_headers(x, resp)  # (no content-length: sent chunked, as a stream is)
+    x.record.status = status
+    if status >= 400:
+        x.record.outcome = x.record.reason = "backend_4xx"
+    x.started = True
+    send = x.send
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": head, "more_body": True})
+    tail = head[-_TAIL_BYTES:]
+    content = resp.content
+    while True:
+        chunk = await content.readany()
+        if not chunk:
+            break
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        tail = (tail + chunk)[-_TAIL_BYTES:] if len(chunk) < _TAIL_BYTES else chunk[-_TAIL_BYTES:]
+    x.record.backend_s = perf_counter() - t_up
+    x.done = True
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+    if not 200 <= status < 300 or "Content-Encoding" in resp.headers:
+        return None
+    return usage_in_tail(tail)
+
+
+def usage_in_tail(tail: bytes) -> Any:
+    """The usage object found in the last bytes of a JSON answer: the last ``"usage":{...}`` there
+    (a key: inside a JSON string its quotes would be escaped), parsed alone; None when there is
+    none or it does not parse. Engines write usage after the choices, near the end."""
+    at = max(tail.rfind(b'"usage":{'), tail.rfind(b'"usage": {'))
+    if at < 0:
+        return None
+    start = tail.index(b"{", at)
+    depth = 0
+    in_string = False
+    escaped = False
+    for i in range(start, len(tail)):
+        c = tail[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == 0x5C:  # backslash
+                escaped = True
+            elif c == 0x22:  # quote
+                in_string = False
+        elif c == 0x22:
+            in_string = True
+        elif c == 0x7B:  # {
+            depth += 1
+        elif c == 0x7D:  # }
+            depth -= 1
+            if depth == 0:
+                try:
+                    usage = orjson.loads(tail[start : i + 1])
+                except orjson.JSONDecodeError:
+                    return None
+                return usage if isinstance(usage, dict) else None
+    return None
 
 
 Grow = Callable[[Exchange], Awaitable[None]]
