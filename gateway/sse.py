@@ -30,6 +30,9 @@ _USAGE = b'"usage":{'
 _USAGE_SPACED = b'"usage": {'
 
 
+# The most of one unfinished event that drop mode holds back (see UsageRelay._let_go).
+MAX_HELD_BYTES = 1 << 20
+
 # The null field include_usage adds, as compact and as spaced JSON serializers write it.
 _NULL_USAGE = (b',"usage":null', b', "usage": null', b'"usage":null,', b'"usage": null, ')
 
@@ -145,7 +148,7 @@ class UsageRelay:
             end = _last_boundary(chunk)
             if end < 0:
                 buf += chunk
-                return b"" if self._drop else chunk
+                return self._let_go() if self._drop else chunk
             complete = chunk
             if end < len(chunk):
                 complete = chunk[:end]
@@ -156,7 +159,7 @@ class UsageRelay:
             buf += chunk
             end = _last_boundary(buf, start)
             if end < 0:
-                return b"" if self._drop else chunk
+                return self._let_go() if self._drop else chunk
             complete = bytes(buf[:end])
             del buf[:end]
         if _has_usage(complete):
@@ -171,6 +174,17 @@ class UsageRelay:
                 kept.append(event)
             complete = b"".join(kept)
         return _strip_null_usage(complete) if self._drop else chunk
+
+    def _let_go(self) -> bytes:
+        """Drop mode, no event complete yet: hold the bytes, unless an event has grown past
+        ``MAX_HELD_BYTES`` (no engine writes one; a broken backend might, without end): then pass
+        what is held on untouched, so the gateway never holds more than that of a stream."""
+        buf = self._buf
+        if len(buf) <= MAX_HELD_BYTES:
+            return b""
+        out = bytes(buf)
+        buf.clear()
+        return out
 
     def flush(self) -> bytes:
         """What is left at the end of the stream (an unterminated last event)."""

@@ -193,3 +193,20 @@ def test_usage_counts_reads_both_apis_and_trusts_only_non_negative_ints(
 def test_a_non_streaming_responses_body_reports_usage_at_top_level() -> None:
     body = orjson.loads(orjson.dumps({"id": "r", "object": "response", "output": [], "usage": R_USAGE}))
     assert usage_counts(body["usage"]) == (11, 5)
+
+
+def test_drop_mode_never_holds_more_than_a_bound_of_an_event_that_does_not_end() -> None:
+    # No engine writes such an event; a broken backend might, forever: pass it on, do not hold it.
+    relay = UsageRelay(drop_usage=True)
+    piece = b"data: " + b"x" * 65_536
+    out = b""
+    held = 0
+    for _ in range(100):
+        out += relay.feed(piece)
+        held = max(held, len(relay._buf))
+    assert held <= sse.MAX_HELD_BYTES + len(piece)
+    assert out + relay.flush() == piece * 100  # every byte arrives, in order, untouched
+    # and a well-formed stream after it is handled as ever
+    relay = UsageRelay(drop_usage=True)
+    assert relay.feed(b'data: {"choices":[],"usage":{"completion_tokens":3}}\n\n') == b""
+    assert relay.usage == {"completion_tokens": 3}
