@@ -23,21 +23,31 @@ def config(url: str, budget: int) -> dict[str, object]:
     }
 
 
+async def refused_small_admitted_big(
+    stub_backend: tuple[StubBackend, str], factory: GatewayFactory, path: str, body: dict[str, object]
+) -> int:
+    """Send ``body`` to a gateway with a 20k budget (a 413: it can never fit) and to one with 100k
+    (served); the cost the second one charged. Only the second reaches the backend; pools end at 0."""
+    stub, url = stub_backend
+    small = await factory(config(url, 20_000))
+    big = await factory(config(url, 100_000))
+    async with httpx.AsyncClient(headers={"authorization": "Bearer k"}) as c:
+        refused = await c.post(small.url + path, json=body)
+        assert refused.status_code == 413 and refused.json()["error"]["code"] == "cost_exceeds_capacity"
+        r = await c.post(big.url + path, json=body)
+        assert r.status_code == 200
+    assert len(stub.requests) == 1
+    for gw in (small, big):
+        assert await gw.wait_idle() == {name: 0 for name in await gw.in_flight()}
+    return int(r.headers["x-tokengate-cost"])
+
+
 async def test_a_30k_token_responses_request_is_priced_at_its_size(
     stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
 ) -> None:
-    stub, url = stub_backend
-    small = await gateway_factory(config(url, 20_000))
-    big = await gateway_factory(config(url, 100_000))
     body = {"model": "stub-model", "input": [{"role": "user", "content": WORDS}], "max_output_tokens": 500}
-    async with httpx.AsyncClient(headers={"authorization": "Bearer k"}) as c:
-        refused = await c.post(small.url + "/v1/responses", json=body)
-        assert refused.status_code == 413 and refused.json()["error"]["code"] == "cost_exceeds_capacity"
-        r = await c.post(big.url + "/v1/responses", json=body)
-        assert r.status_code == 200
-        assert int(r.headers["x-tokengate-cost"]) >= 30_500
-    assert len(stub.requests) == 1  # only the one that fits reached the backend
-    assert stub.requests[0].body["max_output_tokens"] == 500
+    assert await refused_small_admitted_big(stub_backend, gateway_factory, "/v1/responses", body) >= 30_500
+    assert stub_backend[0].requests[0].body["max_output_tokens"] == 500
 
 
 # Prompt text in the fields vLLM's and SGLang's chat templates render beyond OpenAI's: each used to
@@ -58,20 +68,12 @@ ENGINE_FIELDS: dict[str, dict[str, object]] = {
 async def test_prompt_text_carried_in_an_engine_field_is_priced_at_its_size(
     stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory, field: str
 ) -> None:
-    stub, url = stub_backend
-    small = await gateway_factory(config(url, 20_000))
-    big = await gateway_factory(config(url, 100_000))
     body = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
     body |= ENGINE_FIELDS[field]
-    async with httpx.AsyncClient(headers={"authorization": "Bearer k"}) as c:
-        refused = await c.post(small.url + "/v1/chat/completions", json=body)
-        assert refused.status_code == 413 and refused.json()["error"]["code"] == "cost_exceeds_capacity"
-        r = await c.post(big.url + "/v1/chat/completions", json=body)
-        assert r.status_code == 200
-        assert int(r.headers["x-tokengate-cost"]) >= 30_000
-    assert len(stub.requests) == 1  # only the one that fits reached the backend
-    for gw in (small, big):
-        assert await gw.wait_idle() == {name: 0 for name in await gw.in_flight()}
+    assert (
+        await refused_small_admitted_big(stub_backend, gateway_factory, "/v1/chat/completions", body)
+        >= 30_000
+    )
 
 
 @pytest.mark.parametrize(
