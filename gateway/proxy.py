@@ -677,6 +677,15 @@ class Proxy:
         body, kind = x.body, x.kind
         if body is None or kind is RouteKind.PASSTHROUGH:
             x.client_wants_usage = False
+            if body is not None and "priority" in body and x.tier is not None:
+                # A JSON pass-through body is sent as it came, but for a client's own priority: the
+                # tier's where the backend takes one, else none (never added where the client sent none).
+                out = dict(body)
+                if backend.spec.accepts_priority:
+                    out["priority"] = x.tier.rank
+                else:
+                    del out["priority"]
+                return orjson.dumps(out)
             return x.raw
         assert x.cost is not None and x.tier is not None
         changes: dict[str, Any] = {}

@@ -170,7 +170,22 @@ async def test_a_clients_own_priority_never_reaches_the_engine(
             sent = stub.requests[-1].body
             assert sent.get("priority") == (2 if accepts else None), path
             assert sent["model"] == "stub-model"
-    assert await gw.wait_idle() == {name: 0 for name in await gw.in_flight()}
+    # an allowed pass-through route too: its body goes as it came, but for that field
+    routes_cfg = {"passthrough": {"routes": [{"method": "POST", "path": "/v1/rerank"}]}}
+    pt = await gateway_factory(
+        {"pools": stub_pools(url, accepts_priority=accepts), "tenants": tenants} | routes_cfg
+    )
+    async with httpx.AsyncClient(base_url=pt.url, headers={"authorization": "Bearer b"}) as c:
+        rerank = {"model": "stub-model", "query": "q", "documents": ["a"], "priority": -1000}
+        assert (await c.post("/v1/rerank", json=rerank)).status_code == 200
+        assert stub.requests[-1].body == {k: v for k, v in rerank.items() if k != "priority"} | (
+            {"priority": 2} if accepts else {}
+        )
+        plain = {"model": "stub-model", "query": "q", "documents": ["a"]}
+        assert (await c.post("/v1/rerank", json=plain)).status_code == 200
+        assert stub.requests[-1].raw == orjson.dumps(plain)  # no priority sent: the bytes as they came
+    for g in (gw, pt):
+        assert await g.wait_idle() == {name: 0 for name in await g.in_flight()}
 
 
 async def test_embeddings_priced_prompt_only(gateway: RunningGateway) -> None:
