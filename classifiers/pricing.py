@@ -85,6 +85,9 @@ thread pool so an event loop keeps serving other requests meanwhile (see `Pricer
 
 Hostile input
 -------------
+``stop`` (chat, completions) is a string or at most ``max_stop_sequences`` strings of at most
+``max_stop_chars`` characters, ``logit_bias`` an object of at most ``max_logit_bias`` entries (0:
+no bound): an engine pays for them on every decode step, and the requests beside this one wait.
 Client JSON serialized for counting (tools, schemas, unknown items) may nest at most
 ``MAX_JSON_DEPTH`` (254, orjson's limit) containers; deeper is a 400 saying so, never a
 RecursionError. Client values echoed in messages are cut to 64 characters plus their length, and
@@ -174,6 +177,13 @@ class PricingSettings:
     file_tokens: int = 4096
     # A Responses API `item_reference` names an item stored on the server; its size is unknown here.
     item_reference_tokens: int = 16
+    # Work an engine does on every decode step of a request, beside everyone else's: each `stop`
+    # string is searched for in the new text (in vLLM's API server, whose one loop streams every
+    # request), each `logit_bias` entry applied to the logits. OpenAI allows 4 stop sequences; these
+    # bounds are looser, so no OpenAI client is refused. 0: no bound.
+    max_stop_sequences: int = 16
+    max_stop_chars: int = 1024
+    max_logit_bias: int = 1024
     # Off the event loop (Pricer.aprice_*): a request's texts are tokenized inline while they total
     # at most this many characters; beyond that, texts the tokenizer has not memoised go to the
     # encode pool. 8192 characters of prose are ~0.4 ms of tiktoken, about what the gateway spends
@@ -720,6 +730,7 @@ class Pricer:
         prefill += self._tools_tokens(tok, body, "functions")
         prefill += self._response_format_tokens(tok, body)
         prefill += self._template_input_tokens(tok, body)
+        self._check_step_work(body)
         choices = self._choices(body, allow_best_of=True)
         requested, key = self._requested_max(body, ("max_completion_tokens", "max_tokens"))
         per_choice = self._per_choice(requested, key, default_max_tokens, max_tokens_limit)
@@ -743,6 +754,7 @@ class Pricer:
                 param="prompt_embeds",
                 code="unsupported_parameter",
             )
+        self._check_step_work(body)
         lengths = self._prompt_lengths(tok, body.get("prompt"), "prompt")
         suffix = body.get("suffix")
         if suffix is not None:
@@ -1055,6 +1067,45 @@ class Pricer:
         if not tools:
             return 0
         return self._s.tools_overhead_tokens + tok.count(_compact_json(tools, key))
+
+    def _check_step_work(self, body: Mapping[str, Any]) -> None:
+        """``stop`` and ``logit_bias`` within ``max_stop_sequences`` / ``max_stop_chars`` /
+        ``max_logit_bias``: what they cost the engine is paid on every step, and by the requests
+        beside this one too (one loop streams them all), so a budget in tokens does not bound it."""
+        s = self._s
+        stop = body.get("stop")
+        if stop is not None:
+            seqs = [stop] if isinstance(stop, str) else stop
+            if not isinstance(seqs, list) or not all(isinstance(x, str) for x in seqs):
+                raise InvalidRequest(
+                    f"'stop' must be a string or an array of strings, got {_kind(stop)}", param="stop"
+                )
+            if s.max_stop_sequences and len(seqs) > s.max_stop_sequences:
+                raise InvalidRequest(
+                    f"'stop' has {len(seqs)} sequences, above the limit of {s.max_stop_sequences} "
+                    "(pricing.max_stop_sequences); send fewer",
+                    param="stop",
+                )
+            longest = max(map(len, seqs), default=0)
+            if s.max_stop_chars and longest > s.max_stop_chars:
+                raise InvalidRequest(
+                    f"a 'stop' sequence is {longest} characters long, above the limit of "
+                    f"{s.max_stop_chars} (pricing.max_stop_chars); shorten it",
+                    param="stop",
+                )
+        bias = body.get("logit_bias")
+        if bias is not None:
+            if not isinstance(bias, dict):
+                raise InvalidRequest(
+                    f"'logit_bias' must be an object mapping token ids to biases, got {_kind(bias)}",
+                    param="logit_bias",
+                )
+            if s.max_logit_bias and len(bias) > s.max_logit_bias:
+                raise InvalidRequest(
+                    f"'logit_bias' has {len(bias)} entries, above the limit of {s.max_logit_bias} "
+                    "(pricing.max_logit_bias); send fewer",
+                    param="logit_bias",
+                )
 
     def _template_input_tokens(self, tok: Tokenizer, body: Mapping[str, Any]) -> int:
         """Engine extensions of chat that the backend's chat template renders into the prompt (vLLM,

@@ -165,3 +165,29 @@ async def test_a_compressed_body_is_refused_not_priced_at_its_compressed_size(
         assert plain.status_code == 200, plain.text
     assert [req.path for req in stub.requests] == ["/v1/rerank"]  # only the uncompressed one
     assert await gw.wait_idle() == {name: 0 for name in await gw.in_flight()}
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"stop": [f"s{i}" for i in range(10_000)]}, "stop"),
+        ({"logit_bias": {str(i): 1 for i in range(50_000)}}, "logit_bias"),
+    ],
+)
+async def test_a_request_cannot_make_every_engine_step_slower_for_everyone(
+    stub_backend: tuple[StubBackend, str],
+    gateway_factory: GatewayFactory,
+    extra: dict[str, object],
+    param: str,
+) -> None:
+    # 10,000 stop strings cost a handful of tokens of budget and 10,000 searches per generated token
+    # in the engine's one streaming loop, which every other request waits behind.
+    stub, url = stub_backend
+    gw = await gateway_factory(config(url, 100_000))
+    body = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10} | extra
+    async with httpx.AsyncClient(base_url=gw.url, headers={"authorization": "Bearer k"}) as c:
+        r = await c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+    assert "pricing.max_" in r.json()["error"]["message"]
+    assert stub.requests == []
+    assert await gw.wait_idle() == {name: 0 for name in await gw.in_flight()}

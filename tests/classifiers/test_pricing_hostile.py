@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer as HFBackend
 from tokenizers import models, pre_tokenizers
 
-from classifiers import Cost, InvalidRequest, Pricer, TokenizerRegistry, show_value
+from classifiers import Cost, InvalidRequest, Pricer, PricingSettings, TokenizerRegistry, show_value
 
 CTX = 8192
 LIMITS: dict[str, Any] = {"default_max_tokens": 256, "max_tokens_limit": None, "context_length": CTX}
@@ -267,3 +267,44 @@ def test_lone_surrogates_and_nul_bytes_never_crash_tokenizing(hf_path: Path, mod
 def test_show_value_keeps_any_client_value_short(value: object, shown: str) -> None:
     assert show_value(value) == shown
     assert show_value(nested(5000)) == "object"
+
+
+@pytest.mark.parametrize(
+    ("extra", "fits"),
+    [
+        ({"stop": "x" * 1024}, True),
+        ({"stop": ["a"] * 16}, True),
+        ({"stop": None}, True),
+        ({"logit_bias": {str(i): 1 for i in range(1024)}}, True),
+        ({"stop": ["a"] * 17}, False),
+        ({"stop": "x" * 1025}, False),
+        ({"stop": ["ok", "y" * 5000]}, False),
+        ({"stop": [1, 2]}, False),
+        ({"stop": {"a": 1}}, False),
+        ({"logit_bias": {str(i): 1 for i in range(1025)}}, False),
+        ({"logit_bias": [1, 2]}, False),
+    ],
+)
+@pytest.mark.parametrize("route", ["chat", "completion"])
+def test_what_an_engine_pays_on_every_step_is_bounded(
+    pricer: Pricer, extra: dict[str, Any], fits: bool, route: str
+) -> None:
+    # 10,000 stop strings are 10,000 searches per generated token in vLLM's API server, whose one
+    # loop streams everyone's requests: a token budget does not bound that.
+    body = chat(**extra) if route == "chat" else {"model": "m", "prompt": "Hi", **extra}
+    price = pricer.price_chat if route == "chat" else pricer.price_completion
+    if fits:
+        price(body, **LIMITS)
+        return
+    with pytest.raises(InvalidRequest) as info:
+        price(body, **LIMITS)
+    assert info.value.param == next(iter(extra))
+    assert len(info.value.message) < 200
+
+
+def test_a_zero_bound_is_no_bound() -> None:
+    open_pricer = Pricer(
+        TokenizerRegistry(), PricingSettings(max_stop_sequences=0, max_stop_chars=0, max_logit_bias=0)
+    )
+    body = chat(stop=["a" * 5000] * 100, logit_bias={str(i): 1 for i in range(5000)})
+    assert open_pricer.price_chat(body, **LIMITS).prefill > 0
