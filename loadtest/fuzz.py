@@ -234,6 +234,8 @@ def _mutate(body: dict[str, Any], rng: random.Random) -> tuple[str, dict[str, An
         "chat_template",
         "prompt_embeds",
         "priority",
+        "stop",
+        "logit_bias",
     ]
     key = rng.choice(keys)
     action = rng.random()
