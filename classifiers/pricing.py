@@ -85,8 +85,8 @@ thread pool so an event loop keeps serving other requests meanwhile (see `Pricer
 
 Hostile input
 -------------
-``stop`` (chat, completions) is a string or at most ``max_stop_sequences`` strings of at most
-``max_stop_chars`` characters, ``logit_bias`` an object of at most ``max_logit_bias`` entries (0:
+``stop`` and vLLM's ``bad_words`` (chat, completions) are each a string or at most
+``max_stop_sequences`` strings of at most ``max_stop_chars`` characters, ``logit_bias`` an object of at most ``max_logit_bias`` entries (0:
 no bound): an engine pays for them on every decode step, and the requests beside this one wait.
 Client JSON serialized for counting (tools, schemas, unknown items) may nest at most
 ``MAX_JSON_DEPTH`` (254, orjson's limit) containers; deeper is a 400 saying so, never a
@@ -276,6 +276,10 @@ def _compact_json(value: object, param: str) -> str:
             f"'{param}' cannot be serialized as JSON ({exc}); numbers must fit in 64 bits", param=param
         ) from None
 
+
+# Strings an engine looks for on every decode step: `stop` (searched in the new text) and vLLM's
+# `bad_words` (each a token sequence its logits processor checks); bounded alike.
+_STEP_STRINGS = ("stop", "bad_words")
 
 # A chat message's fields that _message_tokens counts by their own rules; any other one is counted
 # whole (_other_message_fields_tokens).
@@ -1073,25 +1077,27 @@ class Pricer:
         ``max_logit_bias``: what they cost the engine is paid on every step, and by the requests
         beside this one too (one loop streams them all), so a budget in tokens does not bound it."""
         s = self._s
-        stop = body.get("stop")
-        if stop is not None:
-            seqs = [stop] if isinstance(stop, str) else stop
+        for key in _STEP_STRINGS:
+            value = body.get(key)
+            if value is None:
+                continue
+            seqs = [value] if isinstance(value, str) else value
             if not isinstance(seqs, list) or not all(isinstance(x, str) for x in seqs):
                 raise InvalidRequest(
-                    f"'stop' must be a string or an array of strings, got {_kind(stop)}", param="stop"
+                    f"'{key}' must be a string or an array of strings, got {_kind(value)}", param=key
                 )
             if s.max_stop_sequences and len(seqs) > s.max_stop_sequences:
                 raise InvalidRequest(
-                    f"'stop' has {len(seqs)} sequences, above the limit of {s.max_stop_sequences} "
+                    f"'{key}' has {len(seqs)} strings, above the limit of {s.max_stop_sequences} "
                     "(pricing.max_stop_sequences); send fewer",
-                    param="stop",
+                    param=key,
                 )
             longest = max(map(len, seqs), default=0)
             if s.max_stop_chars and longest > s.max_stop_chars:
                 raise InvalidRequest(
-                    f"a 'stop' sequence is {longest} characters long, above the limit of "
+                    f"a '{key}' string is {longest} characters long, above the limit of "
                     f"{s.max_stop_chars} (pricing.max_stop_chars); shorten it",
-                    param="stop",
+                    param=key,
                 )
         bias = body.get("logit_bias")
         if bias is not None:

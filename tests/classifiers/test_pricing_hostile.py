@@ -283,6 +283,9 @@ def test_show_value_keeps_any_client_value_short(value: object, shown: str) -> N
         ({"stop": {"a": 1}}, False),
         ({"logit_bias": {str(i): 1 for i in range(1025)}}, False),
         ({"logit_bias": [1, 2]}, False),
+        ({"bad_words": ["a"] * 16}, True),
+        ({"bad_words": ["a"] * 17}, False),
+        ({"bad_words": "z" * 1025}, False),
     ],
 )
 @pytest.mark.parametrize("route", ["chat", "completion"])
