@@ -31,6 +31,7 @@ class HalfThenRest:
         self.data = data
         self.chunked = chunked
         self.go = asyncio.Event()
+        self.upstream_gone = asyncio.Event()  # the gateway closed the connection mid-answer
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -56,7 +57,14 @@ class HalfThenRest:
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         half = len(self.data) // 2
         await send({"type": "http.response.body", "body": self.data[:half], "more_body": True})
-        await self.go.wait()
+        waiting = asyncio.ensure_future(self.go.wait())
+        gone = asyncio.ensure_future(receive())  # http.disconnect, when the gateway hangs up
+        await asyncio.wait([waiting, gone], return_when=asyncio.FIRST_COMPLETED)
+        if gone.done() and gone.result()["type"] == "http.disconnect":
+            self.upstream_gone.set()
+            waiting.cancel()
+            return
+        gone.cancel()
         await send({"type": "http.response.body", "body": self.data[half:], "more_body": False})
 
 
@@ -109,3 +117,25 @@ async def test_a_large_answer_is_relayed_as_it_arrives_with_its_usage_read(
 )
 def test_usage_is_found_in_the_tail_only_as_a_key(tail: bytes, usage: Any) -> None:
     assert usage_in_tail(tail) == usage
+
+
+async def test_a_client_gone_half_way_through_a_large_answer_releases_and_closes_upstream(
+    gateway_factory: GatewayFactory,
+) -> None:
+    backend = HalfThenRest(answer(6 << 20), chunked=False)
+    served = await serve_asgi(backend)
+    try:
+        gw = await gateway_factory({"pools": stub_pools(served.url, capacity=10**6)})
+        body = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000}
+        async with httpx.AsyncClient(base_url=gw.url, timeout=30) as c:
+            async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                parts = r.aiter_raw()
+                got = 0
+                while got <= (2 << 20):
+                    got += len(await anext(parts))
+            # the client is gone, with the backend still holding the second half
+        assert await gw.wait_idle() == {name: 0 for name in await gw.in_flight()}
+        await asyncio.wait_for(backend.upstream_gone.wait(), timeout=10)  # the gateway hung up on it
+    finally:
+        backend.go.set()
+        await served.stop()
