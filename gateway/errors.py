@@ -6,6 +6,7 @@ carry ``Retry-After`` in whole seconds, rounded up.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import orjson
@@ -30,6 +31,13 @@ _TYPES = {
     503: "service_unavailable",
     504: "timeout_error",
 }
+
+
+class AnswerCut(Exception):
+    """Raised out of the app when an answer whose headers are out fails half way and is not an SSE
+    stream (a JSON body, a pass-through file): the server then closes the connection without
+    ending the body, so the client sees an incomplete answer instead of a complete-looking one.
+    The access line records why; the server's own error log leaves it out (``quiet_answer_cuts``)."""
 
 
 class ApiError(Exception):
@@ -86,3 +94,15 @@ def from_admission(exc: AdmissionError) -> ApiError:
     if exc.status == 429 and retry is None:
         retry = 1.0
     return ApiError(exc.status, exc.message, code="admission_refused", retry_after_s=retry)
+
+
+def _not_a_cut(record: logging.LogRecord) -> bool:
+    return not (record.exc_info and isinstance(record.exc_info[1], AnswerCut))
+
+
+def quiet_answer_cuts() -> None:
+    """Keep uvicorn's "Exception in ASGI application" traceback for an ``AnswerCut`` out of its
+    error log (idempotent)."""
+    logger = logging.getLogger("uvicorn.error")
+    if _not_a_cut not in logger.filters:
+        logger.addFilter(_not_a_cut)

@@ -73,6 +73,7 @@ class Exchange:
     cancel_reason: CancelReason | None = None
     done: bool = False  # the final response message is being sent: never cancel now
     started: bool = False  # response headers sent
+    sse: bool = False  # the answer under way is an SSE stream (one that fails ends with an error event)
     bound: Bound | None = None  # metrics children, once the class is known
     # authenticate
     tenant: TenantConfig | None = None

@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.config import GatewayConfig
-from gateway.errors import ApiError
+from gateway.errors import ApiError, quiet_answer_cuts
 from gateway.signals import SIGNALS, RequestSignals
 
 
@@ -213,4 +213,5 @@ def connection_limits(config: GatewayConfig) -> ConnectionLimits:
 
 def guarded_protocol(limits: ConnectionLimits) -> type[GuardedHttpToolsProtocol]:
     """The protocol class for ``uvicorn.Config(http=...)`` with these limits."""
+    quiet_answer_cuts()
     return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {"limits": limits})

@@ -29,7 +29,7 @@ from budgets.types import AdmissionError, Demand, backend_pool, class_pool, tena
 from classifiers import InvalidRequest, show_value
 from gateway.accesslog import Record
 from gateway.auth import bearer_key
-from gateway.errors import ApiError, from_admission
+from gateway.errors import AnswerCut, ApiError, from_admission
 from gateway.exchange import CancelReason, Exchange, Phase, Placement, Receive, RouteKind, Scope, Send
 from gateway.passthrough import PassthroughRoute
 from gateway.relay import UPSTREAM_ERRORS, Grow, relay_raw, relay_sse, relay_whole, upstream_failed
@@ -776,8 +776,10 @@ class Proxy:
             if exc.status == 500:
                 rec.outcome = "internal_error"
         if x.started:
-            # Headers are out (a stream failed half way): end it with an SSE error event.
             x.done = True
+            if not x.sse:  # a JSON body or a file failed half way: cut it, never end it as whole
+                raise AnswerCut(exc.message)
+            # Headers are out (a stream failed half way): end it with an SSE error event.
             await x.send(
                 {"type": "http.response.body", "body": b"data: " + exc.body() + b"\n\n", "more_body": False}
             )

@@ -203,7 +203,7 @@ async def relay_sse(x: Exchange, resp: aiohttp.ClientResponse, t_up: float, grow
     rec = x.record
     relay = UsageRelay(drop_usage=not x.client_wants_usage)
     rec.status = 200
-    x.started = True
+    x.started = x.sse = True
     send = x.send
     await send({"type": "http.response.start", "status": 200, "headers": _answer_headers(x, resp)})
     content = resp.content
@@ -244,6 +244,7 @@ async def relay_raw(x: Exchange, resp: aiohttp.ClientResponse, t_up: float) -> N
     if resp.status >= 400:
         rec.outcome = rec.reason = "backend_4xx"
     x.started = True
+    x.sse = resp.content_type == "text/event-stream"
     await x.send({"type": "http.response.start", "status": resp.status, "headers": _answer_headers(x, resp)})
     content = resp.content
     while True:

@@ -11,6 +11,7 @@ import httpx
 import orjson
 import pytest
 
+from gateway.errors import AnswerCut
 from gateway.relay import usage_in_tail
 from tests.conftest import GatewayFactory, serve_asgi, stub_pools
 
@@ -138,4 +139,66 @@ async def test_a_client_gone_half_way_through_a_large_answer_releases_and_closes
         await asyncio.wait_for(backend.upstream_gone.wait(), timeout=10)  # the gateway hung up on it
     finally:
         backend.go.set()
+        await served.stop()
+
+
+class Kept(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+class HalfThenDrop(HalfThenRest):
+    """Sends half of a large answer, then drops the connection (a backend that crashed mid-answer)."""
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == "/v1/chat/completions":
+            while (await receive()).get("more_body"):
+                pass
+            headers = [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(self.data)).encode()),
+            ]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send(
+                {"type": "http.response.body", "body": self.data[: len(self.data) // 2], "more_body": True}
+            )
+            await asyncio.sleep(0.05)
+            raise RuntimeError("backend crashed at 10.9.8.7:8000")  # uvicorn aborts the connection
+        await super().__call__(scope, receive, send)
+
+
+async def test_a_backend_gone_half_way_through_a_large_answer_cuts_the_answer_and_leaks_nothing(
+    gateway_factory: GatewayFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend = HalfThenDrop(answer(6 << 20), chunked=False)
+    served = await serve_asgi(backend)
+    caplog.set_level(logging.INFO, logger="tokengate.access")
+    server_errors = Kept()  # uvicorn's own loggers do not propagate to caplog
+    try:
+        gw = await gateway_factory({"pools": stub_pools(served.url, capacity=10**6)})
+        logging.getLogger("uvicorn.error").addHandler(server_errors)  # (after the servers set up logging)
+        body = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000}
+        got = b""
+        async with httpx.AsyncClient(base_url=gw.url, timeout=30) as c:
+            with pytest.raises(httpx.HTTPError):  # the answer ends short: the client cannot take it as whole
+                async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                    assert r.status_code == 200
+                    async for part in r.aiter_raw():
+                        got += part
+        assert 0 < len(got) < len(backend.data)
+        assert b"10.9.8.7" not in got and b"crashed" not in got
+        assert await gw.wait_idle() == {name: 0 for name in await gw.in_flight()}
+        line = orjson.loads(
+            [rec.getMessage() for rec in caplog.records if rec.name == "tokengate.access"][-1]
+        )
+        assert line["outcome"] == "upstream_error"
+        # the cut is the access line's to report, not a traceback in the server's error log
+        # (the backend's own crash is logged by its server: that one is the test's, not the gateway's)
+        assert not [r for r in server_errors.records if r.exc_info and isinstance(r.exc_info[1], AnswerCut)]
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(server_errors)
         await served.stop()
