@@ -43,6 +43,8 @@ Responses (``/v1/responses``), priced like chat:
 * ``tools`` (function and built-in tools alike): compact JSON + ``tools_overhead_tokens``;
 * ``text.format`` of type ``json_schema``: tokens of the format object without its ``type``,
   i.e. the same fields chat's ``response_format.json_schema`` holds;
+* ``documents`` / ``chat_template_kwargs`` / ``chat_template``: as in chat (engines serve this API
+  through their chat template);
 * server-side state is invisible: ``previous_response_id``, ``conversation``, ``prompt`` and
   ``item_reference`` make the server add stored items the gateway cannot see or count, and the
   turns of built-in tool loops add tool output server-side. Only the visible body is priced;
@@ -801,6 +803,7 @@ class Pricer:
         prefill += self._input_tokens(tok, body)
         prefill += self._tools_tokens(tok, body, "tools")
         prefill += self._text_format_tokens(tok, body)
+        prefill += self._template_input_tokens(tok, body)  # (an engine's Responses API renders chat)
         self._check_reasoning(body)
         requested, key = self._requested_max(body, ("max_output_tokens",))
         per_sequence = self._per_choice(requested, key, default_max_tokens, max_tokens_limit)

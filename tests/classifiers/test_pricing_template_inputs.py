@@ -148,3 +148,15 @@ def test_a_deep_value_in_a_message_field_names_the_message(pricer: Pricer) -> No
             pricer.price_chat(chat({"role": "user", "content": "Hi", key: deep}), **LIMITS)
         assert info.value.param == "messages[0]"
         assert len(info.value.message) < 200
+
+
+def test_the_responses_api_prices_and_refuses_them_as_chat_does(pricer: Pricer) -> None:
+    # vLLM serves /v1/responses through the model's chat template too
+    base = {"model": "m", "input": "Hi"}
+    plain_cost = pricer.price_responses(base, **LIMITS).prefill
+    docs = [{"title": "manual", "text": TEXT}]
+    with_docs = pricer.price_responses(base | {"documents": docs}, **LIMITS).prefill
+    assert with_docs == plain_cost + count(orjson.dumps(docs).decode())
+    with pytest.raises(InvalidRequest) as info:
+        pricer.price_responses(base | {"chat_template": "{{ messages }}"}, **LIMITS)
+    assert info.value.param == "chat_template"
