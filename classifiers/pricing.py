@@ -279,6 +279,16 @@ def _compact_json(value: object, param: str) -> str:
         ) from None
 
 
+# Engine extensions a chat template renders into the prompt: (field, its shape's check, the shape).
+_TEMPLATE_INPUTS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    (
+        "documents",
+        lambda v: isinstance(v, list) and all(isinstance(d, dict) for d in v),
+        'an array of objects (e.g. {"title": ..., "text": ...})',
+    ),
+    ("chat_template_kwargs", lambda v: isinstance(v, dict), "an object"),
+)
+
 # Strings an engine looks for on every decode step: `stop` (searched in the new text) and vLLM's
 # `bad_words` (each a token sequence its logits processor checks); bounded alike.
 _STEP_STRINGS = ("stop", "bad_words")
@@ -1130,25 +1140,14 @@ class Pricer:
                 code="unsupported_parameter",
             )
         n = 0
-        documents = body.get("documents")
-        if documents is not None:
-            if not isinstance(documents, list) or not all(isinstance(d, dict) for d in documents):
-                raise InvalidRequest(
-                    f'\'documents\' must be an array of objects (e.g. {{"title": ..., "text": ...}}), '
-                    f"got {_kind(documents)}",
-                    param="documents",
-                )
-            if documents:
-                n += tok.count(_compact_json(documents, "documents"))
-        kwargs = body.get("chat_template_kwargs")
-        if kwargs is not None:
-            if not isinstance(kwargs, dict):
-                raise InvalidRequest(
-                    f"'chat_template_kwargs' must be an object, got {_kind(kwargs)}",
-                    param="chat_template_kwargs",
-                )
-            if kwargs:
-                n += tok.count(_compact_json(kwargs, "chat_template_kwargs"))
+        for key, shape_ok, shape in _TEMPLATE_INPUTS:
+            value = body.get(key)
+            if value is None:
+                continue
+            if not shape_ok(value):
+                raise InvalidRequest(f"'{key}' must be {shape}, got {_kind(value)}", param=key)
+            if value:
+                n += tok.count(_compact_json(value, key))
         return n
 
     def _response_format_tokens(self, tok: Tokenizer, body: Mapping[str, Any]) -> int:

@@ -94,6 +94,7 @@ async def relay_whole(x: Exchange, resp: aiohttp.ClientResponse, backend: Backen
     headers = _answer_headers(x, resp)
     headers.append((b"content-length", str(len(data)).encode()))
     _answered(x, status)
+    x.done = True
     await x.send({"type": "http.response.start", "status": status, "headers": headers})
     await x.send({"type": "http.response.body", "body": data, "more_body": False})
     return usage
@@ -111,11 +112,11 @@ def _usage(data: bytes) -> Any:
 
 
 def _answered(x: Exchange, status: int) -> None:
+    """The answer's headers go out now with ``status``."""
     x.record.status = status
     if status >= 400:
         x.record.outcome = x.record.reason = "backend_4xx"
     x.started = True
-    x.done = True
 
 
 async def _read_upto(resp: aiohttp.ClientResponse, limit: int) -> bytes:
@@ -137,10 +138,7 @@ async def _relay_large(
     """Relay an answer larger than ``_WHOLE_MAX_BYTES``: what was read so far, then the rest as it
     arrives; the usage object is looked for in its last ``_TAIL_BYTES``."""
     headers = _answer_headers(x, resp)  # (no content-length: sent chunked, as a stream is)
-    x.record.status = status
-    if status >= 400:
-        x.record.outcome = x.record.reason = "backend_4xx"
-    x.started = True
+    _answered(x, status)
     send = x.send
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": head, "more_body": True})

@@ -76,6 +76,22 @@ async def test_prompt_text_carried_in_an_engine_field_is_priced_at_its_size(
     )
 
 
+async def refused_before_the_backend(
+    stub_backend: tuple[StubBackend, str], factory: GatewayFactory, path: str, body: dict[str, object]
+) -> dict[str, object]:
+    """Send ``body`` (a 100k budget); the 400's error object. It never reached the backend, and the
+    pools end at 0."""
+    stub, url = stub_backend
+    gw = await factory(config(url, 100_000))
+    async with httpx.AsyncClient(base_url=gw.url, headers={"authorization": "Bearer k"}) as c:
+        r = await c.post(path, json=body)
+    assert r.status_code == 400
+    assert stub.requests == []
+    assert await gw.wait_idle() == {name: 0 for name in await gw.in_flight()}
+    error: dict[str, object] = r.json()["error"]
+    return error
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
@@ -102,16 +118,9 @@ async def test_what_cannot_be_priced_is_refused_before_the_backend(
     body: dict[str, object],
     param: str,
 ) -> None:
-    stub, url = stub_backend
-    gw = await gateway_factory(config(url, 100_000))
-    async with httpx.AsyncClient(base_url=gw.url, headers={"authorization": "Bearer k"}) as c:
-        r = await c.post(path, json=body)
-    assert r.status_code == 400
-    error = r.json()["error"]
+    error = await refused_before_the_backend(stub_backend, gateway_factory, path, body)
     assert (error["param"], error["code"]) == (param, "unsupported_parameter")
     assert error["type"] == "invalid_request_error"
-    assert stub.requests == []
-    assert await gw.wait_idle() == {name: 0 for name in await gw.in_flight()}
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -182,12 +191,7 @@ async def test_a_request_cannot_make_every_engine_step_slower_for_everyone(
 ) -> None:
     # 10,000 stop strings cost a handful of tokens of budget and 10,000 searches per generated token
     # in the engine's one streaming loop, which every other request waits behind.
-    stub, url = stub_backend
-    gw = await gateway_factory(config(url, 100_000))
     body = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10} | extra
-    async with httpx.AsyncClient(base_url=gw.url, headers={"authorization": "Bearer k"}) as c:
-        r = await c.post("/v1/chat/completions", json=body)
-    assert r.status_code == 400 and r.json()["error"]["param"] == param
-    assert "pricing.max_" in r.json()["error"]["message"]
-    assert stub.requests == []
-    assert await gw.wait_idle() == {name: 0 for name in await gw.in_flight()}
+    error = await refused_before_the_backend(stub_backend, gateway_factory, "/v1/chat/completions", body)
+    assert error["param"] == param
+    assert "pricing.max_" in str(error["message"])
