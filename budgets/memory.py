@@ -356,12 +356,11 @@ class MemoryStore:
 
     def _return(self, demand: Demand, actual_decode: int | None, now: float) -> None:
         policy.release(self._state, demand, actual_decode, now)
-        cost = demand.cost
         for name in demand.pools:
             meter = self._rates.get(name)
             if meter is None:
                 meter = self._rates[name] = ReleaseRate()
-            meter.add(cost, now)
+            meter.add(demand.held_in(name), now)
 
     def _withdraw(self, seq: int, now: float) -> None:
         # A withdrawn ticket may have been holding pools for itself: others may now be granted.

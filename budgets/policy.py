@@ -5,7 +5,11 @@ are written out here and kept simple. ``now`` is always passed in.
 
 State
 -----
-- ``in_flight[pool]``: tokens held by live leases (integers).
+- ``in_flight[pool]``: tokens held by live leases (integers). A demand holds ``held(pool)``:
+  ``cost`` = prefill + decode in every pool it names, except its tenant's own pool
+  (``tenant:<tenant>``) when it may produce more than it reserves (``decode_limit > decode``,
+  learned reservations): there it holds prefill + ``decode_limit``, so a tenant's estimates never
+  lift what it can have running past its budget. Below, "cost" in a pool means ``held(pool)``.
 - Waiting tickets, each ``(seq, demand, enqueued_at)``; ``seq`` is a store-wide counter that only
   grows. Tickets wait in one queue per ``(tier, tenant)``; its *first* ticket is its lowest seq, and
   its *head* (the one ticket of it the grant pass looks at) is the first ticket, or under
@@ -18,7 +22,7 @@ Limits
 ------
 ``limit(pool, tier)`` = ``capacity`` for a private pool (``shared=False``), and
 ``floor(ceiling(tier) * capacity)`` for a shared pool. A demand *fits* when, for every pool it names,
-``in_flight[pool] + cost <= limit(pool, tier)``. ``NeverFits`` is raised up front when
+``in_flight[pool] + held(pool) <= limit(pool, tier)``. ``NeverFits`` is raised up front when
 ``cost > limit(pool, tier)`` for some pool (it could not fit even with the pool empty).
 
 Service charged (VTC: service is what was served, never what was reserved)
@@ -290,7 +294,7 @@ def pool_limit(pool: PoolSpec, tier: TierSpec) -> int:
 
 def check_demand(layout: BudgetLayout, demand: Demand) -> None:
     """Raise UnknownTenantOrTier or NeverFits if the demand can never be granted under ``layout``."""
-    if demand.prefill < 0 or demand.decode < 0:
+    if demand.prefill < 0 or demand.decode < 0 or demand.decode_limit < 0:
         raise ValueError(f"negative token counts in {demand!r}")
     names = demand.pools
     if len(names) > 1 and len(set(names)) != len(names):
@@ -307,6 +311,8 @@ def check_demand(layout: BudgetLayout, demand: Demand) -> None:
         if pool is None:
             raise UnknownTenantOrTier(f"unknown pool {name!r}")
         limit = math.floor(tier.ceiling * pool.capacity) if pool.shared else pool.capacity  # pool_limit
+        if demand.private_cost != demand.cost:
+            cost = demand.held_in(name)
         if cost > limit:
             raise NeverFits(_never_fits_message(demand, pool, tier, limit), pool=name, cost=cost, limit=limit)
 
@@ -327,9 +333,14 @@ def _never_fits_message(demand: Demand, pool: PoolSpec, tier: TierSpec, limit: i
         raise_hint += ", or use a tier with a higher ceiling"
     else:
         where = f"pool {pool.name} has capacity {pool.capacity} tokens"
+    held = demand.held_in(pool.name)
+    if held != demand.cost:
+        what = f"{held} tokens (prompt {demand.prefill} + output limit {held - demand.prefill})"
+    else:
+        what = f"{demand.cost} tokens (prompt {demand.prefill} + reserved output {demand.decode})"
     return (
-        f"request costs {demand.cost} tokens (prompt {demand.prefill} + reserved output {demand.decode}) "
-        f"but {where}; it can never be admitted: lower max_tokens / shorten the prompt, or {raise_hint}"
+        f"request costs {what} but {where}; it can never be admitted: lower max_tokens / shorten "
+        f"the prompt, or {raise_hint}"
     )
 
 
@@ -337,7 +348,10 @@ def fits(state: PolicyState, demand: Demand) -> bool:
     layout = state.layout
     tier = layout.tiers[demand.tier]
     cost = demand.cost
+    held = demand.private_cost != cost
     for name in demand.pools:
+        if held:
+            cost = demand.held_in(name)
         if state.in_flight.get(name, 0) + cost > pool_limit(layout.pools[name], tier):
             return False
     return True
@@ -419,11 +433,9 @@ def lift(state: PolicyState, tenant: str) -> None:
 
 
 def _charge(state: PolicyState, demand: Demand) -> None:
-    cost = demand.cost
+    cost = demand.private_cost  # (>= cost: 0 only when it holds nothing anywhere)
     if cost:  # in_flight holds only pools with tokens in flight
-        in_flight = state.in_flight
-        for name in demand.pools:
-            in_flight[name] = in_flight.get(name, 0) + cost
+        _hold(state.in_flight, demand, 1)
     tenant = demand.tenant
     leased = state.leases_by_tenant
     n = leased.get(tenant, 0)
@@ -442,13 +454,8 @@ def release(state: PolicyState, demand: Demand, actual_decode: int | None, now: 
     """Return a lease's tokens; charge the tenant's VTC for the output it was served. ``now`` (the
     store clock) dates the tenant's idleness when this was its last lease."""
     state.settled = False
-    cost = demand.cost
-    for name in demand.pools:
-        left = state.in_flight.get(name, 0) - cost
-        if left > 0:
-            state.in_flight[name] = left
-        else:
-            state.in_flight.pop(name, None)
+    cost = demand.private_cost
+    _hold(state.in_flight, demand, -1)
     tenant = demand.tenant
     n = state.leases_by_tenant.get(tenant, 0) - 1
     if n > 0:
@@ -472,27 +479,49 @@ def release(state: PolicyState, demand: Demand, actual_decode: int | None, now: 
 
 
 def extend(state: PolicyState, demand: Demand, tokens: int) -> tuple[Demand, int]:
-    """Grow a live lease's output reservation by ``tokens`` in every pool it holds; never queues.
-    Waiting heads that name a private pool it grew in are checked again, like after a grant.
+    """Grow a live lease's output reservation by ``tokens``; never queues. Each pool grows by what
+    the grown demand holds there more than before: every pool by ``tokens``, except its tenant's
+    own pool while the reservation stays within ``decode_limit`` (that pool holds the limit
+    already). Waiting heads that name a private pool it grew in are checked again, like after a
+    grant.
 
     Returns the grown demand and the overdraft: how far the fullest of its pools now is above its
-    capacity (0 when the growth fit). An overdrawn pool grants nothing new until releases bring it
-    back under its limit, which the grant pass does by itself (a demand fits only under the limit).
-    A reservation is not service: no fair-share counter moves.
+    capacity, at most what it grew by there (0 when the growth fit). An overdrawn pool grants
+    nothing new until releases bring it back under its limit, which the grant pass does by itself
+    (a demand fits only under the limit). A reservation is not service: no fair-share counter moves.
     """
     state.settled = False
+    grown = replace(demand, decode=demand.decode + tokens)
     over = 0
     for name in demand.pools:
-        used = state.in_flight.get(name, 0) + tokens
+        more = grown.held_in(name) - demand.held_in(name)
+        if not more:
+            continue
+        used = state.in_flight.get(name, 0) + more
         state.in_flight[name] = used
         spec = state.layout.pools.get(name)
         if spec is not None:
-            over = max(over, min(tokens, used - spec.capacity))
+            over = max(over, min(more, used - spec.capacity))
     if tokens and state.index.private:
         # A private pool that grew may no longer fit its tenant's waiting head: park it, or the
         # next pass grants it past the tenant's budget (the pass checks only shared room).
         _private_changed(state, demand, freed=tokens < 0)
-    return replace(demand, decode=demand.decode + tokens), over
+    return grown, over
+
+
+def _hold(in_flight: dict[str, int], demand: Demand, sign: int) -> None:
+    """Add (``sign`` 1) or give back (-1) what ``demand`` holds in each of its pools (``held_in``);
+    a pool left with nothing in flight leaves ``in_flight``."""
+    cost = demand.cost
+    held = demand.private_cost != cost
+    for name in demand.pools:
+        if held:
+            cost = demand.held_in(name)
+        left = in_flight.get(name, 0) + sign * cost
+        if left > 0:
+            in_flight[name] = left
+        else:
+            in_flight.pop(name, None)
 
 
 def _private_changed(state: PolicyState, demand: Demand, freed: bool) -> None:
@@ -564,11 +593,10 @@ def enqueue(state: PolicyState, demand: Demand, now: float) -> Ticket:
         src = state.lease_min if tenant in state.leases_by_tenant else state.idle_min
         _move(state, tenant, src, state.backlog_min)
     state.tier_waiting[tier] = state.tier_waiting.get(tier, 0) + 1
-    cost = demand.cost
-    if cost:
+    if demand.private_cost:
         ahead = state.ahead
         for name in demand.pools:
-            ahead[(name, tier)] = ahead.get((name, tier), 0) + cost
+            ahead[(name, tier)] = ahead.get((name, tier), 0) + demand.held_in(name)
     key = (tier, tenant)
     fifo = state.queues.get(key)
     pol = state.layout.policy
@@ -649,11 +677,10 @@ def _forget(state: PolicyState, ticket: Ticket, now: float | None, granted: bool
         state.tier_waiting[tier] = n
     else:
         del state.tier_waiting[tier]
-    cost = demand.cost
-    if cost:
+    if demand.private_cost:
         ahead = state.ahead
         for name in demand.pools:
-            left = ahead.get((name, tier), 0) - cost
+            left = ahead.get((name, tier), 0) - demand.held_in(name)
             if left > 0:
                 ahead[(name, tier)] = left
             else:

@@ -341,9 +341,9 @@ class QueueIndex:
 
 
 def private_ok(head: Head, layout: BudgetLayout, in_flight: Mapping[str, int]) -> bool:
-    cost = head.ticket.demand.cost
+    demand = head.ticket.demand
     pools = layout.pools
     for name in head.private:
-        if in_flight.get(name, 0) + cost > pools[name].capacity:
+        if in_flight.get(name, 0) + demand.held_in(name) > pools[name].capacity:
             return False
     return True

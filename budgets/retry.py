@@ -65,7 +65,7 @@ def retry_after(state: PolicyState, demand: Demand, rates: Mapping[str, ReleaseR
         if pool is None:
             continue
         free = pool_limit(pool, tier) - state.in_flight.get(name, 0)
-        needed = tokens_ahead(state, name, tier.rank) + demand.cost - free
+        needed = tokens_ahead(state, name, tier.rank) + demand.held_in(name) - free
         if needed <= 0:
             continue
         meter = rates.get(name)

@@ -92,16 +92,37 @@ class BudgetLayout:
 
 @dataclass(frozen=True, slots=True)
 class Demand:
+    """What one request holds: ``cost`` (prompt + reserved output) in every pool it names but its
+    tenant's own, ``tenant_pool(tenant)``, which holds ``private_cost``: the prompt + the most
+    output the request may produce (``decode_limit``) when that is more than the reservation.
+
+    A request that reserves less than it may produce (learned reservations) can run past its
+    reservation; what it may run to is held against its tenant's budget, so a tenant whose
+    estimate was trained low never has more in flight than its budget, and overdraws a shared pool
+    by at most that. (The tenant's pool is private in every layout the gateway builds.)"""
+
     tenant: str
     tier: str
     pools: tuple[str, ...]  # every pool to acquire from, all or nothing
     prefill: int
     decode: int
+    decode_limit: int = 0  # the most output it may produce; <= decode: no more than reserved
     # prefill + decode, stored: the grant path reads it about ten times per grant.
     cost: int = field(init=False, repr=False, compare=False)
+    private_cost: int = field(init=False, repr=False, compare=False)  # prefill + max(decode, limit)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "cost", self.prefill + self.decode)
+        cost = self.prefill + self.decode
+        object.__setattr__(self, "cost", cost)
+        object.__setattr__(self, "private_cost", max(cost, self.prefill + self.decode_limit))
+
+    def held_in(self, pool: str) -> int:
+        """Tokens this demand holds in ``pool``: ``private_cost`` in its tenant's own pool, ``cost``
+        in every other. (Decided by the name, not the layout: what a lease gave back must be what it
+        took, whatever layout changes came in between.)"""
+        if self.private_cost != self.cost and pool == tenant_pool(self.tenant):
+            return self.private_cost
+        return self.cost
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +208,8 @@ class BudgetStore(Protocol):
       or not a whole number charges the whole reservation, as does reaping (budgets/policy.py).
     - ``heartbeat`` extends live leases; leases not renewed within ``lease_ttl_s`` are reaped
       (by ``reap_expired`` and by the store's own background task) and their tokens returned.
-    - ``extend`` grows a live lease's output reservation by ``tokens`` in every pool it holds, at
+    - ``extend`` grows a live lease's output reservation by ``tokens`` in every pool it holds
+      (its tenant's pool only past ``decode_limit``, which that pool holds already), at
       once and never queued (a stream that outgrew its reservation is already running): the
       overdraft is returned (how far its fullest pool is now above capacity; 0 when it fit), and
       an overdrawn pool grants nothing new until it is back under its limit. None when the lease

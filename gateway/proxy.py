@@ -511,7 +511,12 @@ class Proxy:
         """Take the cost from every pool at once, now or after waiting in the queue."""
         cost, placement, tenant, tier = x.cost, x.placement, x.tenant, x.tier
         assert cost is not None and placement is not None and tenant is not None and tier is not None
-        demand = Demand(tenant.name, tier.name, placement.pools, cost.prefill, cost.decode)
+        # A tenant with a budget holds its request's whole output limit there even when the
+        # request reserves less (learned reservations): what it may run to stays within its
+        # budget, however low its past has trained the estimate (budgets.types.Demand).
+        r = x.reserved
+        limit = r.limit if r is not None and r.reduced and tenant.budget_tokens is not None else 0
+        demand = Demand(tenant.name, tier.name, placement.pools, cost.prefill, cost.decode, limit)
         self._refuse_if_draining()
         x.phase = Phase.QUEUED
         rec = x.record

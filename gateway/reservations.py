@@ -10,6 +10,9 @@ default), a fixed number, or a learned quantile. Two safety valves:
   is back at or below ``kv_low``: when the engine is short of memory, estimates are not gambled on.
 * **Growth.** A stream whose output outgrows its reservation extends its lease (``gateway.proxy``), up
   to the limit; a non-streaming request settles at release (its real output is recorded).
+* **The tenant's budget holds the limit.** For a tenant with ``budget_tokens`` the demand carries the
+  limit (``Demand.decode_limit``): its budget holds what the request may produce, the shared pools
+  the reservation, so a tenant that trains its estimates low cannot run more than its budget.
 
 ``oracle_header`` (benchmarks only) reserves exactly what ``x-tokengate-oracle-output`` says: the
 arm every estimate is measured against.

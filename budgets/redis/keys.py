@@ -125,8 +125,13 @@ def check_name(kind: str, name: str) -> None:
 
 
 def pack_demand(demand: Demand) -> list[str]:
-    """Script arguments for a demand: tenant, tier, prefill, decode, pools (LIST_SEP-joined)."""
-    return [demand.tenant, demand.tier, str(demand.prefill), str(demand.decode), LIST_SEP.join(demand.pools)]
+    """Script arguments for a demand: tenant, tier, prefill, decode, pools (LIST_SEP-joined).
+    ``decode`` is ``<decode>/<decode_limit>`` when the limit is more than the reservation (lib.lua's
+    ``demand`` reads both; records written before that field existed hold a plain number)."""
+    decode = str(demand.decode)
+    if demand.decode_limit > demand.decode:
+        decode = f"{decode}/{demand.decode_limit}"
+    return [demand.tenant, demand.tier, str(demand.prefill), decode, LIST_SEP.join(demand.pools)]
 
 
 def usage_arg(actual_decode: int | None) -> str:
@@ -141,12 +146,14 @@ def usage_arg(actual_decode: int | None) -> str:
 
 def unpack_demand(fields: Sequence[str]) -> Demand:
     tenant, tier, prefill, decode, pools = fields[:5]
+    reserved, _, limit = decode.partition("/")
     return Demand(
         tenant=tenant,
         tier=tier,
         pools=tuple(pools.split(LIST_SEP)) if pools else (),
         prefill=int(prefill),
-        decode=int(decode),
+        decode=int(reserved),
+        decode_limit=int(limit) if limit else 0,
     )
 
 

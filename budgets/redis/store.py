@@ -523,11 +523,11 @@ class RedisStore:
         kind, name = reply.kind, reply.name
         if kind == "never":
             limit = reply.limit or 0
+            cost = demand.held_in(name)
             raise NeverFits(
-                f"request costs {demand.cost} tokens but pool {name} grants at most {limit}; "
-                "it can never be admitted",
+                f"request costs {cost} tokens but pool {name} grants at most {limit}; it can never be admitted",
                 pool=name,
-                cost=demand.cost,
+                cost=cost,
                 limit=limit,
             )
         raise UnknownTenantOrTier(f"unknown {kind} {name!r}")
@@ -777,7 +777,7 @@ class RedisStore:
 
 def _check_shape(demand: Demand) -> None:
     # The parts of policy.check_demand that need no layout, raised as the memory store does.
-    if demand.prefill < 0 or demand.decode < 0:
+    if demand.prefill < 0 or demand.decode < 0 or demand.decode_limit < 0:
         raise ValueError(f"negative token counts in {demand!r}")
     if len(set(demand.pools)) != len(demand.pools):
         raise ValueError(f"duplicate pools in {demand.pools!r}")

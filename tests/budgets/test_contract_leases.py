@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from budgets.types import NeverFits, TierSpec, UnknownTenantOrTier
+from budgets.types import Demand, NeverFits, TierSpec, UnknownTenantOrTier
 from tests.budgets.conftest import StoreFactory
 from tests.budgets.support import (
     FakeClock,
@@ -196,6 +196,40 @@ async def test_growth_on_a_tenant_budget_holds_back_that_tenants_waiting_request
     lease = await asyncio.wait_for(nxt, 5)
     assert await in_flight(store, "tenant:a") == 40
     await store.release(lease.id)
+    await assert_idle(store)
+
+
+async def test_a_tenants_budget_holds_what_a_request_may_produce_and_a_shared_pool_what_it_reserves(
+    store_factory: StoreFactory, clock: FakeClock
+) -> None:
+    # A learned reservation of 100 for a request that may produce 400: tenant a's budget holds the
+    # 400 (its in-flight tokens can never pass its budget, whatever its estimates), P the 100.
+    store = await store_factory(layout([shared(P, 1000), private("tenant:a", 500)], ["a", "b"]))
+    lease = await store.acquire(Demand("a", "critical", (P, "tenant:a"), 50, 100, decode_limit=400), 1)
+    assert (await in_flight(store, P), await in_flight(store, "tenant:a")) == (150, 450)
+    nxt = asyncio.create_task(store.acquire(demand("a", 100, P, "tenant:a"), 10))
+    await wait_queued(store, 1)  # 450 + 100 > 500: waits for a's own budget...
+    other = await store.acquire(demand("b", 300, P), 1)  # ...and holds nothing on P
+    assert await store.extend(lease.id, 200) == 0  # within the limit: P grows, a's budget held it already
+    assert (await in_flight(store, P), await in_flight(store, "tenant:a")) == (650, 450)
+    assert await store.extend(lease.id, 200) == 50  # 500 of a limit of 400: a's budget 550 of 500
+    assert (await in_flight(store, P), await in_flight(store, "tenant:a")) == (850, 550)
+    assert await store.release(lease.id, 480) is True
+    granted = await asyncio.wait_for(nxt, 5)
+    assert (await in_flight(store, P), await in_flight(store, "tenant:a")) == (400, 100)
+    await store.release(granted.id)
+    await store.release(other.id)
+    await assert_idle(store)
+
+
+async def test_a_request_whose_limit_can_never_fit_its_tenants_budget_is_refused_saying_so(
+    store_factory: StoreFactory,
+) -> None:
+    store = await store_factory(layout([shared(P, 1000), private("tenant:a", 500)], ["a"]))
+    with pytest.raises(NeverFits) as err:
+        await store.acquire(Demand("a", "critical", (P, "tenant:a"), 50, 100, decode_limit=600), 1)
+    assert (err.value.pool, err.value.cost, err.value.limit) == ("tenant:a", 650, 500)
+    assert "output limit 600" in str(err.value) and "budget_tokens of tenant a" in str(err.value)
     await assert_idle(store)
 
 

@@ -33,6 +33,8 @@ enqueue_op = st.tuples(
     st.sampled_from(POOL_CHOICES),
     st.integers(0, 30),
     st.integers(0, 20),
+    # How much more than it reserves the request may produce (held in its tenant's pool).
+    st.sampled_from([0, 0, 0, 5, 15]),
 )
 release_op = st.tuples(st.just("rel"), st.integers(0, 50), st.one_of(st.none(), st.integers(-5, 40)))
 withdraw_op = st.tuples(st.just("wd"), st.integers(0, 50))
@@ -83,9 +85,11 @@ class Model:
         self.now = 0.0
         self.skips_checked = 0  # passes that ran on a settled state (checked against a full one)
 
-    def demand(self, tenant: str, tier: str, pools: tuple[str, ...], prefill: int, decode: int) -> Demand:
+    def demand(
+        self, tenant: str, tier: str, pools: tuple[str, ...], prefill: int, decode: int, beyond: int = 0
+    ) -> Demand:
         own = (f"tenant:{tenant}",) if tenant in ("a", "b") else ()
-        return Demand(tenant, tier, pools + own, prefill, decode)
+        return Demand(tenant, tier, pools + own, prefill, decode, decode + beyond if beyond else 0)
 
     def check_grants(self, before: dict[str, int], grants: list[Demand]) -> None:
         """Each grant, replayed in order, stayed within capacity and its tier's ceiling."""
@@ -94,7 +98,7 @@ class Model:
         for d in grants:
             tier = lay.tiers[d.tier]
             for name in d.pools:
-                running[name] = running.get(name, 0) + d.cost
+                running[name] = running.get(name, 0) + d.held_in(name)
                 assert running[name] <= policy.pool_limit(lay.pools[name], tier)
         assert {k: v for k, v in running.items() if v} == self.state.in_flight
 
@@ -185,11 +189,21 @@ class Model:
             # contract test): no later grant may then pass a pool's limit (check_grants).
             i = op[1] % len(self.leases)
             d = self.leases[i]
-            room = min(self.state.layout.pools[n].capacity - self.state.in_flight.get(n, 0) for n in d.pools)
-            tokens = min(op[2], room)
+            pools, in_flight = self.state.layout.pools, self.state.in_flight
+
+            def fits(tokens: int) -> bool:
+                more = dataclasses.replace(d, decode=d.decode + tokens)
+                return all(
+                    in_flight.get(n, 0) + more.held_in(n) - d.held_in(n) <= pools[n].capacity for n in d.pools
+                )
+
+            tokens = op[2]
+            while tokens > 0 and not fits(tokens):
+                tokens -= 1
             if tokens > 0:
                 grown, over = policy.extend(self.state, d, tokens)
                 assert over == 0 and grown.cost == d.cost + tokens
+                assert grown.private_cost == max(grown.cost, d.private_cost)  # its limit held already
                 self.leases[i] = grown
         self.check_consistency()
 
@@ -198,7 +212,7 @@ class Model:
         expected: Counter[str] = Counter()
         for d in self.leases:
             for name in d.pools:
-                expected[name] += d.cost
+                expected[name] += d.held_in(name)
         assert {k: v for k, v in expected.items() if v} == s.in_flight
         for name, used in s.in_flight.items():
             assert used <= s.layout.pools[name].capacity

@@ -98,6 +98,8 @@ acquire = st.tuples(
     st.sampled_from([1, 5, 10, 20, 35, 50]),
     st.sampled_from([0, 0, 5, 15]),
     st.sampled_from(POOL_SETS),
+    # How much more than it reserves the request may produce (its tenant's pool holds that too).
+    st.sampled_from([0, 0, 0, 10, 40]),
 )
 # Usage reports as backends send them, and as they lie: negative, beyond the reservation, not a count.
 usage = st.one_of(
@@ -221,8 +223,9 @@ async def run_scenario(
             kind = op[0]
             where = f"step {step} {op}"
             if kind == "acq":
-                _, tenant, tier, prefill, decode, pools = op
-                d = Demand(tenant, tier, (f"tenant:{tenant}", *pools), prefill, decode)
+                _, tenant, tier, prefill, decode, pools, *beyond = op
+                limit = decode + beyond[0] if beyond and beyond[0] else 0
+                d = Demand(tenant, tier, (f"tenant:{tenant}", *pools), prefill, decode, limit)
                 tasks.append(
                     (asyncio.create_task(mem.acquire(d, 100)), asyncio.create_task(red.acquire(d, 100)))
                 )
@@ -345,6 +348,20 @@ def test_redis_store_orders_a_tenants_queue_as_the_memory_store_does(ops: list[t
 
 
 SCENARIOS: dict[str, list[tuple[Any, ...]]] = {
+    # A request that may produce more than it reserves holds that in its tenant's pool (a: 60),
+    # only the reservation in P; growth within the limit grows P only, past it both; a demand
+    # whose limit can never fit its tenant's budget is refused with the same message.
+    "limit_held_by_tenant": [
+        ("acq", "a", "critical", 10, 5, (P,), 40),
+        ("acq", "a", "critical", 10, 0, (P,)),
+        ("acq", "b", "critical", 10, 5, (P,)),
+        ("grow", 0, 30),
+        ("grow", 0, 30),
+        ("acq", "c", "critical", 1, 0, (P,)),
+        ("rel", 0, 20),
+        ("acq", "b", "critical", 10, 0, (Q,), 200),
+        ("rel", 0, None),
+    ],
     # A blocked critical ticket holds P against the batch tier at once.
     "priority_hold": [
         ("acq", "a", "critical", 30, 0, (P,)),

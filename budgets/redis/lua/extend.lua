@@ -17,19 +17,28 @@ local function extend_main(A)
   if tokens <= 0 then
     return 0
   end
-  add_used(d.pools, tokens)
-  -- A grown private pool may no longer fit its tenant's waiting head: park it (policy.extend).
-  private_pools_changed(d)
+  -- Each pool grows by what the grown demand holds there more than before: its tenant's own pool
+  -- not at all while the reservation stays within the limit it holds already.
+  local before = {}
+  for i = 1, #d.pools do
+    before[i] = held_in(d, d.pools[i])
+  end
+  grow_demand(d, tokens)
+  settled = false
+  prefetch_used(d.pools)
   local over = 0
   for i = 1, #d.pools do
-    local p = pool_spec(d.pools[i])
-    if p then
-      over = mmax(over, mmin(tokens, used(d.pools[i]) - p.cap))
+    local more = held_in(d, d.pools[i]) - before[i]
+    if more ~= 0 then
+      num_add(K.used, d.pools[i], more)
+      local p = pool_spec(d.pools[i])
+      if p then
+        over = mmax(over, mmin(more, used(d.pools[i]) - p.cap))
+      end
     end
   end
-  d.decode = d.decode + tokens
-  d.decode_s = fmt(d.decode)
-  d.cost = d.cost + tokens
+  -- A grown private pool may no longer fit its tenant's waiting head: park it (policy.extend).
+  private_pools_changed(d)
   rcall('HSET', K.leases, id, pack_demand(d) .. SEP .. lease.owner .. SEP .. lease.granted_at .. SEP .. lease.queued_s)
   return over
 end

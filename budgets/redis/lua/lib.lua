@@ -554,6 +554,29 @@ local function add_used(pools, delta)
   end
 end
 
+-- Demand.held_in: what a demand (or the head of one: both carry cost, pcost and own) holds in pool
+-- ``name``: ``pcost`` (the prompt + the most output it may produce) in its tenant's own pool when
+-- that is more than ``cost``, ``cost`` in every other.
+local function held_in(d, name)
+  if d.own == name then
+    return d.pcost
+  end
+  return d.cost
+end
+
+-- add_used for what a demand holds (policy._hold): ``sign`` 1 takes, -1 gives back.
+local function add_held(d, sign)
+  if d.own == nil then
+    add_used(d.pools, sign * d.cost)
+    return
+  end
+  settled = false
+  prefetch_used(d.pools)
+  for i = 1, #d.pools do
+    num_add(K.used, d.pools[i], sign * held_in(d, d.pools[i]))
+  end
+end
+
 -- Counters live in the sorted set T:vtc (tenant -> counter): the score is the double itself, so
 -- reads are exact, and the lowest counter of all (lift rule 3) is its first entry. T:vb and T:vl
 -- hold the counters of backlogged tenants and of tenants with live leases (lift rules 1 and 2).
@@ -706,6 +729,12 @@ local function parse_head(hk, v)
   local flags, seq, cost, enq, counter, gid, private, rs = fields8(v)
   local sep = sfind(hk, SEP, 1, true)
   local tier, tenant = ssub(hk, 1, sep - 1), ssub(hk, sep + 1)
+  local c, pc, own = tonumber(cost), nil, nil
+  if c == nil then -- "<cost>/<pcost>": its tenant's pool holds more (demand, below)
+    local slash = sfind(cost, '/', 1, true)
+    pc, cost = ssub(cost, slash + 1) + 0, ssub(cost, 1, slash - 1)
+    c, own = cost + 0, 'tenant:' .. tenant
+  end
   return {
     hk = hk,
     tier = tier,
@@ -714,8 +743,10 @@ local function parse_head(hk, v)
     parked = ssub(flags, 2, 2) == '1',
     seq = seq + 0,
     seq_s = seq,
-    cost = cost + 0,
+    cost = c,
     cost_s = cost,
+    pcost = pc or c,
+    own = own,
     enq = enq + 0,
     enq_s = enq,
     counter = counter + 0,
@@ -746,7 +777,8 @@ end
 -- A head's T:heads record, as ``flush`` writes it.
 local function head_record(h)
   local flags = (h.old and '1' or '0') .. (h.parked and '1' or '0')
-  return flags .. SEP .. h.seq_s .. SEP .. h.cost_s .. SEP .. h.enq_s .. SEP .. fmt(h.counter) .. SEP
+  local cost = h.own and h.cost_s .. '/' .. fmt(h.pcost) or h.cost_s
+  return flags .. SEP .. h.seq_s .. SEP .. cost .. SEP .. h.enq_s .. SEP .. fmt(h.counter) .. SEP
     .. h.gid .. SEP .. h.private_raw .. SEP .. h.rs_s
 end
 
@@ -878,11 +910,11 @@ local function deactivate(h)
   h.parked = true -- an emptied group leaves T:gt:<tier> when a pass finds it empty
 end
 
--- queue_index.private_ok: every private pool of the head has room for its cost.
-local function private_ok(cost, private)
+-- queue_index.private_ok: every private pool of the head has room for what it holds there.
+local function private_ok(h, private)
   prefetch_used(private)
   for i = 1, #private do
-    if used(private[i]) + cost > pool_spec(private[i]).cap then
+    if used(private[i]) + held_in(h, private[i]) > pool_spec(private[i]).cap then
       return false
     end
   end
@@ -916,6 +948,8 @@ local function add_head(tk, now, old, rs, prev)
     seq_s = tk.seq_s,
     cost = d.cost,
     cost_s = fmt(d.cost),
+    pcost = d.pcost,
+    own = d.own,
     enq = tk.enq,
     enq_s = tk.enq_s,
     counter = 0,
@@ -942,7 +976,7 @@ local function add_head(tk, now, old, rs, prev)
     end
   end
   local gc_prev = prev and prev.gc
-  if private_ok(h.cost, private) then
+  if private_ok(h, private) then
     activate(h, vtc(d.tenant), gc_prev)
   elseif gc_prev ~= nil then
     rcall('ZREM', gc_prev, h.tenant)
@@ -1037,7 +1071,7 @@ local function private_changed(pool)
   for i = 1, #hks do
     local h = load_head(hks[i])
     if h then -- (nil: a head remove_head left for its successor, which is not indexed yet)
-      local ok = private_ok(h.cost, h.private)
+      local ok = private_ok(h, h.private)
       if not h.parked and not ok then
         deactivate(h)
         store_head(h)
@@ -1141,10 +1175,18 @@ end
 
 -- ---- demands, tickets, leases ----
 
--- A demand from its five packed fields: tenant, tier, prefill, decode, pools.
+-- A demand from its five packed fields: tenant, tier, prefill, decode, pools. ``decode`` is the
+-- reserved output, or "<reserved>/<limit>" when the request may produce more than it reserves
+-- (budgets.redis.keys.pack_demand): its tenant's own pool (``own``) then holds ``pcost``, the prompt
+-- + the limit (Demand.private_cost), every other pool ``cost``.
 local function demand(tenant, tier, prefill, decode, pools)
-  local p, o = prefill + 0, decode + 0
-  return {
+  local p, o = prefill + 0, tonumber(decode)
+  local lim = nil
+  if o == nil then
+    local slash = sfind(decode, '/', 1, true)
+    o, lim = ssub(decode, 1, slash - 1) + 0, ssub(decode, slash + 1)
+  end
+  local d = {
     tenant = tenant,
     tier = tier,
     prefill = p,
@@ -1155,6 +1197,30 @@ local function demand(tenant, tier, prefill, decode, pools)
     pools_raw = pools,
     pools = split(pools, LSEP),
   }
+  d.pcost = d.cost
+  if lim ~= nil then
+    d.limit_s = lim
+    if p + lim > d.cost then
+      d.pcost, d.own = p + lim, 'tenant:' .. tenant
+    end
+  end
+  return d
+end
+
+-- A demand's reservation grew by ``tokens`` (policy.extend): what each pool holds follows.
+local function grow_demand(d, tokens)
+  d.decode = d.decode + tokens
+  d.cost = d.cost + tokens
+  d.pcost, d.own = d.cost, nil
+  if d.limit_s == nil then
+    d.decode_s = fmt(d.decode)
+    return
+  end
+  d.decode_s = fmt(d.decode) .. '/' .. d.limit_s
+  local held = d.prefill + d.limit_s
+  if held > d.cost then
+    d.pcost, d.own = held, 'tenant:' .. d.tenant
+  end
 end
 
 local function pack_demand(d)
@@ -1250,7 +1316,7 @@ local function check_demand(d)
       return { 'E', 'pool', d.pools[i] }
     end
     local limit = pool_limit(p, t)
-    if d.cost > limit then
+    if held_in(d, d.pools[i]) > limit then
       return { 'E', 'never', d.pools[i], limit }
     end
   end
@@ -1263,7 +1329,7 @@ local function fits(d)
   prefetch_used(d.pools)
   for i = 1, #d.pools do
     local name = d.pools[i]
-    if used(name) + d.cost > pool_limit(pool_spec(name), t) then
+    if used(name) + held_in(d, name) > pool_limit(pool_spec(name), t) then
       return false
     end
   end
@@ -1318,7 +1384,7 @@ end
 -- policy._charge. ``queued``: the demand was a waiting ticket until now (grant_head), so its
 -- tenant was backlogged and is not in T:idle (only a tenant with neither tickets nor leases is).
 local function charge(d, queued)
-  add_used(d.pools, d.cost)
+  add_held(d, 1)
   local n = count_add(K.tleases, d.tenant, 1)
   -- (a ticket granted from the queue is often a tenant this call has not read: its spec and its
   -- private pools', read by private_pools_changed, in one HMGET)
@@ -1329,7 +1395,7 @@ local function charge(d, queued)
   if n == 1 and not queued then
     rcall('ZREM', K.idle, d.tenant)
   end
-  if d.cost ~= 0 then
+  if d.pcost ~= 0 then
     private_pools_changed(d)
   end
 end
@@ -1362,7 +1428,9 @@ local function rate_now(name, now)
   return r * math.exp(-mmax(0.0, now - rates_at[name]) / RATE_TAU)
 end
 
-local function rate_add(pools, amount, now)
+-- Meter the tokens ``d`` gave back in each of its pools (held_in).
+local function rate_add(d, now)
+  local pools = d.pools
   local missing = unknown(rates_c, pools)
   if missing ~= nil then
     local v = rcall('HMGET', K.rate, unpack(missing))
@@ -1372,7 +1440,7 @@ local function rate_add(pools, amount, now)
   end
   for i = 1, #pools do
     local name = pools[i]
-    rates_c[name] = rate_now(name, now) + amount / RATE_TAU
+    rates_c[name] = rate_now(name, now) + held_in(d, name) / RATE_TAU
     rates_at[name] = now
     touch(K.rate, name)
   end
@@ -1381,7 +1449,7 @@ end
 -- policy.release + MemoryStore._return (release-rate meters). ``served``: the output tokens to
 -- charge (served_output of the report; d.decode for a reaped lease, 0 for a grant never delivered).
 local function give_back(d, served, now)
-  add_used(d.pools, -d.cost)
+  add_held(d, -1)
   if count_add(K.tleases, d.tenant, -1) == 0 then
     rcall('ZREM', K.vl, d.tenant)
     if not backlogged(d.tenant) then
@@ -1395,8 +1463,8 @@ local function give_back(d, served, now)
       set_vtc(d.tenant, c + P.dw * served / spec.weight)
     end
   end
-  rate_add(d.pools, d.cost, now)
-  if d.cost ~= 0 then
+  rate_add(d, now)
+  if d.pcost ~= 0 then
     private_pools_changed(d)
   end
 end
@@ -1404,11 +1472,11 @@ end
 -- ---- the queue ----
 
 local function add_ahead(d, sign)
-  if d.cost == 0 then
+  if d.pcost == 0 then
     return
   end
   for i = 1, #d.pools do
-    num_add(K.ahead, d.pools[i] .. SEP .. d.tier, sign * d.cost)
+    num_add(K.ahead, d.pools[i] .. SEP .. d.tier, sign * held_in(d, d.pools[i]))
   end
 end
 
@@ -1754,7 +1822,7 @@ local function retry_after(d, now)
           ahead = ahead + num(K.ahead, name .. SEP .. other.name)
         end
       end
-      local needed = ahead + d.cost - free
+      local needed = ahead + held_in(d, name) - free
       if needed > 0 then
         local rate = rate_now(name, now)
         if rate > 0 then

@@ -16,7 +16,7 @@ local function restore_main(A)
     if rcall('HEXISTS', K.leases, id) == 0 and not rcall('ZSCORE', K.gone, id) then
       local d = demand(A[i + 1], A[i + 2], A[i + 3], A[i + 4], A[i + 5])
       load_policy(d)
-      add_used(d.pools, d.cost)
+      add_held(d, 1)
       if count_add(K.tleases, d.tenant, 1) == 1 then
         rcall('ZREM', K.idle, d.tenant)
         local c = vtc(d.tenant)
