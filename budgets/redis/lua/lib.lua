@@ -1181,30 +1181,30 @@ end
 -- + the limit (Demand.private_cost), every other pool ``cost``.
 local function demand(tenant, tier, prefill, decode, pools)
   local p, o = prefill + 0, tonumber(decode)
-  local lim = nil
+  local lim, own = nil, nil
   if o == nil then
     local slash = sfind(decode, '/', 1, true)
     o, lim = ssub(decode, 1, slash - 1) + 0, ssub(decode, slash + 1)
   end
-  local d = {
+  local cost = p + o
+  local pcost = cost
+  if lim ~= nil and p + lim > cost then
+    pcost, own = p + lim, 'tenant:' .. tenant
+  end
+  return {
     tenant = tenant,
     tier = tier,
     prefill = p,
     decode = o,
-    cost = p + o,
+    cost = cost,
+    pcost = pcost,
+    own = own,
+    limit_s = lim,
     prefill_s = prefill,
     decode_s = decode,
     pools_raw = pools,
     pools = split(pools, LSEP),
   }
-  d.pcost = d.cost
-  if lim ~= nil then
-    d.limit_s = lim
-    if p + lim > d.cost then
-      d.pcost, d.own = p + lim, 'tenant:' .. tenant
-    end
-  end
-  return d
 end
 
 -- A demand's reservation grew by ``tokens`` (policy.extend): what each pool holds follows.
