@@ -13,7 +13,8 @@ Chat (``/v1/chat/completions``), following the OpenAI cookbook's counting rules:
   each assistant ``tool_calls`` entry adds ``per_tool_call_tokens`` + tokens(function name)
   + tokens(arguments); a legacy ``function_call`` counts the same way;
 * content: a string counts its tokens; a list of parts sums its parts: ``text`` / ``refusal``
-  parts count their text, ``image_url`` costs ``image_tokens``, ``input_audio`` / ``audio_url``
+  parts count their text, ``image_url`` costs what the model's image rule says (``Pricer(images=)``,
+  classifiers/images.py: by the image's size, or the most) or ``image_tokens``, ``input_audio`` / ``audio_url``
   ``audio_tokens``, ``video_url`` ``video_tokens``, ``file`` ``file_tokens``;
 * any other fields of a message (``reasoning_content`` / ``reasoning`` of earlier turns,
   ``tool_call_id``, whatever key an engine's chat template reads): the tokens of the compact JSON
@@ -31,7 +32,7 @@ Responses (``/v1/responses``), priced like chat:
 * ``input`` a string: one user message. An array of items:
   message items (``type`` "message" or absent, ``role`` user / assistant / system / developer)
   cost what a chat message costs; their parts: ``input_text`` / ``output_text`` / ``refusal``
-  count their text, ``input_image`` costs ``image_tokens``, ``input_audio`` ``audio_tokens``,
+  count their text, ``input_image`` costs what an ``image_url`` part costs, ``input_audio`` ``audio_tokens``,
   ``input_file`` ``file_tokens``, or the tokens of its inline ``file_data`` when that is more;
   ``function_call``: ``per_tool_call_tokens`` + tokens(name) + tokens(arguments);
   ``function_call_output``: ``per_message_tokens`` + its output (a string, or parts as above);
@@ -105,12 +106,14 @@ import contextlib
 import os
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from typing import Any
 
 import orjson
 
+from classifiers.images import ImageRule
 from classifiers.tokenizers import (
     BytesTokenizer,
     OffLoopCounting,
@@ -494,9 +497,19 @@ class Pricer:
     one already running finishes (at most one body's text). `close` stops the pool at shutdown.
     """
 
-    def __init__(self, tokenizers: TokenizerRegistry, settings: PricingSettings = PricingSettings()) -> None:
+    def __init__(
+        self,
+        tokenizers: TokenizerRegistry,
+        settings: PricingSettings = PricingSettings(),
+        images: Sequence[tuple[str, ImageRule]] = (),
+    ) -> None:
+        """``images``: (model glob, rule) pairs, first match wins; other models' images cost
+        ``settings.image_tokens`` each."""
         self._tokenizers = tokenizers
         self._s = settings
+        self._image_globs = tuple(images)
+        self._image_default = ImageRule(tokens=settings.image_tokens)
+        self._image_rules: dict[str, ImageRule] = {}
         self._part_constants = {
             "image_url": settings.image_tokens,
             "input_audio": settings.audio_tokens,
@@ -740,8 +753,9 @@ class Pricer:
                 param="messages",
             )
         prefill = self._s.reply_priming_tokens
+        images = self._images(body)
         for i, message in enumerate(messages):
-            prefill += self._message_tokens(tok, message, f"messages[{i}]")
+            prefill += self._message_tokens(tok, message, f"messages[{i}]", images)
         prefill += self._tools_tokens(tok, body, "tools")
         prefill += self._tools_tokens(tok, body, "functions")
         prefill += self._response_format_tokens(tok, body)
@@ -810,7 +824,7 @@ class Pricer:
                     f"'instructions' must be a string, got {_kind(instructions)}", param="instructions"
                 )
             prefill += self._s.per_message_tokens + tok.count("system") + tok.count(instructions)
-        prefill += self._input_tokens(tok, body)
+        prefill += self._input_tokens(tok, body, self._images(body))
         prefill += self._tools_tokens(tok, body, "tools")
         prefill += self._text_format_tokens(tok, body)
         prefill += self._template_input_tokens(tok, body)  # (an engine's Responses API renders chat)
@@ -849,6 +863,18 @@ class Pricer:
         return Cost(prefill=prefill, decode=decode)
 
     # ---- common fields -------------------------------------------------------------------
+
+    def _images(self, body: Mapping[str, Any]) -> ImageRule:
+        """The image rule of the body's model (``_tokenizer`` has checked that it names one)."""
+        model = body["model"]
+        rule = self._image_rules.get(model)
+        if rule is None:
+            rule = next(
+                (r for pattern, r in self._image_globs if fnmatchcase(model, pattern)), self._image_default
+            )
+            if len(self._image_rules) < 4096:  # a client inventing model names cannot grow it
+                self._image_rules[model] = rule
+        return rule
 
     def _tokenizer(self, body: Mapping[str, Any]) -> Tokenizer:
         if not isinstance(body, Mapping):
@@ -947,7 +973,7 @@ class Pricer:
 
     # ---- chat ----------------------------------------------------------------------------
 
-    def _message_tokens(self, tok: Tokenizer, message: object, where: str) -> int:
+    def _message_tokens(self, tok: Tokenizer, message: object, where: str, images: ImageRule) -> int:
         if not isinstance(message, dict):
             raise InvalidRequest(
                 f"{where} must be an object with 'role' and 'content', got {_kind(message)}", param=where
@@ -971,7 +997,7 @@ class Pricer:
         if isinstance(content, str):
             n += tok.count(content)
         elif isinstance(content, list):
-            n += self._parts_tokens(tok, content, f"{where}.content")
+            n += self._parts_tokens(tok, content, f"{where}.content", images)
         elif content is None:
             if role != "assistant" or calls is None:
                 raise InvalidRequest(
@@ -1043,7 +1069,7 @@ class Pricer:
             )
         return tok.count(name) + tok.count(arguments)
 
-    def _parts_tokens(self, tok: Tokenizer, parts: list[Any], where: str) -> int:
+    def _parts_tokens(self, tok: Tokenizer, parts: list[Any], where: str, images: ImageRule) -> int:
         total = 0
         for j, part in enumerate(parts):
             at = f"{where}[{j}]"
@@ -1067,12 +1093,16 @@ class Pricer:
                 raise InvalidRequest(
                     f"{at}.type must be one of {supported}; got {_show(kind)}", param=f"{at}.type"
                 )
-            if not isinstance(part.get(kind), dict | str):
+            value = part.get(kind)
+            if not isinstance(value, dict | str):
                 raise InvalidRequest(
-                    f"{at}.{kind} must be an object describing the {kind} part, got {_kind(part.get(kind))}",
+                    f"{at}.{kind} must be an object describing the {kind} part, got {_kind(value)}",
                     param=f"{at}.{kind}",
                 )
-            total += constant
+            if kind == "image_url":
+                total += images.price(value.get("url") if isinstance(value, dict) else value)
+            else:
+                total += constant
         return total
 
     def _tools_tokens(self, tok: Tokenizer, body: Mapping[str, Any], key: str) -> int:
@@ -1231,19 +1261,19 @@ class Pricer:
                 param="conversation",
             )
 
-    def _input_tokens(self, tok: Tokenizer, body: Mapping[str, Any]) -> int:
+    def _input_tokens(self, tok: Tokenizer, body: Mapping[str, Any], images: ImageRule) -> int:
         items = body.get("input")
         if isinstance(items, str):
             return self._s.per_message_tokens + tok.count("user") + tok.count(items)
         if isinstance(items, list):
-            return sum(self._item_tokens(tok, item, f"input[{i}]") for i, item in enumerate(items))
+            return sum(self._item_tokens(tok, item, f"input[{i}]", images) for i, item in enumerate(items))
         if items is None and any(body.get(key) is not None for key in _STORED_STATE):
             return 0  # the server supplies the conversation; we price only what we see
         raise InvalidRequest(
             f"'input' must be a string or an array of input items, got {_kind(items)}", param="input"
         )
 
-    def _item_tokens(self, tok: Tokenizer, item: object, where: str) -> int:
+    def _item_tokens(self, tok: Tokenizer, item: object, where: str, images: ImageRule) -> int:
         if not isinstance(item, dict):
             raise InvalidRequest(
                 f"{where} must be an input item object (a message with 'role' and 'content', or an item "
@@ -1264,7 +1294,7 @@ class Pricer:
             raise InvalidRequest(f"{where}.type must be a string, got {_kind(kind)}", param=f"{where}.type")
         s = self._s
         if kind == "message":
-            return self._responses_message(tok, item, where)
+            return self._responses_message(tok, item, where, images)
         if kind == "function_call":
             return s.per_tool_call_tokens + self._function_tokens(tok, item, where)
         if kind == "function_call_output":
@@ -1272,7 +1302,7 @@ class Pricer:
             if isinstance(output, str):
                 return s.per_message_tokens + tok.count(output)
             if isinstance(output, list):
-                return s.per_message_tokens + self._responses_parts(tok, output, f"{where}.output")
+                return s.per_message_tokens + self._responses_parts(tok, output, f"{where}.output", images)
             raise InvalidRequest(
                 f"{where}.output must be a string or an array of content parts, got {_kind(output)}",
                 param=f"{where}.output",
@@ -1284,7 +1314,7 @@ class Pricer:
         # Any other item (tool calls and outputs of built-in tools...): its JSON, never 0.
         return max(1, tok.count(_compact_json(item, where)))
 
-    def _responses_message(self, tok: Tokenizer, item: dict[str, Any], where: str) -> int:
+    def _responses_message(self, tok: Tokenizer, item: dict[str, Any], where: str, images: ImageRule) -> int:
         role = item.get("role")
         if not isinstance(role, str) or role not in _RESPONSES_ROLES:
             raise InvalidRequest(
@@ -1296,13 +1326,13 @@ class Pricer:
         if isinstance(content, str):
             return n + tok.count(content)
         if isinstance(content, list):
-            return n + self._responses_parts(tok, content, f"{where}.content")
+            return n + self._responses_parts(tok, content, f"{where}.content", images)
         raise InvalidRequest(
             f"{where}.content must be a string or an array of content parts, got {_kind(content)}",
             param=f"{where}.content",
         )
 
-    def _responses_parts(self, tok: Tokenizer, parts: list[Any], where: str) -> int:
+    def _responses_parts(self, tok: Tokenizer, parts: list[Any], where: str, images: ImageRule) -> int:
         s = self._s
         total = 0
         for j, part in enumerate(parts):
@@ -1322,7 +1352,7 @@ class Pricer:
                     )
                 total += tok.count(text)
             elif kind == "input_image":
-                total += s.image_tokens
+                total += images.price(part.get("image_url"))  # (a file_id: the most)
             elif kind == "input_audio":
                 total += s.audio_tokens
             elif kind == "input_file":

@@ -232,6 +232,7 @@ class Gateway:
             self.pricer = Pricer(
                 TokenizerRegistry(models=self.models.tokenizer_specs()),
                 config.pricing.settings,
+                self.models.image_rules(),
             )
         self.passthrough = PassthroughRoutes(config.passthrough)
         reservations = Reservations(

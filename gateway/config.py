@@ -17,6 +17,7 @@ from typing import Any, Literal
 from budgets.redis import RedisOptions
 from budgets.types import QueueOrder
 from classifiers import ClassRule, PricingSettings
+from classifiers.images import ImageRule
 from classifiers.reservation import ReservationSettings
 from gateway.observe.settings import ObserveSettings
 from gateway.passthrough import DEFAULT_ROUTES, PassthroughRoute
@@ -85,6 +86,7 @@ class ModelConfig:
     pattern: str  # fnmatch glob over the request's model name
     tokenizer: str | None = None  # spec for classifiers.TokenizerRegistry
     context_length: int = DEFAULT_CONTEXT_LENGTH
+    images: ImageRule | None = None  # what one image costs; None: pricing.image_tokens
 
 
 @dataclass(frozen=True, slots=True)

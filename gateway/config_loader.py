@@ -21,6 +21,7 @@ import yaml
 from backends.reference.server import BackendSettings
 from budgets.types import QUEUE_ORDERS, QueueOrder
 from classifiers import PricingSettings, load_tokenizer
+from classifiers.images import ImageRule
 from classifiers.reservation import ReservationSettings
 from gateway import stores
 from gateway.class_rules import parse_classes
@@ -388,7 +389,7 @@ def _models(v: Any) -> tuple[ModelConfig, ...]:
     out = []
     for pattern, body in m.items():
         where = f"models.{pattern}"
-        b = section(body, where, ("tokenizer", "context_length"))
+        b = section(body, where, ("tokenizer", "context_length", "images"))
         tokenizer = opt_string(b, "tokenizer", where)
         if tokenizer is not None:
             _check_tokenizer(tokenizer, f"{where}.tokenizer")
@@ -397,9 +398,44 @@ def _models(v: Any) -> tuple[ModelConfig, ...]:
                 pattern=str(pattern),
                 tokenizer=tokenizer,
                 context_length=integer(b, "context_length", where, DEFAULT_CONTEXT_LENGTH, minimum=1),
+                images=_image_rule(b.get("images"), f"{where}.images"),
             )
         )
     return tuple(out)
+
+
+_IMAGE_KEYS = ("tokens", "patch_pixels", "min_pixels", "max_pixels", "extra_tokens")
+
+
+def _image_rule(v: Any, where: str) -> ImageRule | None:
+    """``{tokens: N}`` (every image the same) or the dynamic-resolution fields (classifiers.images)."""
+    if v is None:
+        return None
+    b = section(v, where, _IMAGE_KEYS)
+    base = ImageRule()
+    tokens = opt_integer(b, "tokens", where, minimum=0)
+    if tokens is not None:
+        extra = [k for k in _IMAGE_KEYS[1:] if k in b]
+        if extra:
+            raise ConfigError(
+                f"{where}: 'tokens' prices every image the same; drop {', '.join(extra)} (those describe "
+                "a dynamic-resolution model instead)"
+            )
+        return ImageRule(tokens=tokens)
+    patch = integer(b, "patch_pixels", where, base.patch_pixels, minimum=1)
+    least = integer(b, "min_pixels", where, base.min_pixels, minimum=1)
+    most = integer(b, "max_pixels", where, base.max_pixels, minimum=1)
+    if most < max(least, patch * patch):
+        raise ConfigError(
+            f"{where}.max_pixels: {most} is less than min_pixels ({least}) or one patch "
+            f"({patch} x {patch} = {patch * patch}); raise it"
+        )
+    return ImageRule(
+        patch_pixels=patch,
+        min_pixels=least,
+        max_pixels=most,
+        extra_tokens=integer(b, "extra_tokens", where, base.extra_tokens, minimum=0),
+    )
 
 
 def _check_tokenizer(spec: str, where: str) -> None:

@@ -1,10 +1,12 @@
-"""Per-model pricing facts from the ``models`` config section: tokenizer spec, context length."""
+"""Per-model pricing facts from the ``models`` config section: tokenizer spec, context length, the
+cost of an image."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from fnmatch import fnmatchcase
 
+from classifiers.images import ImageRule
 from gateway.config import DEFAULT_CONTEXT_LENGTH, ModelConfig
 
 _CACHE_LIMIT = 4096  # a client inventing model names must not grow the cache without bound
@@ -15,6 +17,10 @@ class ModelTable:
         self._models = tuple(models)
         self._default = default_context
         self._ctx: dict[str, int] = {}
+
+    def image_rules(self) -> list[tuple[str, ImageRule]]:
+        """(glob, rule) of the models whose images are not priced at ``pricing.image_tokens``."""
+        return [(m.pattern, m.images) for m in self._models if m.images is not None]
 
     def tokenizer_specs(self) -> dict[str, str]:
         """Glob -> tokenizer spec, for classifiers.TokenizerRegistry."""

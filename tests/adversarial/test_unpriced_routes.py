@@ -195,3 +195,41 @@ async def test_a_request_cannot_make_every_engine_step_slower_for_everyone(
     error = await refused_before_the_backend(stub_backend, gateway_factory, "/v1/chat/completions", body)
     assert error["param"] == param
     assert "pricing.max_" in str(error["message"])
+
+
+async def test_an_image_costs_what_it_costs_on_a_dynamic_resolution_model(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
+) -> None:
+    # Qwen2.5-VL turns one image into up to 16,384 tokens; at a constant 765 each, two remote
+    # images of any size fitted a 20k budget. Remote images cost the most, inline ones their size.
+    import base64
+    import io
+
+    from PIL import Image
+
+    stub, url = stub_backend
+    qwen = {
+        "context_length": 128_000,
+        "images": {"patch_pixels": 28, "max_pixels": 12_845_056, "extra_tokens": 2},
+    }
+    gw = await gateway_factory({**config(url, 20_000), "models": {"stub-*": qwen}})
+    png = io.BytesIO()
+    Image.new("RGB", (64, 64)).save(png, format="PNG")
+    small = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+
+    def chat(*images: str) -> dict[str, object]:
+        parts = [{"type": "text", "text": "what is this?"}]
+        parts += [{"type": "image_url", "image_url": {"url": i}} for i in images]
+        return {"model": "stub-model", "messages": [{"role": "user", "content": parts}], "max_tokens": 10}
+
+    async with httpx.AsyncClient(base_url=gw.url, headers={"authorization": "Bearer k"}) as c:
+        two = await c.post(
+            "/v1/chat/completions", json=chat("https://img.example/a.png", "https://img.example/b.png")
+        )
+        assert two.status_code == 413 and two.json()["error"]["code"] == "cost_exceeds_capacity"
+        one = await c.post("/v1/chat/completions", json=chat("https://img.example/a.png"))
+        assert one.status_code == 200 and int(one.headers["x-tokengate-cost"]) >= 16_386
+        thumb = await c.post("/v1/chat/completions", json=chat(small))
+        assert thumb.status_code == 200 and int(thumb.headers["x-tokengate-cost"]) < 100
+    assert len(stub.requests) == 2
+    assert await gw.wait_idle() == {name: 0 for name in await gw.in_flight()}

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from classifiers.images import ImageRule
 from gateway.config import DEFAULT_TIERS, GatewayConfig, GcConfig
 from gateway.config_loader import ConfigError, check_workers, hash_key, load_config, parse_config
 
@@ -42,7 +43,11 @@ FULL = {
         },
         "long": {"backends": [{"url": "http://127.0.0.1:8002", "capacity_tokens": 400000}]},
     },
-    "models": {"gpt-4o*": {"tokenizer": "bytes", "context_length": 128000}},
+    "models": {
+        "gpt-4o*": {"tokenizer": "bytes", "context_length": 128000},
+        "Qwen/Qwen2.5-VL-*": {"images": {"patch_pixels": 28, "max_pixels": 1003520, "extra_tokens": 2}},
+        "llava-*": {"images": {"tokens": 576}},
+    },
     "pricing": {"per_message_tokens": 3, "image_tokens": 765, "default_max_tokens": 1024},
     "tenants": {
         "acme": {"keys": ["sk-acme-1"], "budget_tokens": 64000, "weight": 2, "tier": "critical"},
@@ -90,7 +95,9 @@ def test_full_documented_shape_loads() -> None:
     assert cfg.pool("long") is not None and cfg.pool("long").capacity_tokens == 400000  # type: ignore[union-attr]
     assert [t.name for t in cfg.tenants] == ["acme", "free"]
     assert cfg.tenants[1].max_queue_len == 16 and cfg.tenants[1].tier == "batch"
-    assert cfg.models[0].context_length == 128000
+    assert cfg.models[0].context_length == 128000 and cfg.models[0].images is None
+    assert cfg.models[1].images == ImageRule(patch_pixels=28, max_pixels=1003520, extra_tokens=2)
+    assert cfg.models[1].images.most == 1282 and cfg.models[2].images == ImageRule(tokens=576)
     assert cfg.pricing.default_max_tokens == 1024
     assert (cfg.pricing.settings.per_message_tokens, cfg.pricing.settings.image_tokens) == (3, 765)
     assert cfg.pricing.settings.encode_idle  # the default
@@ -182,6 +189,20 @@ def test_example_configs_load() -> None:
         ({"gc": {"threshold": 5}}, "gc.threshold: unknown key (did you mean"),
         ({"models": {"m*": {"tokenizer": "hf:/nonexistent/tokenizer.json"}}}, "models.m*.tokenizer:"),
         ({"models": {"m*": {"tokenizer": "tiktoken:no_such_encoding"}}}, "models.m*.tokenizer:"),
+        ({"models": {"m*": {"images": {"tokens": -1}}}}, "models.m*.images.tokens: expected a non-negative"),
+        (
+            {"models": {"m*": {"images": {"patch": 14}}}},
+            "models.m*.images.patch: unknown key; known keys here: tokens, patch_pixels",
+        ),
+        (
+            {"models": {"m*": {"images": {"tokens": 576, "max_pixels": 10**6}}}},
+            "models.m*.images: 'tokens' prices every image the same; drop max_pixels",
+        ),
+        (
+            {"models": {"m*": {"images": {"min_pixels": 5000, "max_pixels": 4000}}}},
+            "models.m*.images.max_pixels: 4000 is less than min_pixels (5000)",
+        ),
+        ({"models": {"m*": {"images": 16384}}}, "models.m*.images: expected a mapping"),
     ],
 )
 def test_errors_name_the_field(data: object, message: str) -> None:

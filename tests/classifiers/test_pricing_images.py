@@ -1,0 +1,86 @@
+"""Images priced per model: a dynamic-resolution model's image costs what its size costs there, an
+image the gateway cannot measure the most, a model without a rule ``pricing.image_tokens``; in chat
+and the Responses API, inline and off the event loop alike."""
+
+from __future__ import annotations
+
+import base64
+import io
+from typing import Any
+
+from PIL import Image
+
+from classifiers import Pricer, PricingSettings, TokenizerRegistry
+from classifiers.images import ImageRule
+
+LIMITS: dict[str, Any] = {"default_max_tokens": 16, "max_tokens_limit": None, "context_length": 200_000}
+QWEN = ImageRule(patch_pixels=28, min_pixels=3_136, max_pixels=12_845_056, extra_tokens=2)
+PRICER = Pricer(
+    TokenizerRegistry(),
+    PricingSettings(image_tokens=765, encode_threads=0),
+    [("Qwen/Qwen2.5-VL-*", QWEN), ("llava-*", ImageRule(tokens=576))],
+)
+
+
+def png_url(width: int, height: int) -> str:
+    out = io.BytesIO()
+    Image.new("RGB", (width, height)).save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def chat(model: str, *images: Any) -> dict[str, Any]:
+    parts = [{"type": "text", "text": "what is this?"}] + [
+        {"type": "image_url", "image_url": i} for i in images
+    ]
+    return {"model": model, "messages": [{"role": "user", "content": parts}]}
+
+
+def responses(model: str, *images: Any) -> dict[str, Any]:
+    parts = [{"type": "input_text", "text": "what is this?"}]
+    parts += [{"type": "input_image", **i} for i in images]
+    return {"model": model, "input": [{"role": "user", "content": parts}]}
+
+
+def image_cost(body_of: Any, model: str, *images: Any) -> int:
+    price = PRICER.price_chat if body_of is chat else PRICER.price_responses
+    return price(body_of(model, *images), **LIMITS).prefill - price(body_of(model), **LIMITS).prefill
+
+
+def test_a_dynamic_resolution_models_image_costs_what_its_size_costs_there() -> None:
+    model = "Qwen/Qwen2.5-VL-7B-Instruct"
+    assert image_cost(chat, model, {"url": png_url(1920, 1080)}) == QWEN.for_size(1920, 1080) == 2693
+    assert image_cost(chat, model, png_url(64, 64)) == QWEN.for_size(64, 64)  # the string form
+    assert image_cost(responses, model, {"image_url": png_url(1920, 1080)}) == 2693
+    two = image_cost(chat, model, {"url": png_url(64, 64)}, {"url": png_url(4000, 4000)})
+    assert two == QWEN.for_size(64, 64) + QWEN.for_size(4000, 4000)
+
+
+def test_an_image_the_gateway_cannot_measure_costs_the_models_most() -> None:
+    model = "Qwen/Qwen2.5-VL-72B-Instruct"
+    assert image_cost(chat, model, {"url": "https://example.com/huge.png"}) == QWEN.most == 16_386
+    assert image_cost(responses, model, {"image_url": "https://example.com/huge.png"}) == QWEN.most
+    assert image_cost(responses, model, {"file_id": "file-123"}) == QWEN.most
+
+
+def test_a_fixed_rule_and_the_default_price_every_image_the_same() -> None:
+    big = {"url": png_url(4000, 4000)}
+    assert image_cost(chat, "llava-1.5-7b", big) == 576
+    assert image_cost(chat, "gpt-4o", big) == image_cost(chat, "gpt-4o", {"url": "https://x"}) == 765
+    assert image_cost(responses, "gpt-4o", {"image_url": big["url"]}) == 765
+
+
+async def test_off_the_event_loop_the_price_is_the_same() -> None:
+    pricer = Pricer(
+        TokenizerRegistry(),
+        PricingSettings(encode_threads=2, inline_max_chars=0),
+        [("Qwen/*", QWEN)],
+    )
+    try:
+        bodies = [chat("Qwen/Qwen2-VL-2B", {"url": png_url(1920, 1080)}), chat("Qwen/Qwen2-VL-2B")]
+        for body in bodies:
+            body["messages"][0]["content"][0]["text"] = "a longer question " * 500  # encoded in the pool
+        with_image, without = [await pricer.aprice_chat(body, **LIMITS) for body in bodies]
+        assert with_image == pricer.price_chat(bodies[0], **LIMITS)
+        assert with_image.prefill - without.prefill == 2693
+    finally:
+        pricer.close()
