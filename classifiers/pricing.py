@@ -76,6 +76,13 @@ reservation is capped at ``context_length - prompt tokens`` (never below 0), and
 number of choices: ``max(n, best_of)`` (chat too: vLLM's chat API runs ``best_of`` sequences); both are at most ``MAX_CHOICES``
 (128, OpenAI's limit), so no cost can leave 64-bit integers. A prompt longer than
 ``context_length`` is rejected (code ``context_length_exceeded``).
+
+Prompt log-probabilities (vLLM's ``prompt_logprobs``, in chat and completions; completions' ``echo``
+with ``logprobs``) make the engine compute the logits of every prompt token over the whole
+vocabulary at once, a ``[prompt tokens x vocabulary]`` float32 tensor outside the KV cache its
+memory profile reserved (~7.5 GiB for 8,192 tokens of a 152k vocabulary: enough to crash a shared
+engine, vLLM issues #5907, #38830). They are refused (code ``prompt_logprobs_too_long``) for a prompt
+(each prompt, in completions) longer than ``max_prompt_logprobs_tokens``.
 Responses: one sequence (the API has no ``n``) reserving ``max_output_tokens``, else the default,
 under the same limit and cap. Reasoning tokens are part of ``max_output_tokens`` in that API, so
 ``reasoning.effort`` (validated: none, minimal, low, medium, high, xhigh, max, or null) does not
@@ -189,6 +196,10 @@ class PricingSettings:
     max_stop_sequences: int = 16
     max_stop_chars: int = 1024
     max_logit_bias: int = 1024
+    # Prompt log-probabilities only for prompts of at most this many tokens (module docstring: the
+    # engine's full-vocabulary logits of the prompt are a memory spike outside its KV cache, ~1.9
+    # GiB at 2,048 tokens of a 152k vocabulary). 0: no bound.
+    max_prompt_logprobs_tokens: int = 2048
     # Off the event loop (Pricer.aprice_*): a request's texts are tokenized inline while they total
     # at most this many characters; beyond that, texts the tokenizer has not memoised go to the
     # encode pool. 8192 characters of prose are ~0.4 ms of tiktoken, about what the gateway spends
@@ -447,6 +458,8 @@ class _Probe:
 
 
 _BYTES = BytesTokenizer()
+# Errors that depend on how many tokens a text has: off the loop they wait for the real count.
+_COUNT_VERDICTS = ("context_length_exceeded", "prompt_logprobs_too_long")
 _RESPONSES_ROLES = ("user", "assistant", "system", "developer")
 # The effort values of the OpenAI SDK's ReasoningEffort; reasoning tokens are output tokens, so
 # none of them changes the reservation.
@@ -676,7 +689,7 @@ class Pricer:
         except InvalidRequest as exc:
             # A deferred text counted 0 so far: only a context-length verdict depends on it, and
             # its message must carry the real count, so that one waits for the encode.
-            if probe.pending is None or exc.code != "context_length_exceeded":
+            if probe.pending is None or exc.code not in _COUNT_VERDICTS:
                 raise
             return probe
         return cost if probe.pending is None else probe
@@ -761,6 +774,7 @@ class Pricer:
         prefill += self._response_format_tokens(tok, body)
         prefill += self._template_input_tokens(tok, body)
         self._check_step_work(body)
+        self._check_prompt_logprobs(body, prefill, echo_counts=False)
         choices = self._choices(body, allow_best_of=True)
         requested, key = self._requested_max(body, ("max_completion_tokens", "max_tokens"))
         per_choice = self._per_choice(requested, key, default_max_tokens, max_tokens_limit)
@@ -792,6 +806,7 @@ class Pricer:
                 raise InvalidRequest(f"'suffix' must be a string, got {_kind(suffix)}", param="suffix")
             extra = tok.count(suffix)
             lengths = [n + extra for n in lengths]
+        self._check_prompt_logprobs(body, max(lengths), echo_counts=True)
         choices = self._choices(body, allow_best_of=True)
         requested, key = self._requested_max(body, ("max_completion_tokens", "max_tokens"))
         per_choice = self._per_choice(requested, key, default_max_tokens, max_tokens_limit)
@@ -1155,6 +1170,30 @@ class Pricer:
                     "(pricing.max_logit_bias); send fewer",
                     param="logit_bias",
                 )
+
+    def _check_prompt_logprobs(self, body: Mapping[str, Any], prompt_tokens: int, echo_counts: bool) -> None:
+        """Prompt log-probabilities only for prompts of at most ``max_prompt_logprobs_tokens`` (module
+        docstring). Asked for by any ``prompt_logprobs`` that is not null (0 and false too: the
+        engine reads them as 0, which still computes the full-vocabulary logits), and in completions
+        by ``echo`` with ``logprobs``."""
+        most = self._s.max_prompt_logprobs_tokens
+        if not most or prompt_tokens <= most:
+            return
+        if body.get("prompt_logprobs") is not None:
+            param = "prompt_logprobs"
+        elif echo_counts and body.get("echo") not in (None, False) and body.get("logprobs") is not None:
+            param = "echo"
+        else:
+            return
+        raise InvalidRequest(
+            f"'{param}' asks for the log-probabilities of every prompt token, which the engine computes "
+            f"over its whole vocabulary at once, outside the memory it keeps for requests; this "
+            f"deployment allows that for prompts of at most {most} tokens "
+            f"(pricing.max_prompt_logprobs_tokens), and this prompt has about {prompt_tokens}: "
+            f"shorten the prompt, or remove '{param}'",
+            param=param,
+            code="prompt_logprobs_too_long",
+        )
 
     def _template_input_tokens(self, tok: Tokenizer, body: Mapping[str, Any]) -> int:
         """Engine extensions of chat that the backend's chat template renders into the prompt (vLLM,

@@ -197,6 +197,28 @@ async def test_a_request_cannot_make_every_engine_step_slower_for_everyone(
     assert "pricing.max_" in str(error["message"])
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "word " * 9000}], "prompt_logprobs": 1},
+        ),
+        ("/v1/completions", {"prompt": "word " * 9000, "echo": True, "logprobs": 1}),
+    ],
+)
+async def test_a_request_cannot_take_the_engine_down_with_prompt_logprobs(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory, path: str, body: dict[str, object]
+) -> None:
+    # The engine's logits of 9,000 prompt tokens over a 152k vocabulary, in float32, are ~8 GiB
+    # beside the KV cache it reserved: an out-of-memory crash for every tenant of that engine.
+    error = await refused_before_the_backend(
+        stub_backend, gateway_factory, path, {"model": "stub-model", "max_tokens": 1} | body
+    )
+    assert error["code"] == "prompt_logprobs_too_long"
+    assert "pricing.max_prompt_logprobs_tokens" in str(error["message"])
+
+
 async def test_an_image_costs_what_it_costs_on_a_dynamic_resolution_model(
     stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
 ) -> None:

@@ -311,3 +311,55 @@ def test_a_zero_bound_is_no_bound() -> None:
     )
     body = chat(stop=["a" * 5000] * 100, logit_bias={str(i): 1 for i in range(5000)})
     assert open_pricer.price_chat(body, **LIMITS).prefill > 0
+
+
+LONG = "word " * 3000  # ~3,000 tokens: above the default 2,048
+
+
+@pytest.mark.parametrize(
+    ("route", "extra", "param"),
+    [
+        ("chat", {"prompt_logprobs": 1}, "prompt_logprobs"),
+        ("chat", {"prompt_logprobs": 0}, "prompt_logprobs"),  # 0 still computes the full logits
+        ("chat", {"prompt_logprobs": False}, "prompt_logprobs"),  # read as 0 by a lax parser
+        ("completion", {"prompt_logprobs": 5}, "prompt_logprobs"),
+        ("completion", {"echo": True, "logprobs": 1}, "echo"),
+        ("completion", {"echo": True, "logprobs": 0}, "echo"),
+    ],
+)
+def test_prompt_logprobs_on_a_long_prompt_are_refused_before_they_reach_the_engine(
+    pricer: Pricer, route: str, extra: dict[str, Any], param: str
+) -> None:
+    # The engine computes the prompt's logits over the whole vocabulary at once, outside the KV
+    # cache its memory profile reserved: one such request can take a shared engine down.
+    if route == "chat":
+        long, short, price = chat(**extra), chat(**extra), pricer.price_chat
+        long["messages"][0]["content"] = LONG
+    else:
+        long, short = {"model": "m", "prompt": ["Hi", LONG], **extra}, {"model": "m", "prompt": "Hi", **extra}
+        price = pricer.price_completion
+    price(short, **LIMITS)
+    with pytest.raises(InvalidRequest) as info:
+        price(long, **LIMITS)
+    assert (info.value.param, info.value.code) == (param, "prompt_logprobs_too_long")
+    assert "pricing.max_prompt_logprobs_tokens" in info.value.message and "about 300" in info.value.message
+
+
+def test_a_long_prompt_without_prompt_logprobs_is_not_refused(pricer: Pricer) -> None:
+    for extra in ({"echo": True}, {"logprobs": 5}, {"echo": False, "logprobs": 5}, {"prompt_logprobs": None}):
+        pricer.price_completion({"model": "m", "prompt": LONG, **extra}, **LIMITS)
+    pricer.price_chat(
+        chat(messages=[{"role": "user", "content": LONG}], logprobs=True, top_logprobs=5), **LIMITS
+    )
+    open_pricer = Pricer(TokenizerRegistry(), PricingSettings(max_prompt_logprobs_tokens=0))
+    open_pricer.price_completion({"model": "m", "prompt": LONG, "prompt_logprobs": 20}, **LIMITS)
+
+
+async def test_off_the_loop_the_refusal_names_the_real_count() -> None:
+    pricer = Pricer(TokenizerRegistry(), PricingSettings(inline_max_chars=0))
+    try:
+        with pytest.raises(InvalidRequest) as info:
+            await pricer.aprice_completion({"model": "m", "prompt": LONG, "prompt_logprobs": 1}, **LIMITS)
+        assert info.value.code == "prompt_logprobs_too_long" and "about 3000" in info.value.message
+    finally:
+        pricer.close()
