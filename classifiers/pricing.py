@@ -200,6 +200,11 @@ class PricingSettings:
     # engine's full-vocabulary logits of the prompt are a memory spike outside its KV cache, ~1.9
     # GiB at 2,048 tokens of a 152k vocabulary). 0: no bound.
     max_prompt_logprobs_tokens: int = 2048
+    # Elements a request may hold: chat messages and their content parts, completions prompts and
+    # embeddings inputs (strings or token-id arrays), Responses input items and their parts. Pricing
+    # walks each one on the event loop (~3 us each): 100,000 tiny ones, 4 MB, stalled the loop for
+    # 0.1-0.2 s per request; 10,000 for 20-35 ms. OpenAI allows 2,048 embeddings inputs. 0: no bound.
+    max_items: int = 10_000
     # Off the event loop (Pricer.aprice_*): a request's texts are tokenized inline while they total
     # at most this many characters; beyond that, texts the tokenizer has not memoised go to the
     # encode pool. 8192 characters of prose are ~0.4 ms of tiktoken, about what the gateway spends
@@ -765,6 +770,7 @@ class Pricer:
                 + (" (empty)" if messages == [] else ""),
                 param="messages",
             )
+        self._check_items(messages, "messages", "messages and content parts")
         prefill = self._s.reply_priming_tokens
         images = self._images(body)
         for i, message in enumerate(messages):
@@ -1171,6 +1177,29 @@ class Pricer:
                     param="logit_bias",
                 )
 
+    def _check_items(self, items: list[Any], param: str, what: str) -> None:
+        """At most ``max_items`` elements: ``items`` and the parts of each (its ``content`` or
+        ``output`` array), counted before any is walked."""
+        most = self._s.max_items
+        if not most:
+            return
+        n = len(items)
+        exact = n <= most
+        if exact:  # (else the parts are not even counted)
+            for item in items:
+                if isinstance(item, dict):
+                    parts = item.get("content")
+                    if not isinstance(parts, list):
+                        parts = item.get("output")
+                    if isinstance(parts, list):
+                        n += len(parts)
+        if n > most:
+            raise InvalidRequest(
+                f"'{param}' holds {'' if exact else 'at least '}{n} {what}, above this deployment's limit "
+                f"of {most} (pricing.max_items); send fewer, or split the request",
+                param=param,
+            )
+
     def _check_prompt_logprobs(self, body: Mapping[str, Any], prompt_tokens: int, echo_counts: bool) -> None:
         """Prompt log-probabilities only for prompts of at most ``max_prompt_logprobs_tokens`` (module
         docstring). Asked for by any ``prompt_logprobs`` that is not null (0 and false too: the
@@ -1251,6 +1280,8 @@ class Pricer:
                 param=param,
             )
         first = prompt[0]
+        if type(first) is not int:  # (a token-id array is one sequence, however long)
+            self._check_items(prompt, param, "prompts" if param == "prompt" else "inputs")
         if isinstance(first, str):
             if not all(isinstance(p, str) for p in prompt):
                 raise InvalidRequest(
@@ -1305,6 +1336,7 @@ class Pricer:
         if isinstance(items, str):
             return self._s.per_message_tokens + tok.count("user") + tok.count(items)
         if isinstance(items, list):
+            self._check_items(items, "input", "input items and content parts")
             return sum(self._item_tokens(tok, item, f"input[{i}]", images) for i, item in enumerate(items))
         if items is None and any(body.get(key) is not None for key in _STORED_STATE):
             return 0  # the server supplies the conversation; we price only what we see

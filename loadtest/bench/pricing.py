@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from classifiers.pricing import Pricer
+from classifiers.pricing import InvalidRequest, Pricer, PricingSettings
 from classifiers.tokenizers import TokenizerRegistry, default_tokenizer
 
 _WORDS = (
@@ -157,9 +157,11 @@ async def _stall(work: Any) -> tuple[float, float]:
     return wall, max(gaps)
 
 
-def tiny(n: int, seed: int = 1) -> list[dict[str, Any]]:
-    """For each shape: its body's kilobytes, the pricing's wall ms and the longest loop stall in ms."""
-    pricer = Pricer(TokenizerRegistry())
+def tiny(n: int, seed: int = 1, max_items: int | None = None) -> list[dict[str, Any]]:
+    """For each shape: its body's kilobytes, the pricing's wall ms, the longest loop stall in ms, and
+    whether the body was refused (above ``pricing.max_items``; ``max_items`` overrides it, 0: no bound)."""
+    settings = PricingSettings() if max_items is None else PricingSettings(max_items=max_items)
+    pricer = Pricer(TokenizerRegistry(), settings)
     limits: dict[str, Any] = {"default_max_tokens": 1, "max_tokens_limit": None, "context_length": 10**8}
 
     async def run() -> list[dict[str, Any]]:
@@ -167,7 +169,16 @@ def tiny(n: int, seed: int = 1) -> list[dict[str, Any]]:
         for i, shape in enumerate(TINY_SHAPES):
             body = tiny_body(shape, n, seed * 10 + i)
             price = pricer.aprice_completion if shape == "prompts" else pricer.aprice_chat
-            wall, stall = await _stall(price(body, **limits))
+            refused = False
+
+            async def priced(body: dict[str, Any] = body, price: Any = price) -> None:
+                nonlocal refused
+                try:
+                    await price(body, **limits)
+                except InvalidRequest:
+                    refused = True
+
+            wall, stall = await _stall(priced())
             rows.append(
                 {
                     "shape": shape,
@@ -175,6 +186,7 @@ def tiny(n: int, seed: int = 1) -> list[dict[str, Any]]:
                     "kb": len(orjson.dumps(body)) / 1024,
                     "wall_ms": wall * 1e3,
                     "stall_ms": stall * 1e3,
+                    "refused": refused,
                 }
             )
         return rows
@@ -192,13 +204,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--tiny", type=int, metavar="N", help="price bodies of N tiny never-seen texts instead"
     )
+    parser.add_argument(
+        "--max-items",
+        type=int,
+        metavar="N",
+        help="--tiny: pricing.max_items for the run (default: the gateway's; 0: no bound)",
+    )
     args = parser.parse_args(argv)
+    if args.max_items is not None and args.max_items < 0:
+        parser.error("--max-items must be 0 or more")
     if args.tiny is not None:
         if args.tiny < 1:
             parser.error("--tiny must be at least 1")
-        for row in tiny(args.tiny):
+        for row in tiny(args.tiny, max_items=args.max_items):
+            verb = "refused (pricing.max_items)" if row["refused"] else "priced"
             print(
-                f"{row['texts']:,} tiny {row['shape']:8s} ({row['kb']:,.0f} KB): priced in {row['wall_ms']:,.0f} ms, "
+                f"{row['texts']:,} tiny {row['shape']:8s} ({row['kb']:,.0f} KB): {verb} in {row['wall_ms']:,.0f} ms, "
                 f"longest loop stall {row['stall_ms']:,.0f} ms"
             )
         return

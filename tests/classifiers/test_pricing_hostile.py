@@ -366,3 +366,52 @@ async def test_off_the_loop_the_refusal_names_the_real_count() -> None:
         assert info.value.code == "prompt_logprobs_too_long" and f"has about {real}:" in info.value.message
     finally:
         pricer.close()
+
+
+def _many(shape: str, n: int) -> tuple[str, dict[str, Any]]:
+    texts = [f"t{i}" for i in range(n)]
+    if shape == "messages":
+        return "chat", chat(messages=[{"role": "user", "content": t} for t in texts])
+    if shape == "parts":  # 2 messages + their parts
+        half = [{"type": "text", "text": t} for t in texts[: n // 2 - 1]]
+        rest = [{"type": "text", "text": t} for t in texts[n // 2 - 1 : n - 2]]
+        return "chat", chat(messages=[{"role": "user", "content": half}, {"role": "user", "content": rest}])
+    if shape == "prompts":
+        return "completion", {"model": "m", "prompt": texts}
+    if shape == "inputs":
+        return "embeddings", {"model": "m", "input": [[1, 2]] * n}
+    return "responses", responses(
+        input=[{"role": "user", "content": [{"type": "input_text", "text": t}]} for t in texts[: n // 2]]
+    )
+
+
+def _price(pricer: Pricer, api: str, body: dict[str, Any]) -> Cost:
+    big = {**LIMITS, "context_length": 10**7}
+    if api == "embeddings":
+        return pricer.price_embeddings(body)
+    return {
+        "chat": pricer.price_chat,
+        "completion": pricer.price_completion,
+        "responses": pricer.price_responses,
+    }[api](body, **big)
+
+
+@pytest.mark.parametrize("shape", ["messages", "parts", "prompts", "inputs", "responses"])
+def test_a_request_holds_at_most_max_items_elements(pricer: Pricer, shape: str) -> None:
+    # Pricing walks every element on the event loop: 100,000 tiny ones (4 MB) stalled it 0.1-0.2 s.
+    most = pricer.settings.max_items
+    api, body = _many(shape, most)
+    _price(pricer, api, body)
+    api, body = _many(shape, most + 2)
+    with pytest.raises(InvalidRequest) as info:
+        _price(pricer, api, body)
+    assert "pricing.max_items" in info.value.message and str(most) in info.value.message
+    assert info.value.param == {"completion": "prompt", "embeddings": "input", "responses": "input"}.get(
+        api, "messages"
+    )
+    _price(Pricer(TokenizerRegistry(), PricingSettings(max_items=0)), api, body)  # 0: no bound
+
+
+def test_a_long_token_id_prompt_is_one_element(pricer: Pricer) -> None:
+    body = {"model": "m", "prompt": [1] * 50_000}
+    assert pricer.price_completion(body, **{**LIMITS, "context_length": 100_000}).prefill == 50_000

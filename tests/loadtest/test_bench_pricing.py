@@ -34,3 +34,10 @@ def test_tiny_below_one_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> 
     with pytest.raises(SystemExit) as exc:
         pricing.main(["--tiny", "0"])
     assert exc.value.code == 2 and "--tiny" in capsys.readouterr().err
+
+
+def test_a_body_above_max_items_is_reported_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert all(r["refused"] for r in pricing.tiny(60, max_items=50))
+    assert not any(r["refused"] for r in pricing.tiny(60, max_items=0))
+    pricing.main(["--tiny", "60", "--max-items", "50"])
+    assert capsys.readouterr().out.count("refused (pricing.max_items)") == 3
