@@ -7,7 +7,10 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 WHEELS=${WHEELS:-.gpuwheels}
-STEPS=${STEPS:-"check fp32 calibrate hol gateway oneserver"}
+STEPS=${STEPS:-"check fp32 calibrate hol gateway oneserver warm"}
+# The engine the hol/gateway/oneserver/warm steps start (BACKEND_ARGS="--executor sim" tries the
+# steps on a machine without a GPU).
+BACKEND_ARGS=${BACKEND_ARGS:-"--executor torch --shape llama-3.1-8b --device cuda"}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if [ -d "$WHEELS" ]; then
@@ -22,7 +25,8 @@ python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_devic
 wait_up() { for _ in $(seq 240); do curl -sf "$1" >/dev/null && return 0; sleep 0.5; done; echo "not up: $1"; return 1; }
 backend() {  # $1 label, rest: backend flags; starts the torch backend on :8101
   local label=$1; shift
-  python3 -m backends.reference --executor torch --shape llama-3.1-8b --device cuda --port 8101 \
+  # shellcheck disable=SC2086
+  python3 -m backends.reference $BACKEND_ARGS --port 8101 \
     --max-model-len 32768 --num-blocks 16384 "$@" > "$OUT/backend_$label.log" 2>&1 &
   BACKEND=$!
   wait_up localhost:8101/health
@@ -65,6 +69,20 @@ for step in $STEPS; do
       gw=$!
       wait_up localhost:8180/readyz && timeout 120 python3 -m loadtest.hol_probe --url http://127.0.0.1:8180 \
         --label gateway-oneserver --out "$OUT/hol_gateway_oneserver.json"
+      curl -s localhost:9181/metrics | grep -E '^tokengate_(pool_in_flight_tokens|prefill_gate_tokens|requests_total)' | head -8
+      kill $gw; wait $gw 2>/dev/null; kill $BACKEND; wait $BACKEND 2>/dev/null ;;
+    warm)  # each arm on a warmed engine (a first probe, discarded, sees every shape once), then measured
+      probe() {  # $1 url, $2 label
+        timeout 150 python3 -m loadtest.hol_probe --url "$1" --label "$2-warmup" --out "$OUT/hol_$2_warmup.json" >/dev/null
+        timeout 150 python3 -m loadtest.hol_probe --url "$1" --label "$2" --out "$OUT/hol_$2.json"
+      }
+      backend warm-default && probe http://127.0.0.1:8101 warm-engine-default
+      kill $BACKEND; wait $BACKEND 2>/dev/null
+      backend warm-oneserver --long-prefill-token-threshold 512 --max-num-partial-prefills 2 \
+        --max-long-partial-prefills 1 --scheduling-policy priority && probe http://127.0.0.1:8101 warm-engine-oneserver
+      python3 -m gateway.cli serve --config scripts/gpu_gateway_oneserver.yaml --port 8180 > "$OUT/gateway_warm.log" 2>&1 &
+      gw=$!
+      wait_up localhost:8180/readyz && probe http://127.0.0.1:8180 warm-gateway-oneserver
       curl -s localhost:9181/metrics | grep -E '^tokengate_(pool_in_flight_tokens|prefill_gate_tokens|requests_total)' | head -8
       kill $gw; wait $gw 2>/dev/null; kill $BACKEND; wait $BACKEND 2>/dev/null ;;
   esac
