@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import random
 import sys
@@ -139,6 +140,11 @@ def _valid_body(route: str, rng: random.Random) -> dict[str, Any]:
             ]
         if rng.random() < 0.3:
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "s", "schema": {}}}
+        if rng.random() < 0.2:  # an image part: well-formed, broken, or remote (classifiers/images.py)
+            body["messages"][0]["content"] = [
+                {"type": "text", "text": "what is this?"},
+                {"type": "image_url", "image_url": {"url": _image_url(rng)}},
+            ]
         if rng.random() < 0.2:  # engine extensions a chat template renders (priced since 2026-12-04)
             body["documents"] = [{"title": "t", "text": "hello " * rng.randint(1, 20)}]
             body["chat_template_kwargs"] = {"enable_thinking": rng.random() < 0.5}
@@ -158,6 +164,35 @@ def _valid_body(route: str, rng: random.Random) -> dict[str, Any]:
         "max_output_tokens": rng.randint(1, 64),
         "stream": rng.random() < 0.5,
     }
+
+
+# The starts of image files, whole and cut short, with sizes from nothing to absurd.
+_IMAGE_HEADS: tuple[bytes, ...] = (
+    b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x04\x00\x00\x00\x03\x00\x08\x02\x00\x00\x00",
+    b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xff\xff\xff\xff\xff\xff\xff",
+    b"\x89PNG\r\n\x1a\n\x00\x00",
+    b"GIF89a\x00\x00\x00\x00",
+    b"GIF89a\xff\xff\xff\xff",
+    b"RIFF\x00\x00\x00\x00WEBPVP8X\x0a\x00\x00\x00\x00\x00\x00\x00\xff\xff\xff\xff\xff\xff",
+    b"RIFF\x00\x00\x00\x00WEBPVP8L",
+    b"\xff\xd8\xff\xe0\x00\x10JFIF\x00\x01\x01\x00\x00\x01\x00\x01\x00\x00\xff\xc0\x00\x11\x08\x10\x00\x10\x00",
+    b"\xff\xd8\xff\xe1\xff\xff",
+    b"\xff\xd8\x00\x00",
+    b"",
+)
+
+
+def _image_url(rng: random.Random) -> str:
+    kind = rng.random()
+    if kind < 0.2:
+        return rng.choice(["https://img.example/a.png", "file-abc", "data:", "data:image/png;base64", ""])
+    head = rng.choice(_IMAGE_HEADS) + rng.randbytes(rng.choice([0, 3, 64]))
+    if kind < 0.4:  # percent-encoded, or not base64 at all
+        return "data:image/png," + "".join(f"%{b:02x}" for b in head)
+    encoded = base64.b64encode(head).decode()
+    if kind < 0.5:
+        encoded = encoded[: rng.randint(0, len(encoded))] + rng.choice(["", "!", "=", "\u00e9", " "])
+    return "data:image/png;base64," + encoded
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +271,9 @@ def _mutate(body: dict[str, Any], rng: random.Random) -> tuple[str, dict[str, An
         "priority",
         "stop",
         "logit_bias",
+        "prompt_logprobs",
+        "echo",
+        "logprobs",
     ]
     key = rng.choice(keys)
     action = rng.random()

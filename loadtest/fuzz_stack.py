@@ -36,6 +36,10 @@ async def fuzz_stack(work_dir: Path | None = None) -> AsyncIterator[tuple[str, s
             "default": {"backends": [{"url": stub.url, "capacity_tokens": 200_000, "models": ["stub-model"]}]}
         },
         "limits": {"body_timeout_s": 3, "header_timeout_s": 3},
+        # images priced by their size (classifiers/images.py): the fuzzer sends broken ones
+        "models": {
+            "stub-*": {"context_length": 65536, "images": {"patch_pixels": 28, "max_pixels": 1_003_520}}
+        },
         "drain_timeout_s": 2,
         "admin": {"tokens_file": str(root / "tokens")},
     }
