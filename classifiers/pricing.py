@@ -14,7 +14,9 @@ Chat (``/v1/chat/completions``), following the OpenAI cookbook's counting rules:
   + tokens(arguments); a legacy ``function_call`` counts the same way;
 * content: a string counts its tokens; a list of parts sums its parts: ``text`` / ``refusal``
   parts count their text, ``image_url`` costs what the model's image rule says (``Pricer(images=)``,
-  classifiers/images.py: by the image's size, or the most) or ``image_tokens``, ``input_audio`` / ``audio_url``
+  classifiers/images.py: by the image's size, or the most; a request's ``mm_processor_kwargs``
+  ``min_pixels`` / ``max_pixels`` replace the rule's bounds, other processor settings are refused)
+  or ``image_tokens``, ``input_audio`` / ``audio_url``
   ``audio_tokens``, ``video_url`` ``video_tokens``, ``file`` ``file_tokens``;
 * any other fields of a message (``reasoning_content`` / ``reasoning`` of earlier turns,
   ``tool_call_id``, whatever key an engine's chat template reads): the tokens of the compact JSON
@@ -110,6 +112,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import os
 import sys
 import threading
@@ -315,6 +318,73 @@ _STEP_STRINGS = ("stop", "bad_words")
 # A chat message's fields that _message_tokens counts by their own rules; any other one is counted
 # whole (_other_message_fields_tokens).
 _COUNTED_MESSAGE_FIELDS = frozenset(("role", "content", "name", "tool_calls", "function_call"))
+
+
+def _requested_image_rule(body: Mapping[str, Any], rule: ImageRule) -> ImageRule:
+    """vLLM hands a request's ``mm_processor_kwargs`` to the model's processor: ``max_pixels`` there
+    (or ``size.longest_edge``, the newer name) lets one image of a dynamic-resolution model become
+    as many tokens as the request likes. Those bounds are priced (they replace the model rule's);
+    any other setting, and any setting on a model whose images are priced at a fixed count, is
+    refused: what it does to an image's cost is not known here. ``media_io_kwargs`` (how media are
+    loaded: a video's frame count) likewise."""
+    io = body.get("media_io_kwargs")
+    if io is not None and io != {}:
+        raise InvalidRequest(
+            "'media_io_kwargs' is not accepted here: it changes how many tokens a video or image "
+            "becomes, which the gateway cannot price before the request runs; remove it",
+            param="media_io_kwargs",
+            code="unsupported_parameter",
+        )
+    kwargs = body.get("mm_processor_kwargs")
+    if kwargs is None or kwargs == {}:
+        return rule
+    if not isinstance(kwargs, dict):
+        raise InvalidRequest(
+            f"'mm_processor_kwargs' must be an object, got {_kind(kwargs)}", param="mm_processor_kwargs"
+        )
+    if rule.tokens is not None:
+        raise InvalidRequest(
+            f"'mm_processor_kwargs' is not accepted for model {_show(body['model'])}: its images are "
+            f"priced at {rule.tokens} tokens each, and processor settings can change that; remove it",
+            param="mm_processor_kwargs",
+            code="unsupported_parameter",
+        )
+    bounds = {"min_pixels": rule.min_pixels, "max_pixels": rule.max_pixels}
+    for key, value in kwargs.items():
+        if key == "size" and isinstance(value, dict):
+            for edge, name in (("shortest_edge", "min_pixels"), ("longest_edge", "max_pixels")):
+                if edge in value:
+                    bounds[name] = _pixels(value[edge], f"mm_processor_kwargs.size.{edge}")
+            extra = [k for k in value if k not in ("shortest_edge", "longest_edge")]
+            if not extra:
+                continue
+            key = f"size.{extra[0]}"
+        elif key in bounds:
+            bounds[key] = _pixels(value, f"mm_processor_kwargs.{key}")
+            continue
+        raise InvalidRequest(
+            f"'mm_processor_kwargs.{_show(key)}' is not accepted here: only min_pixels and max_pixels "
+            "(or size.shortest_edge / size.longest_edge) are, since the gateway prices what they do to "
+            "an image; remove it",
+            param="mm_processor_kwargs",
+            code="unsupported_parameter",
+        )
+    try:
+        return dataclasses.replace(rule, **bounds)
+    except ValueError:
+        raise InvalidRequest(
+            f"'mm_processor_kwargs': max_pixels ({bounds['max_pixels']}) must be at least min_pixels "
+            f"({bounds['min_pixels']}) and one {rule.patch_pixels} x {rule.patch_pixels} block",
+            param="mm_processor_kwargs",
+        ) from None
+
+
+def _pixels(value: object, where: str) -> int:
+    if type(value) is not int or value < 1 or value > _MAX_TOKEN_ID:
+        raise InvalidRequest(
+            f"'{where}' must be a positive whole number of pixels, got {_show(value)}", param=where
+        )
+    return value
 
 
 def _token_ids(value: list[Any]) -> bool:
@@ -886,7 +956,8 @@ class Pricer:
     # ---- common fields -------------------------------------------------------------------
 
     def _images(self, body: Mapping[str, Any]) -> ImageRule:
-        """The image rule of the body's model (``_tokenizer`` has checked that it names one)."""
+        """The image rule of the body's model (``_tokenizer`` has checked that it names one), with
+        the request's own processor settings where they change what an image costs (below)."""
         model = body["model"]
         rule = self._image_rules.get(model)
         if rule is None:
@@ -895,6 +966,8 @@ class Pricer:
             )
             if len(self._image_rules) < 4096:  # a client inventing model names cannot grow it
                 self._image_rules[model] = rule
+        if body.get("mm_processor_kwargs") is not None or body.get("media_io_kwargs") is not None:
+            rule = _requested_image_rule(body, rule)
         return rule
 
     def _tokenizer(self, body: Mapping[str, Any]) -> Tokenizer:

@@ -253,5 +253,11 @@ async def test_an_image_costs_what_it_costs_on_a_dynamic_resolution_model(
         assert one.status_code == 200 and int(one.headers["x-tokengate-cost"]) >= 16_386
         thumb = await c.post("/v1/chat/completions", json=chat(small))
         assert thumb.status_code == 200 and int(thumb.headers["x-tokengate-cost"]) < 100
+        # The request's own processor bounds are the engine's: a raised max_pixels is priced.
+        raised = chat("https://img.example/a.png") | {"mm_processor_kwargs": {"max_pixels": 50_000_000}}
+        big = await c.post("/v1/chat/completions", json=raised)
+        assert big.status_code == 413
+        cost = int(big.json()["error"]["message"].split("request costs ")[1].split(" ")[0])
+        assert cost >= 50_000_000 // 784 + 2  # what the engine will make of it, not 16,386
     assert len(stub.requests) == 2
     assert await gw.wait_idle() == {name: 0 for name in await gw.in_flight()}

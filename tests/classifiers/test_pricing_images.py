@@ -8,9 +8,10 @@ import base64
 import io
 from typing import Any
 
+import pytest
 from PIL import Image
 
-from classifiers import Pricer, PricingSettings, TokenizerRegistry
+from classifiers import InvalidRequest, Pricer, PricingSettings, TokenizerRegistry
 from classifiers.images import ImageRule
 
 LIMITS: dict[str, Any] = {"default_max_tokens": 16, "max_tokens_limit": None, "context_length": 200_000}
@@ -42,7 +43,7 @@ def responses(model: str, *images: Any) -> dict[str, Any]:
 
 
 def image_cost(body_of: Any, model: str, *images: Any) -> int:
-    price = PRICER.price_chat if body_of is chat else PRICER.price_responses
+    price = PRICER.price_responses if body_of is responses else PRICER.price_chat
     return price(body_of(model, *images), **LIMITS).prefill - price(body_of(model), **LIMITS).prefill
 
 
@@ -84,3 +85,60 @@ async def test_off_the_event_loop_the_price_is_the_same() -> None:
         assert with_image.prefill - without.prefill == 2693
     finally:
         pricer.close()
+
+
+def test_a_requests_own_pixel_bounds_are_what_its_images_are_priced_with() -> None:
+    # vLLM hands mm_processor_kwargs to the model's processor: max_pixels there is the engine's.
+    model, remote = "Qwen/Qwen2.5-VL-7B-Instruct", {"url": "https://example.com/huge.png"}
+    raised = {"mm_processor_kwargs": {"max_pixels": 50_000_000}}
+    assert image_cost(lambda m, *i: chat(m, *i) | raised, model, remote) == 50_000_000 // 784 + 2
+    lowered = {"mm_processor_kwargs": {"size": {"shortest_edge": 3136, "longest_edge": 200_704}}}
+    assert image_cost(lambda m, *i: chat(m, *i) | lowered, model, remote) == 256 + 2
+    big = {"url": png_url(1920, 1080)}
+    assert image_cost(lambda m, *i: chat(m, *i) | lowered, model, big) == 256 + 2  # capped lower
+    for nothing in ({"mm_processor_kwargs": None}, {"mm_processor_kwargs": {}}, {"media_io_kwargs": {}}):
+        assert image_cost(lambda m, *i, n=nothing: chat(m, *i) | n, model, remote) == QWEN.most
+
+
+@pytest.mark.parametrize(
+    ("model", "extra", "param"),
+    [
+        ("Qwen/Qwen2.5-VL-7B", {"mm_processor_kwargs": {"do_resize": False}}, "mm_processor_kwargs"),
+        ("Qwen/Qwen2.5-VL-7B", {"mm_processor_kwargs": {"size": {"height": 9000}}}, "mm_processor_kwargs"),
+        (
+            "Qwen/Qwen2.5-VL-7B",
+            {"mm_processor_kwargs": {"max_pixels": "lots"}},
+            "mm_processor_kwargs.max_pixels",
+        ),
+        ("Qwen/Qwen2.5-VL-7B", {"mm_processor_kwargs": {"max_pixels": 0}}, "mm_processor_kwargs.max_pixels"),
+        (
+            "Qwen/Qwen2.5-VL-7B",
+            {"mm_processor_kwargs": {"min_pixels": 10**6, "max_pixels": 10**5}},
+            "mm_processor_kwargs",
+        ),
+        ("Qwen/Qwen2.5-VL-7B", {"mm_processor_kwargs": [1]}, "mm_processor_kwargs"),
+        (
+            "llava-1.5-7b",
+            {"mm_processor_kwargs": {"max_pixels": 10**6}},
+            "mm_processor_kwargs",
+        ),  # fixed count
+        (
+            "gpt-4o",
+            {"mm_processor_kwargs": {"max_pixels": 10**6}},
+            "mm_processor_kwargs",
+        ),  # the default count
+        ("Qwen/Qwen2.5-VL-7B", {"media_io_kwargs": {"video": {"num_frames": 10_000}}}, "media_io_kwargs"),
+    ],
+)
+def test_processor_settings_the_gateway_cannot_price_are_refused(
+    model: str, extra: dict[str, Any], param: str
+) -> None:
+    for body in (
+        chat(model, {"url": "https://x/a.png"}) | extra,
+        responses(model, {"image_url": "https://x"}) | extra,
+    ):
+        price = PRICER.price_chat if "messages" in body else PRICER.price_responses
+        with pytest.raises(InvalidRequest) as info:
+            price(body, **LIMITS)
+        assert info.value.param == param, info.value.message
+        assert len(info.value.message) < 300
