@@ -23,7 +23,7 @@ Limits
 ``limit(pool, tier)`` = ``capacity`` for a private pool (``shared=False``), and
 ``floor(ceiling(tier) * capacity)`` for a shared pool. A demand *fits* when, for every pool it names,
 ``in_flight[pool] + held(pool) <= limit(pool, tier)``. ``NeverFits`` is raised up front when
-``cost > limit(pool, tier)`` for some pool (it could not fit even with the pool empty).
+``held(pool) > limit(pool, tier)`` for some pool (it could not fit even with the pool empty).
 
 Service charged (VTC: service is what was served, never what was reserved)
 -----------------------------------------------------------------------------
