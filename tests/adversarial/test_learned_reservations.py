@@ -13,7 +13,9 @@ import asyncio
 from typing import Any
 
 import httpx
+import pytest
 
+from tests.budgets.redis_fixtures import session_redis, unique_prefix
 from tests.conftest import GatewayFactory, StubBackend, stub_pools
 
 BUDGET = 5000
@@ -24,13 +26,18 @@ def body(max_tokens: int) -> dict[str, Any]:
     return {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens}
 
 
+@pytest.mark.parametrize("store", ["memory", "redis"])
 async def test_a_tenant_that_trained_its_estimate_low_never_runs_more_than_its_budget(
-    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory, store: str
 ) -> None:
     stub, url = stub_backend
+    kind: dict[str, object] = {"kind": "memory"}
+    if store == "redis":  # the Lua port: the request's limit travels in its lease record
+        kind = {"kind": "redis", "url": session_redis().url, "key_prefix": unique_prefix()}
     gw = await gateway_factory(
         {
             "pools": stub_pools(url, capacity=100_000),
+            "store": kind,
             "reservation": {"mode": "learned", "min_samples": 3},
             "tenants": {"mallory": {"keys": ["k"], "budget_tokens": BUDGET}},
         }
