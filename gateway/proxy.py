@@ -27,6 +27,7 @@ from yarl import URL
 
 from budgets.types import AdmissionError, Demand, backend_pool, class_pool, tenant_pool
 from classifiers import InvalidRequest, show_value
+from classifiers.pricing import MAX_JSON_DEPTH
 from gateway.accesslog import Record
 from gateway.auth import bearer_key
 from gateway.errors import AnswerCut, ApiError, from_admission
@@ -143,6 +144,20 @@ async def read_body(
             f"The request body did not arrive in time ({waited:.1f} s; limits.body_timeout_s "
             f"{deadlines.total_s:g} s in all, limits.body_idle_timeout_s {deadlines.idle_s:g} s between chunks)",
             code="body_timeout",
+        ) from None
+
+
+def _serialized(body: dict[str, Any]) -> bytes:
+    """``body`` as the backend will read it (``Proxy._payload``): each key once, as parsed. JSON the
+    parser took but cannot write back (nested deeper than orjson's 254 levels, in a field pricing
+    does not read) is a 400 here, before the request waits for anything, not a 500 at the send."""
+    try:
+        return orjson.dumps(body)
+    except TypeError:
+        raise ApiError(
+            400,
+            f"Request body is nested more than {MAX_JSON_DEPTH} levels deep; flatten it",
+            code="invalid_json",
         ) from None
 
 
@@ -378,6 +393,8 @@ class Proxy:
         default_max = tenant.default_max_tokens or self.default_max_tokens
         if x.kind is RouteKind.PASSTHROUGH:
             model, x.body = self._passthrough_model(x.raw)
+            if x.body is not None:
+                x.sent = _serialized(x.body)
             x.cost = await self.pricer.aprice_passthrough(
                 x.raw,
                 model=model,
@@ -411,6 +428,7 @@ class Proxy:
                 code="model_not_allowed",
             )
         x.body, x.model = body, model
+        x.sent = _serialized(body)
         ctx = self.models.context_length(model)
         p = self.pricer
         try:
@@ -680,9 +698,9 @@ class Proxy:
         """The bytes to send: a JSON body as it was parsed (and priced), never the client's bytes,
         so that the backend reads exactly the request that was priced: a key the client sent twice
         reaches it once, with the value the gateway read (the last), whatever its own parser would
-        keep (module docstring of classifiers.pricing; ~0.2 µs for a 1 KB body). Sets whether the
-        client asked for usage. ``x.body`` stays as the client sent it (a retry builds its payload
-        again)."""
+        keep (``x.sent``, serialized once when the body was priced: ~0.2 µs for a 1 KB body). Sets
+        whether the client asked for usage. ``x.body`` stays as the client sent it (a retry builds
+        its payload again)."""
         body, kind = x.body, x.kind
         if body is None:  # not JSON (a pass-through upload): sent as it came
             x.client_wants_usage = False
@@ -698,7 +716,7 @@ class Proxy:
                 else:
                     del out["priority"]
                 return orjson.dumps(out)
-            return orjson.dumps(body)
+            return x.sent
         assert x.cost is not None and x.tier is not None
         changes: dict[str, Any] = {}
         # The engine's scheduling priority is the tier's (accepts_priority) or nobody's: a client's
@@ -733,7 +751,7 @@ class Proxy:
                 changes["max_tokens"] = max(x.cost.per_choice, 1)
         x.client_wants_usage = wants_usage
         if not changes and not drop_priority:
-            return orjson.dumps(body)
+            return x.sent
         out = {**body, **changes}
         if drop_priority:
             del out["priority"]

@@ -56,3 +56,25 @@ async def test_the_backend_reads_each_key_once_with_the_value_that_was_priced(
     sent = stub.requests[-1].raw
     assert sent.count(b'"max_tokens"') == 1 and orjson.loads(sent)["max_tokens"] == 1
     assert await gw.wait_idle() == {name: 0 for name in await gw.in_flight()}
+
+
+async def test_json_too_deep_to_write_back_is_a_400_before_anything_waits(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
+) -> None:
+    # The parser takes ~1,000 levels, the writer 254: a deep field pricing never reads (metadata)
+    # must be a clear 400 at pricing, not a 500 when the body is sent.
+    stub, url = stub_backend
+    gw = await gateway_factory(config(url))
+    deep = b'{"a":' * 299 + b"{}" + b"}" * 299
+    chat = (
+        b'{"model":"stub-model","max_tokens":5,"messages":[{"role":"user","content":"hi"}],"metadata":'
+        + deep
+        + b"}"
+    )
+    rerank = b'{"model":"stub-model","query":"q","documents":["a"],"extra":' + deep + b"}"
+    for path, raw in (("/v1/chat/completions", chat), ("/v1/rerank", rerank)):
+        r = await post_raw(gw.url, path, raw)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "invalid_json" and "254 levels" in r.json()["error"]["message"]
+    assert stub.requests == []
+    assert await gw.wait_idle() == {name: 0 for name in await gw.in_flight()}
