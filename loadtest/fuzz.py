@@ -245,7 +245,8 @@ def _dumps(obj: Any) -> bytes:
         raise TypeError(type(value).__name__)
 
     try:
-        text = orjson.dumps(obj, default=placeholder).decode()
+        # (orjson writes a dataclass as an object by itself: RawJson must reach ``placeholder``)
+        text = orjson.dumps(obj, default=placeholder, option=orjson.OPT_PASSTHROUGH_DATACLASS).decode()
     except TypeError:
         # Lone surrogates and 65+ bit integers: json writes them (escaped / exact).
         text = json.dumps(obj, ensure_ascii=True, default=placeholder)

@@ -8,6 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 
 from loadtest import fuzz
@@ -23,6 +24,17 @@ def test_generation_is_deterministic_and_covers_every_family() -> None:
     for family in ("mutate", "json", "deep", "method", "path", "content-length", "headers", "body", "header"):
         assert families[family] > 0, family
     assert any(c.family.startswith("chunked") for c in first)
+
+
+def test_deep_cases_are_deep_json_not_a_string_of_it() -> None:
+    # orjson writes a dataclass as an object by itself: the deep family once sent its nesting as a
+    # quoted string, and a body the parser takes but cannot write back (a 500) went unnoticed.
+    body = orjson.loads(fuzz._dumps({"metadata": fuzz._deep(300)}))
+    depth, node = 0, body["metadata"]
+    while isinstance(node, list | dict):
+        node = node[0] if isinstance(node, list) else node["a"]
+        depth += 1
+    assert depth == 300
 
 
 @pytest.mark.parametrize("seed", [1, 2])
