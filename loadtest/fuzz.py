@@ -275,6 +275,8 @@ def _mutate(body: dict[str, Any], rng: random.Random) -> tuple[str, dict[str, An
         "prompt_logprobs",
         "echo",
         "logprobs",
+        "mm_processor_kwargs",
+        "media_io_kwargs",
     ]
     key = rng.choice(keys)
     action = rng.random()
