@@ -428,7 +428,6 @@ class Proxy:
                 code="model_not_allowed",
             )
         x.body, x.model = body, model
-        x.sent = _serialized(body)
         ctx = self.models.context_length(model)
         p = self.pricer
         try:
@@ -450,6 +449,8 @@ class Proxy:
                 )
         except InvalidRequest as exc:
             raise ApiError(400, exc.message, param=exc.param, code=exc.code) from None
+        # (after pricing: a priced field nested too deep gets pricing's 400, which names the field)
+        x.sent = _serialized(body)
 
     def _passthrough_model(self, raw: bytes) -> tuple[str | None, dict[str, Any] | None]:
         if raw.lstrip()[:1] != b"{":  # (as pricing reads it: classifiers.pricing, pass-through)
