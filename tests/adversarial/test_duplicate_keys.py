@@ -76,5 +76,10 @@ async def test_json_too_deep_to_write_back_is_a_400_before_anything_waits(
         r = await post_raw(gw.url, path, raw)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["code"] == "invalid_json" and "254 levels" in r.json()["error"]["message"]
+    # A priced field that deep keeps pricing's own 400, which names the field.
+    tools = b'{"model":"stub-model","messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function",'
+    tools += b'"function":{"name":"f","parameters":' + deep + b"}}]}"
+    r = await post_raw(gw.url, "/v1/chat/completions", tools)
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("tools")
     assert stub.requests == []
     assert await gw.wait_idle() == {name: 0 for name in await gw.in_flight()}
