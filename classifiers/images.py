@@ -34,6 +34,11 @@ from urllib.parse import unquote_to_bytes
 _FIRST_CHARS = 4096
 _MOST_CHARS = 1 << 20
 
+# Segments a JPEG may have before its frame header: real files have a dozen or two (APP0, EXIF, an
+# ICC profile in up to ~16 chunks, quantization and Huffman tables); a file of thousands of empty
+# ones would make reading its size a long loop on the gateway's event loop. Beyond: the most.
+_JPEG_MOST_SEGMENTS = 256
+
 _JPEG_FRAMES = frozenset((0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF))
 
 
@@ -151,7 +156,7 @@ def _jpeg(data: bytes) -> tuple[tuple[int, int] | None, bool]:
     """Walk the segments to the first frame header (SOFn), which gives the size the decoder uses."""
     i = 2
     n = len(data)
-    while True:
+    for _ in range(_JPEG_MOST_SEGMENTS):
         if i < n and data[i] != 0xFF:
             # Not a marker where one must be. Decoders skip such bytes to the next 0xFF; a size
             # found that way could be one planted for this reader only: none (the most) instead.
@@ -172,6 +177,7 @@ def _jpeg(data: bytes) -> tuple[tuple[int, int] | None, bool]:
         if length < 2:
             return None, False
         i += 1 + length
+    return None, False
 
 
 def _positive(w: int, h: int) -> tuple[int, int] | None:

@@ -153,3 +153,14 @@ def test_any_bytes_after_a_known_signature_give_a_size_or_none_never_an_error(
 def test_any_text_as_a_data_url_prices_without_an_error(text: str) -> None:
     for url in ("data:image/png;base64," + text, "data:image/png," + text, "data:" + text):
         assert 0 < QWEN.price(url) <= QWEN.most
+
+
+def test_a_jpeg_of_thousands_of_empty_segments_is_not_walked_to_its_end() -> None:
+    # Reading a size must not become a long loop on the event loop: past 256 segments, the most.
+    real = encoded("JPEG", (64, 64))
+    padded = real[:2] + b"\xff\xfe\x00\x02" * 5000 + real[2:]  # 5,000 empty comment segments
+    assert Image.open(io.BytesIO(padded)).size == (64, 64)  # a decoder reads it
+    assert image_size(padded) == (None, False)
+    assert QWEN.price(data_url(padded, "image/jpeg")) == QWEN.most
+    few = real[:2] + b"\xff\xfe\x00\x02" * 200 + real[2:]
+    assert image_size(few) == ((64, 64), False)
