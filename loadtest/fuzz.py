@@ -677,6 +677,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="fuzz the admin API on the ops listener instead (with --url: give --ops-url and --admin-token)",
     )
     p.add_argument("--admin-token", default=None, help="an admin token (with --url --admin)")
+    p.add_argument(
+        "--store",
+        choices=("memory", "redis"),
+        default="memory",
+        help="--spawn: the gateway's budget store (redis: a redis-server of the stack's own)",
+    )
     p.add_argument("--cases", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", type=int, default=None, help="run only this case index (replay)")
@@ -699,7 +705,7 @@ async def amain(args: argparse.Namespace) -> Report:
         return report
     from loadtest.fuzz_stack import fuzz_stack
 
-    async with fuzz_stack() as (url, ops_url):
+    async with fuzz_stack(store=args.store) as (url, ops_url):
         report = await run_cases(url, cases, concurrency=args.concurrency, hang_s=args.hang_s)
         report.pools_at_zero, report.healthy_after = await check_after(url, None, ops_url)
     return report
@@ -716,7 +722,7 @@ async def _amain_admin(args: argparse.Namespace) -> Report:
         return report
     from loadtest.fuzz_stack import ADMIN_TOKEN, fuzz_stack
 
-    async with fuzz_stack() as (url, ops_url):
+    async with fuzz_stack(store=args.store) as (url, ops_url):
         cases = generate_admin(args.seed, args.cases, ADMIN_TOKEN)
         report = await run_cases(ops_url, cases, concurrency=args.concurrency, hang_s=args.hang_s)
         report.pools_at_zero, report.healthy_after = await check_after(url, None, ops_url, serve_check=False)

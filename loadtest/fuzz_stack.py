@@ -1,6 +1,7 @@
 """The stack ``python -m loadtest.fuzz --spawn`` fuzzes: an answer-at-once stub backend in this process
 and ``tokengate serve`` as a child process in front of it, with short body/header deadlines so that
-lying framing is answered well inside the fuzzer's hang limit."""
+lying framing is answered well inside the fuzzer's hang limit; its budgets in memory, or with
+``store="redis"`` in a redis-server of its own (the Lua port gets the same hostile requests)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from loadtest.processes import ProcessGroup, free_port, wait_ready
+from loadtest.redis_server import RedisServer
 from loadtest.stack import gateway_command
 from loadtest.stub_backend import StubBackend, StubConfig
 
@@ -20,8 +22,9 @@ ADMIN_TOKEN = "fuzz-admin-token"
 
 
 @asynccontextmanager
-async def fuzz_stack(work_dir: Path | None = None) -> AsyncIterator[tuple[str, str]]:
+async def fuzz_stack(work_dir: Path | None = None, store: str = "memory") -> AsyncIterator[tuple[str, str]]:
     """Yields the gateway's API and ops base URLs; everything is stopped on exit."""
+    redis = RedisServer().start() if store == "redis" else None
     stub = await StubBackend(
         StubConfig(first_token_delay_s=0.0, inter_token_delay_s=0.0, model="stub-model", max_output=256)
     ).start()
@@ -43,6 +46,8 @@ async def fuzz_stack(work_dir: Path | None = None) -> AsyncIterator[tuple[str, s
         "drain_timeout_s": 2,
         "admin": {"tokens_file": str(root / "tokens")},
     }
+    if redis is not None:
+        config["store"] = {"kind": "redis", "url": redis.url}
     (root / "tokens").write_text(f"admin {ADMIN_TOKEN}\n")
     path = root / "fuzz-gateway.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -57,5 +62,7 @@ async def fuzz_stack(work_dir: Path | None = None) -> AsyncIterator[tuple[str, s
     finally:
         group.stop_all()
         await stub.close()
+        if redis is not None:
+            redis.stop()
         if tmp is not None:
             tmp.cleanup()

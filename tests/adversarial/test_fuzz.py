@@ -83,3 +83,16 @@ async def test_fuzzing_the_admin_api_finds_no_server_error_and_no_hang(
     assert zero and healthy
     async with httpx.AsyncClient(base_url=gw.ops_url, headers={"authorization": "Bearer admin-secret"}) as c:
         assert (await c.get("/admin/v1/state")).status_code == 200  # still answering
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+def test_the_spawned_stack_is_fuzzed_on_either_store(
+    store: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `python -m loadtest.fuzz --spawn [--store redis]`: tokengate serve as a child process, its
+    # budgets in memory or in a redis-server of its own (the Lua gets the hostile requests too).
+    report = tmp_path / "report.json"
+    code = fuzz.main(["--spawn", "--store", store, "--cases", "80", "--seed", "3", "--json", str(report)])
+    assert code == 0, capsys.readouterr().out
+    data = orjson.loads(report.read_bytes())
+    assert data["passed"] and data["pools_at_zero"] and data["healthy_after"] and data["cases"] == 80
