@@ -12,8 +12,11 @@ YAML shape of one rule (every ``when`` key is optional; unknown keys are body fi
 
 Token conditions compare against the request's `Cost`: ``*_prompt_tokens`` against prefill,
 ``*_decode_tokens`` against decode, ``*_cost`` against the total; bounds are inclusive. ``models``
-and ``tenants`` are fnmatch globs (case-sensitive). A body field matches when its top-level value
-equals one of the listed values (``null`` also matches an absent field; booleans never equal numbers).
+and ``tenants`` are fnmatch globs (case-sensitive). ``has_field`` names top-level body fields of
+which at least one must be present and not null (say the structured-output ones: ``[guided_json,
+guided_regex, guided_grammar, structured_outputs, response_format]``, to give such requests a pool
+of their own). A body field matches when its top-level value equals one of the listed values
+(``null`` also matches an absent field; booleans never equal numbers).
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class ClassRule:
     max_cost: int | None = None
     models: tuple[str, ...] = ()
     tenants: tuple[str, ...] = ()
+    has_field: tuple[str, ...] = ()  # at least one of these top-level fields present, not null
     fields: Mapping[str, tuple[Any, ...]] = field(default_factory=lambda: MappingProxyType({}))
 
     def to_config(self) -> dict[str, Any]:
@@ -78,6 +82,8 @@ class ClassRule:
             when["models"] = list(self.models)
         if self.tenants:
             when["tenants"] = list(self.tenants)
+        if self.has_field:
+            when["has_field"] = list(self.has_field)
         for key, values in self.fields.items():
             when[key] = list(values) if len(values) > 1 else values[0]
         if when:
@@ -152,6 +158,7 @@ class Classifier:
                 or (r.max_cost is not None and total > r.max_cost)
                 or (c.models is not None and c.models.match(model) is None)
                 or (c.tenants is not None and c.tenants.match(tenant) is None)
+                or (r.has_field and all(body.get(key) is None for key in r.has_field))
             ):
                 continue
             if all(any(_same(v, body.get(key)) for v in values) for key, values in c.fields):

@@ -4,6 +4,7 @@ YAML shape of one rule (every ``when`` key is optional; unknown ``when`` keys ar
 
     {name: reasoning, pool: long, overflow_pool: short, budget_tokens: 100000,
      when: {min_prompt_tokens: 8000, models: ["o*"], tenants: [acme], reasoning_effort: [high]}}
+    {name: structured, pool: grammar, when: {has_field: [guided_json, guided_regex, response_format]}}
 
 Errors name the field (``classes[1].when.min_cost: expected a non-negative integer, got -5``); pools
 must exist, and class names are unique.
@@ -72,7 +73,7 @@ def _rule(v: Any, where: str, known_pools: set[str]) -> ClassRule:
     fields = {
         key: _values(value, f"{w}.{key}")
         for key, value in when.items()
-        if key not in BOUNDS and key not in ("models", "tenants")
+        if key not in BOUNDS and key not in ("models", "tenants", "has_field")
     }
     return ClassRule(
         name=name,
@@ -81,6 +82,7 @@ def _rule(v: Any, where: str, known_pools: set[str]) -> ClassRule:
         budget_tokens=opt_integer(m, "budget_tokens", where, minimum=0),
         models=_globs(when.get("models"), f"{w}.models"),
         tenants=_globs(when.get("tenants"), f"{w}.tenants"),
+        has_field=_names(when.get("has_field"), f"{w}.has_field"),
         fields=MappingProxyType(fields),
         **bounds,
     )
@@ -92,6 +94,17 @@ def _globs(value: object, where: str) -> tuple[str, ...]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, Sequence) or not all(isinstance(v, str) and v for v in items):
         raise ConfigError(f"{where}: expected a name/glob or a list of them, got {show(value)}")
+    return tuple(items)
+
+
+def _names(value: object, where: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not items or not all(isinstance(v, str) and v for v in items):
+        raise ConfigError(
+            f"{where}: expected a body field name or a non-empty list of them, got {show(value)}"
+        )
     return tuple(items)
 
 

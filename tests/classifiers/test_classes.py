@@ -72,6 +72,16 @@ def test_body_fields() -> None:
     assert classify([rule(user=None)], body={}) == "hit"  # null matches an absent field
 
 
+def test_a_field_present_not_null_matches_has_field() -> None:
+    # Say the structured-output fields, to give such requests a pool of their own.
+    rules = [rule(has_field=["guided_json", "guided_regex", "response_format"])]
+    assert classify(rules, body={"guided_regex": "a+"}) == "hit"
+    assert classify(rules, body={"response_format": {"type": "json_object"}, "guided_json": None}) == "hit"
+    assert classify(rules, body={"guided_json": None}) == "default"  # null: not asked for
+    assert classify(rules, body={"messages": []}) == "default"
+    assert classify([rule(has_field="tools")], body={"tools": []}) == "hit"  # a single name
+
+
 def test_all_conditions_must_hold() -> None:
     rules = [rule(min_prompt_tokens=10, models=["x*"], reasoning_effort="high")]
     body = {"reasoning_effort": "high"}

@@ -23,6 +23,10 @@ def test_a_rule_is_read_into_its_typed_form_and_back() -> None:
     assert (r.max_decode_tokens, r.tenants, dict(r.fields)) == (5, ("a",), {"effort": ("high",)})
     assert r.to_config() == item
     assert parse_classes(None, POOLS) == ()
+    [s] = parse_classes(
+        [structured := {"name": "s", "pool": "p", "when": {"has_field": ["guided_json", "a"]}}], POOLS
+    )
+    assert s.has_field == ("guided_json", "a") and not s.fields and s.to_config() == structured
 
 
 @pytest.mark.parametrize(
@@ -40,6 +44,8 @@ def test_a_rule_is_read_into_its_typed_form_and_back() -> None:
         (rule(min_cost=10, max_cost=5), "classes[0].when: min_cost (10) is greater than max_cost (5)"),
         (rule(models=[1]), "classes[0].when.models: expected a name/glob"),
         (rule(tenants={"a": 1}), "classes[0].when.tenants: expected a name/glob"),
+        (rule(has_field=[]), "classes[0].when.has_field: expected a body field name or a non-empty list"),
+        (rule(has_field=[1]), "classes[0].when.has_field: expected a body field name or a non-empty list"),
         (rule(reasoning_effort=[]), "classes[0].when.reasoning_effort: expected a value or a non-empty list"),
         (rule(metadata={"a": 1}), "classes[0].when.metadata: expected strings, numbers, booleans or null"),
         ({"name": "a", "pool": "p", "when": [1]}, "classes[0].when: expected a mapping"),

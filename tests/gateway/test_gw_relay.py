@@ -280,6 +280,38 @@ async def test_class_budget_pool(
     assert await gw.wait_idle() == {"tenant:default": 0, "backend:default": 0, "class:big": 0}
 
 
+async def test_structured_output_requests_get_a_class_of_their_own(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
+) -> None:
+    # Their grammar work slows every step of the engine's batch: an operator bounds how much of it
+    # is in flight (a class budget) or sends it to an engine of its own, by the fields that ask for it.
+    _, url = stub_backend
+    fields = ["guided_json", "guided_regex", "structured_outputs", "response_format"]
+    gw = await gateway_factory(
+        {
+            "classes": [
+                {
+                    "name": "structured",
+                    "when": {"has_field": fields},
+                    "pool": "default",
+                    "budget_tokens": 3000,
+                },
+                {"name": "plain", "pool": "default"},
+            ],
+            "pools": stub_pools(url),
+        }
+    )
+    async with httpx.AsyncClient(base_url=gw.url) as c:
+        for extra in ({"guided_regex": "[a-z]+"}, {"response_format": {"type": "json_object"}}):
+            r = await c.post("/v1/chat/completions", json=chat(max_tokens=16, **extra))
+            assert r.status_code == 200 and r.headers["x-tokengate-class"] == "structured"
+        r = await c.post("/v1/chat/completions", json=chat(max_tokens=4000, guided_json={"type": "object"}))
+        assert r.status_code == 413 and "class:structured" in r.json()["error"]["message"]
+        r = await c.post("/v1/chat/completions", json=chat(max_tokens=16, guided_json=None))
+        assert r.headers["x-tokengate-class"] == "plain"
+    assert await gw.wait_idle() == {"tenant:default": 0, "backend:default": 0, "class:structured": 0}
+
+
 async def test_the_injected_limit_keeps_every_prompt_of_a_request_within_its_context(
     stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
 ) -> None:
