@@ -222,6 +222,18 @@ async def test_a_tenants_budget_holds_what_a_request_may_produce_and_a_shared_po
     await assert_idle(store)
 
 
+async def test_a_reaped_lease_returns_its_limit_to_its_tenants_budget(
+    store_factory: StoreFactory, clock: FakeClock
+) -> None:
+    store = await store_factory(layout([shared(P, 1000), private("tenant:a", 500)], ["a"], lease_ttl_s=5.0))
+    lease = await store.acquire(Demand("a", "critical", (P, "tenant:a"), 50, 100, decode_limit=400), 1)
+    await store.extend(lease.id, 100)
+    assert (await in_flight(store, P), await in_flight(store, "tenant:a")) == (250, 450)
+    clock.advance(5.1)  # its replica died: nothing renews it
+    assert await store.reap_expired() == 1
+    await assert_idle(store)
+
+
 async def test_a_request_whose_limit_can_never_fit_its_tenants_budget_is_refused_saying_so(
     store_factory: StoreFactory,
 ) -> None:

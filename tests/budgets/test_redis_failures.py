@@ -339,6 +339,26 @@ async def test_heartbeat_reregisters_a_lease_redis_forgot(
     await assert_idle(store)
 
 
+async def test_a_lease_restored_after_redis_forgot_it_holds_its_limit_in_its_tenants_budget(
+    redis_server: RedisServer, make_store: StoreMaker
+) -> None:
+    # A learned reservation (10 of a limit of 50), grown once: restored, the tenant's budget holds
+    # the limit again and P what the lease had grown to; released, nothing is left anywhere.
+    store = make_store(redis_server, small_layout())
+    await store.start()
+    lease = await store.acquire(Demand("a", "critical", (P, "tenant:a"), 5, 10, decode_limit=50), 1)
+    assert await store.extend(lease.id, 10) == 0
+    assert (await in_flight(store, P), await in_flight(store, "tenant:a")) == (25, 55)
+    raw = Redis.from_url(redis_server.url)
+    await raw.delete(*(f"{store.keys.tag}:{k}" for k in ("used", "leases", "lexp", "tleases")))
+    await raw.aclose()
+    await store.heartbeat([lease.id])
+    assert store.restored_leases == 1
+    assert (await in_flight(store, P), await in_flight(store, "tenant:a")) == (25, 55)
+    assert await store.release(lease.id, 20) is True
+    await assert_idle(store)
+
+
 async def test_layout_change_reaches_other_replicas(
     redis_server: RedisServer, make_store: StoreMaker
 ) -> None:
