@@ -8,6 +8,7 @@ terminal's Ctrl-C reaches only its parent (which may still need Redis while it s
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import os
@@ -41,6 +42,13 @@ def used_cpu_seconds(client: Any) -> float:
     used_cpu_user (what a benchmark charges to Redis per request)."""
     info = client.info("cpu")
     return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+
+
+def add_redis_option(
+    parser: argparse.ArgumentParser, help: str = "a redis-server setting (repeatable)"
+) -> None:
+    """A benchmark's ``--redis-option NAME=VALUE`` (repeatable; ``config_args`` reads what it gathered)."""
+    parser.add_argument("--redis-option", action="append", metavar="NAME=VALUE", help=help)
 
 
 def config_args(options: Sequence[str] | None) -> list[str]:

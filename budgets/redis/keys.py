@@ -67,7 +67,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from budgets import policy
@@ -142,19 +141,6 @@ def usage_arg(actual_decode: int | None) -> str:
     """
     reported = policy.usage_report(actual_decode)
     return "" if reported is None else str(reported)
-
-
-def unpack_demand(fields: Sequence[str]) -> Demand:
-    tenant, tier, prefill, decode, pools = fields[:5]
-    reserved, _, limit = decode.partition("/")
-    return Demand(
-        tenant=tenant,
-        tier=tier,
-        pools=tuple(pools.split(LIST_SEP)) if pools else (),
-        prefill=int(prefill),
-        decode=int(reserved),
-        decode_limit=int(limit) if limit else 0,
-    )
 
 
 def layout_json(layout: BudgetLayout) -> str:

@@ -45,7 +45,7 @@ from redis.exceptions import ResponseError
 
 from budgets.redis.scripts import Library, load_library
 from loadtest.bench import scale
-from loadtest.redis_server import REDIS_SERVER, RedisServer, config_args
+from loadtest.redis_server import REDIS_SERVER, RedisServer, add_redis_option, config_args
 
 DUMP = "tg_profile_dump"  # (the name _PROFILER registers)
 
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warm-rounds", type=float, default=1.0, help="as loadtest.bench.scale's")
     p.add_argument("--every", type=int, default=100, help="Lua VM instructions per sample")
     p.add_argument("--top", type=int, default=25, help="functions and lines listed per point")
-    p.add_argument("--redis-option", action="append", metavar="NAME=VALUE", help="a redis-server setting")
+    add_redis_option(p)
     p.add_argument("--json", help="write the samples here")
     args = p.parse_args(argv)
     if shutil.which(args.redis_server) is None:

@@ -28,7 +28,7 @@ from typing import Any
 
 import redis
 
-from loadtest.redis_server import RedisServer, config_args, used_cpu_seconds
+from loadtest.redis_server import RedisServer, add_redis_option, config_args, used_cpu_seconds
 
 LIBRARY = """#!lua name=tg_call_cost
 local function name(i, n) return 't' .. ((i * 7919) % n) end
@@ -125,12 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=3200, help="fields per function call")
     ap.add_argument("--rounds", type=int, default=200, help="function calls per measurement")
     ap.add_argument("--repeat", type=int, default=2, help="measurements per way, alternated")
-    ap.add_argument(
-        "--redis-option",
-        action="append",
-        metavar="NAME=VALUE",
-        help="a redis-server setting (repeatable; default: every hash and sorted set a table)",
-    )
+    add_redis_option(ap, "a redis-server setting (repeatable; default: every hash and sorted set a table)")
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args(argv)
     if min(args.fields, args.calls, args.rounds, args.repeat) < 1:

@@ -69,7 +69,7 @@ from budgets.types import BudgetLayout, Demand, PolicySpec, PoolSpec, TenantSpec
 from gateway.config import GcConfig
 from gateway.serve import tune_collector
 from loadtest.bench import percentile_ms
-from loadtest.redis_server import RedisServer, config_args, used_cpu_seconds
+from loadtest.redis_server import RedisServer, add_redis_option, config_args, used_cpu_seconds
 
 POOL = "backend:p"
 PREFILL, DECODE = 6, 4
@@ -807,11 +807,8 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="redis: also print each command's calls and microseconds per cycle (always in --json)",
     )
-    parser.add_argument(
-        "--redis-option",
-        action="append",
-        metavar="NAME=VALUE",
-        help="a setting of the private redis-server, e.g. zset-max-listpack-entries=0 (repeatable)",
+    add_redis_option(
+        parser, "a setting of the private redis-server, e.g. zset-max-listpack-entries=0 (repeatable)"
     )
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
