@@ -7,7 +7,12 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 WHEELS=${WHEELS:-.gpuwheels}
-STEPS=${STEPS:-"check fp32 calibrate hol gateway oneserver warm"}
+STEPS=${STEPS:-"check fp32 calibrate hol gateway oneserver warm scale"}
+# The scale step's points (tenants:tickets) and seconds per point (loadtest.bench.scale).
+SCALE_SIZES=${SCALE_SIZES:-"10:100,10000:100000,100000:100000"}
+SCALE_SECONDS=${SCALE_SECONDS:-4}
+REDIS_CPU=${REDIS_CPU:-2}    # the core Redis runs on, and the benchmark's driver
+DRIVER_CPU=${DRIVER_CPU:-4}
 # The engine the hol/gateway/oneserver/warm steps start (BACKEND_ARGS="--executor sim" tries the
 # steps on a machine without a GPU).
 BACKEND_ARGS=${BACKEND_ARGS:-"--executor torch --shape llama-3.1-8b --device cuda"}
@@ -85,6 +90,21 @@ for step in $STEPS; do
       wait_up localhost:8180/readyz && probe http://127.0.0.1:8180 warm-gateway-oneserver
       curl -s localhost:9181/metrics | grep -E '^tokengate_(pool_in_flight_tokens|prefill_gate_tokens|requests_total)' | head -8
       kill $gw; wait $gw 2>/dev/null; kill $BACKEND; wait $BACKEND 2>/dev/null ;;
+    scale)  # issue 15 on a server's CPU: a redis-server (a static build, $WHEELS/bin) on a core of its own
+      rs="$PWD/.gpuwheels/bin/redis-server"; [ -x "$rs" ] || rs=redis-server
+      "$rs" --version
+      taskset -c $REDIS_CPU "$rs" --port 6399 --bind 127.0.0.1 --save "" --appendonly no --protected-mode no \
+        --dir /tmp --logfile "$OUT/redis.log" &
+      rpid=$!
+      sleep 1
+      taskset -c $DRIVER_CPU timeout 300 python3 -m loadtest.bench.scale --url redis://127.0.0.1:6399/0 --stores redis \
+        --sizes "$SCALE_SIZES" --seconds "$SCALE_SECONDS" --json "$OUT/scale_redis.json" > "$OUT/scale_redis.log" 2>&1
+      tail -25 "$OUT/scale_redis.log"
+      kill $rpid; wait $rpid 2>/dev/null
+      taskset -c $DRIVER_CPU timeout 200 python3 -m loadtest.bench.scale --stores memory --sizes "$SCALE_SIZES" \
+        --seconds "$SCALE_SECONDS" --json "$OUT/scale_memory.json" > "$OUT/scale_memory.log" 2>&1
+      tail -20 "$OUT/scale_memory.log"
+      lscpu | grep -E "Model name|^CPU\(s\)|MHz|L3" ;;
   esac
 done
 echo "== done"
