@@ -55,7 +55,7 @@ Responses (``/v1/responses``), priced like chat:
 
 Completions (``/v1/completions``): each prompt is its own sequence. A string counts its tokens,
 a token-id array its length; ``suffix`` adds its tokens to every prompt. A token id is an integer
-in [0, 2**63); an empty token-id array inside an array of them is refused (an empty string prompt
+in [0, 2**63), and below the model's ``vocab_size`` where one is configured; an empty token-id array inside an array of them is refused (an empty string prompt
 is legal). ``prompt_embeds`` (vLLM) is refused (400 ``unsupported_parameter``): how many tokens an
 embedding tensor holds depends on the model's hidden size, which the gateway does not know.
 Embeddings: the same shapes for ``input``; decode is 0.
@@ -98,8 +98,15 @@ thread pool so an event loop keeps serving other requests meanwhile (see `Pricer
 Hostile input
 -------------
 ``stop`` and vLLM's ``bad_words`` (chat, completions) are each a string or at most
-``max_stop_sequences`` strings of at most ``max_stop_chars`` characters, ``logit_bias`` an object of at most ``max_logit_bias`` entries (0:
-no bound): an engine pays for them on every decode step, and the requests beside this one wait.
+``max_stop_sequences`` strings of at most ``max_stop_chars`` characters, ``logit_bias`` an object
+of at most ``max_logit_bias`` entries (0: no bound): an engine pays for them on every decode step,
+and the requests beside this one wait. Token ids a request carries are the engine's array indices on
+the device, where one out of range can take the whole engine down (or write into the other requests'
+rows): ``logit_bias`` keys are decimal digits and its values numbers; ``stop_token_ids`` and
+``allowed_token_ids`` are arrays of integers, at most ``max_stop_token_ids`` (128) and
+``max_allowed_token_ids`` (1,024), the widths of vLLM's sampler rows; every one of these ids, and
+the token ids of a prompt, is non-negative and, for a model with ``vocab_size`` (``Pricer(vocab_sizes=)``,
+config ``models.<glob>.vocab_size``), below it.
 Client JSON serialized for counting (tools, schemas, unknown items) may nest at most
 ``MAX_JSON_DEPTH`` (254, orjson's limit) containers; deeper is a 400 saying so, never a
 RecursionError. Client values echoed in messages are cut to 64 characters plus their length, and
@@ -118,11 +125,11 @@ import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from fnmatch import fnmatchcase
 from typing import Any
 
 import orjson
 
+from classifiers.bymodel import ByModel
 from classifiers.images import ImageRule
 from classifiers.tokenizers import (
     BytesTokenizer,
@@ -199,6 +206,12 @@ class PricingSettings:
     max_stop_sequences: int = 16
     max_stop_chars: int = 1024
     max_logit_bias: int = 1024
+    # Token-id lists an engine copies into fixed-width rows of its sampler state: vLLM's GPU model
+    # runner sizes them at 128 stop token ids and 1,024 allowed token ids (and logit_bias entries),
+    # and one request above a row's width raised inside the engine loop, which shut the engine down
+    # for every request on it (vLLM PR #55164). 0: no bound.
+    max_stop_token_ids: int = 128
+    max_allowed_token_ids: int = 1024
     # Prompt log-probabilities only for prompts of at most this many tokens (module docstring: the
     # engine's full-vocabulary logits of the prompt are a memory spike outside its KV cache, ~1.9
     # GiB at 2,048 tokens of a 152k vocabulary). 0: no bound.
@@ -385,6 +398,25 @@ def _pixels(value: object, where: str) -> int:
             f"'{where}' must be a positive whole number of pixels, got {_show(value)}", param=where
         )
     return value
+
+
+def _bias_ids(bias: Mapping[Any, Any]) -> list[int]:
+    """The token ids of a ``logit_bias`` object, whose keys are ids written in decimal and whose
+    values are numbers."""
+    ids = []
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 20):
+            raise InvalidRequest(
+                f"'logit_bias' keys must be token ids written in decimal digits, got {_show(key)}",
+                param="logit_bias",
+            )
+        if type(value) not in (int, float):
+            raise InvalidRequest(
+                f"'logit_bias' values must be numbers (-100 to 100), got {_kind(value)} for token {key}",
+                param="logit_bias",
+            )
+        ids.append(int(key))
+    return ids
 
 
 def _token_ids(value: list[Any]) -> bool:
@@ -590,14 +622,15 @@ class Pricer:
         tokenizers: TokenizerRegistry,
         settings: PricingSettings = PricingSettings(),
         images: Sequence[tuple[str, ImageRule]] = (),
+        vocab_sizes: Sequence[tuple[str, int]] = (),
     ) -> None:
         """``images``: (model glob, rule) pairs, first match wins; other models' images cost
-        ``settings.image_tokens`` each."""
+        ``settings.image_tokens`` each. ``vocab_sizes``: (model glob, vocabulary size) pairs; a
+        matching model's requests carry token ids below it (module docstring, "Hostile input")."""
         self._tokenizers = tokenizers
         self._s = settings
-        self._image_globs = tuple(images)
-        self._image_default = ImageRule(tokens=settings.image_tokens)
-        self._image_rules: dict[str, ImageRule] = {}
+        self._image_rules = ByModel(images, ImageRule(tokens=settings.image_tokens))
+        self._vocab: ByModel[int | None] = ByModel(vocab_sizes, None)
         self._part_constants = {
             "image_url": settings.image_tokens,
             "input_audio": settings.audio_tokens,
@@ -875,7 +908,7 @@ class Pricer:
                 code="unsupported_parameter",
             )
         self._check_step_work(body)
-        lengths = self._prompt_lengths(tok, body.get("prompt"), "prompt")
+        lengths = self._prompt_lengths(tok, body, "prompt")
         suffix = body.get("suffix")
         if suffix is not None:
             if not isinstance(suffix, str):
@@ -893,7 +926,7 @@ class Pricer:
         )
 
     def _walk_embeddings(self, tok: Tokenizer, body: Mapping[str, Any], context_length: int | None) -> Cost:
-        lengths = self._prompt_lengths(tok, body.get("input"), "input")
+        lengths = self._prompt_lengths(tok, body, "input")
         if context_length is not None:
             self._check_context(max(lengths), context_length, "input")
         return Cost(prefill=sum(lengths), decode=0)
@@ -958,14 +991,7 @@ class Pricer:
     def _images(self, body: Mapping[str, Any]) -> ImageRule:
         """The image rule of the body's model (``_tokenizer`` has checked that it names one), with
         the request's own processor settings where they change what an image costs (below)."""
-        model = body["model"]
-        rule = self._image_rules.get(model)
-        if rule is None:
-            rule = next(
-                (r for pattern, r in self._image_globs if fnmatchcase(model, pattern)), self._image_default
-            )
-            if len(self._image_rules) < 4096:  # a client inventing model names cannot grow it
-                self._image_rules[model] = rule
+        rule = self._image_rules.get(body["model"])
         if body.get("mm_processor_kwargs") is not None or body.get("media_io_kwargs") is not None:
             rule = _requested_image_rule(body, rule)
         return rule
@@ -1212,7 +1238,9 @@ class Pricer:
     def _check_step_work(self, body: Mapping[str, Any]) -> None:
         """``stop`` and ``logit_bias`` within ``max_stop_sequences`` / ``max_stop_chars`` /
         ``max_logit_bias``: what they cost the engine is paid on every step, and by the requests
-        beside this one too (one loop streams them all), so a budget in tokens does not bound it."""
+        beside this one too (one loop streams them all), so a budget in tokens does not bound it.
+        The token ids in ``logit_bias``, ``stop_token_ids`` and ``allowed_token_ids`` are token ids
+        of the model (`_check_token_ids`), the two lists within their own bounds."""
         s = self._s
         for key in _STEP_STRINGS:
             value = body.get(key)
@@ -1249,6 +1277,49 @@ class Pricer:
                     "(pricing.max_logit_bias); send fewer",
                     param="logit_bias",
                 )
+            if bias:
+                self._check_token_ids(body, _bias_ids(bias), "logit_bias")
+        for key, most, setting in (
+            ("stop_token_ids", s.max_stop_token_ids, "max_stop_token_ids"),
+            ("allowed_token_ids", s.max_allowed_token_ids, "max_allowed_token_ids"),
+        ):
+            ids = body.get(key)
+            if ids is None:
+                continue
+            if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+                raise InvalidRequest(
+                    f"'{key}' must be an array of token ids (integers), got {_kind(ids)}", param=key
+                )
+            if most and len(ids) > most:
+                raise InvalidRequest(
+                    f"'{key}' has {len(ids)} token ids, above the limit of {most} (pricing.{setting}); "
+                    "send fewer",
+                    param=key,
+                )
+            if ids:
+                self._check_token_ids(body, ids, key)
+
+    def _check_token_ids(self, body: Mapping[str, Any], ids: list[int], param: str) -> None:
+        """Every id in [0, the model's ``vocab_size``) (without one: [0, 2**63)). An engine indexes
+        its logits (or embeddings) with them on the device: an id out of range crashed vLLM's whole
+        engine, or wrote into other requests' rows of the batch (vLLM #54195, #16529)."""
+        low, high = min(ids), max(ids)
+        if low < 0:
+            raise InvalidRequest(
+                f"'{param}' holds the token id {low}; token ids are never negative", param=param
+            )
+        vocab = self._vocab.get(body["model"]) if self._vocab else None
+        if vocab is not None and high >= vocab:
+            raise InvalidRequest(
+                f"'{param}' holds the token id {high}, outside model {_show(body['model'])}'s "
+                f"vocabulary of {vocab} tokens (ids 0 to {vocab - 1}; models.*.vocab_size)",
+                param=param,
+            )
+        if high > _MAX_TOKEN_ID:
+            raise InvalidRequest(
+                f"'{param}' holds the token id {_show(high)}, above the largest token id {_MAX_TOKEN_ID}",
+                param=param,
+            )
 
     def _check_items(self, items: list[Any], param: str, what: str) -> None:
         """At most ``max_items`` elements: ``items`` and the parts of each (its ``content`` or
@@ -1342,8 +1413,10 @@ class Pricer:
 
     # ---- completions / embeddings ----------------------------------------------------------
 
-    def _prompt_lengths(self, tok: Tokenizer, prompt: object, param: str) -> list[int]:
-        """Token length of each sequence in a prompt/input field."""
+    def _prompt_lengths(self, tok: Tokenizer, body: Mapping[str, Any], param: str) -> list[int]:
+        """Token length of each sequence in a prompt/input field (token ids checked against the
+        model's vocabulary where it is configured)."""
+        prompt = body.get(param)
         if isinstance(prompt, str):
             return [tok.count(prompt)]
         shapes = "a string, an array of strings, an array of token ids, or an array of token-id arrays"
@@ -1368,6 +1441,8 @@ class Pricer:
                     f"(an integer from 0 to {_MAX_TOKEN_ID})",
                     param=param,
                 )
+            if self._vocab:
+                self._check_token_ids(body, prompt, param)
             return [len(prompt)]
         if isinstance(first, list):
             lengths = []
@@ -1383,6 +1458,8 @@ class Pricer:
                         f"{param}[{i}] is an empty token-id array; every sequence needs at least one token",
                         param=param,
                     )
+                if self._vocab:
+                    self._check_token_ids(body, ids, param)
                 lengths.append(len(ids))
             return lengths
         raise InvalidRequest(f"'{param}' must be {shapes}; got an array of {_kind(first)}", param=param)

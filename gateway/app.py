@@ -233,6 +233,7 @@ class Gateway:
                 TokenizerRegistry(models=self.models.tokenizer_specs()),
                 config.pricing.settings,
                 self.models.image_rules(),
+                self.models.vocab_sizes(),
             )
         self.passthrough = PassthroughRoutes(config.passthrough)
         reservations = Reservations(

@@ -87,6 +87,10 @@ class ModelConfig:
     tokenizer: str | None = None  # spec for classifiers.TokenizerRegistry
     context_length: int = DEFAULT_CONTEXT_LENGTH
     images: ImageRule | None = None  # what one image costs; None: pricing.image_tokens
+    # Rows of the model's embedding / LM head (config.json's vocab_size): token ids the request
+    # carries (token-id prompts, stop_token_ids, allowed_token_ids, logit_bias) must be below it.
+    # None: only their shape and count are checked.
+    vocab_size: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

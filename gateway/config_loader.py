@@ -389,7 +389,7 @@ def _models(v: Any) -> tuple[ModelConfig, ...]:
     out = []
     for pattern, body in m.items():
         where = f"models.{pattern}"
-        b = section(body, where, ("tokenizer", "context_length", "images"))
+        b = section(body, where, ("tokenizer", "context_length", "images", "vocab_size"))
         tokenizer = opt_string(b, "tokenizer", where)
         if tokenizer is not None:
             _check_tokenizer(tokenizer, f"{where}.tokenizer")
@@ -399,6 +399,7 @@ def _models(v: Any) -> tuple[ModelConfig, ...]:
                 tokenizer=tokenizer,
                 context_length=integer(b, "context_length", where, DEFAULT_CONTEXT_LENGTH, minimum=1),
                 images=_image_rule(b.get("images"), f"{where}.images"),
+                vocab_size=opt_integer(b, "vocab_size", where, minimum=1),
             )
         )
     return tuple(out)

@@ -232,6 +232,8 @@ _EXTREMES: tuple[Callable[[random.Random], Any], ...] = (
     lambda r: _deep(r.choice([10, 100, 300, 600, 1200])),
     lambda r: [1] * r.choice([10, 10_000]),
     lambda r: list(range(-5, 5)),
+    lambda r: [r.choice([0, 31_999, 32_000, 151_645, 2**63])] * r.choice([1, 129, 1025]),
+    lambda r: {r.choice(["0", "-1", "+5", "１", "99999", "5" * 25]): r.choice([1, "x", None])},
 )
 
 
@@ -272,6 +274,8 @@ def _mutate(body: dict[str, Any], rng: random.Random) -> tuple[str, dict[str, An
         "priority",
         "stop",
         "logit_bias",
+        "stop_token_ids",
+        "allowed_token_ids",
         "prompt_logprobs",
         "echo",
         "logprobs",

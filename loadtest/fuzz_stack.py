@@ -41,7 +41,11 @@ async def fuzz_stack(work_dir: Path | None = None, store: str = "memory") -> Asy
         "limits": {"body_timeout_s": 3, "header_timeout_s": 3},
         # images priced by their size (classifiers/images.py): the fuzzer sends broken ones
         "models": {
-            "stub-*": {"context_length": 65536, "images": {"patch_pixels": 28, "max_pixels": 1_003_520}}
+            "stub-*": {
+                "context_length": 65536,
+                "images": {"patch_pixels": 28, "max_pixels": 1_003_520},
+                "vocab_size": 32_000,  # token ids checked against it (classifiers/pricing.py)
+            }
         },
         "drain_timeout_s": 2,
         "admin": {"tokens_file": str(root / "tokens")},

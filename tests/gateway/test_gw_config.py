@@ -46,7 +46,7 @@ FULL = {
     "models": {
         "gpt-4o*": {"tokenizer": "bytes", "context_length": 128000},
         "Qwen/Qwen2.5-VL-*": {"images": {"patch_pixels": 28, "max_pixels": 1003520, "extra_tokens": 2}},
-        "llava-*": {"images": {"tokens": 576}},
+        "llava-*": {"images": {"tokens": 576}, "vocab_size": 32064},
     },
     "pricing": {"per_message_tokens": 3, "image_tokens": 765, "default_max_tokens": 1024},
     "tenants": {
@@ -98,6 +98,7 @@ def test_full_documented_shape_loads() -> None:
     assert cfg.models[0].context_length == 128000 and cfg.models[0].images is None
     assert cfg.models[1].images == ImageRule(patch_pixels=28, max_pixels=1003520, extra_tokens=2)
     assert cfg.models[1].images.most == 1282 and cfg.models[2].images == ImageRule(tokens=576)
+    assert (cfg.models[1].vocab_size, cfg.models[2].vocab_size) == (None, 32064)
     assert cfg.pricing.default_max_tokens == 1024
     assert (cfg.pricing.settings.per_message_tokens, cfg.pricing.settings.image_tokens) == (3, 765)
     assert cfg.pricing.settings.encode_idle  # the default
@@ -203,6 +204,12 @@ def test_example_configs_load() -> None:
             "models.m*.images.max_pixels: 4000 is less than min_pixels (5000)",
         ),
         ({"models": {"m*": {"images": 16384}}}, "models.m*.images: expected a mapping"),
+        ({"models": {"m*": {"vocab_size": 0}}}, "models.m*.vocab_size: expected a positive integer, got 0"),
+        (
+            {"models": {"m*": {"vocab_size": "152k"}}},
+            "models.m*.vocab_size: expected a positive integer, got '152k'",
+        ),
+        ({"pricing": {"max_stop_token_ids": -1}}, "pricing.max_stop_token_ids: expected a non-negative"),
     ],
 )
 def test_errors_name_the_field(data: object, message: str) -> None:
