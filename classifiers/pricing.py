@@ -1311,8 +1311,8 @@ class Pricer:
         vocab = self._vocab.get(body["model"]) if self._vocab else None
         if vocab is not None and high >= vocab:
             raise InvalidRequest(
-                f"'{param}' holds the token id {high}, outside model {_show(body['model'])}'s "
-                f"vocabulary of {vocab} tokens (ids 0 to {vocab - 1}; models.*.vocab_size)",
+                f"'{param}' holds the token id {high}, outside the vocabulary of model "
+                f"{_show(body['model'])}: {vocab} tokens, ids 0 to {vocab - 1} (models.*.vocab_size)",
                 param=param,
             )
         if high > _MAX_TOKEN_ID:
