@@ -48,6 +48,8 @@ Responses (``/v1/responses``), priced like chat:
   i.e. the same fields chat's ``response_format.json_schema`` holds;
 * ``documents`` / ``chat_template_kwargs`` / ``chat_template``: as in chat (engines serve this API
   through their chat template);
+* ``background`` (anything but null or false) is refused (400 ``unsupported_parameter``): the
+  engine would answer at once and generate afterwards, while nothing holds its tokens;
 * server-side state is invisible: ``previous_response_id``, ``conversation``, ``prompt`` and
   ``item_reference`` make the server add stored items the gateway cannot see or count, and the
   turns of built-in tool loops add tool output server-side. Only the visible body is priced;
@@ -1467,6 +1469,18 @@ class Pricer:
     # ---- responses -------------------------------------------------------------------------
 
     def _check_stored_state(self, body: Mapping[str, Any]) -> None:
+        background = body.get("background")
+        if background is not None and background is not False:
+            # The engine answers at once and generates afterwards, for as long as max_output_tokens
+            # allows: the lease ends with the answer, so the tokens would run outside any budget.
+            # (Anything but null/false is refused: a lax parser reads "yes" or 1 as true.)
+            raise InvalidRequest(
+                f"'background' is not accepted here (got {_show(background)}): a background response "
+                "runs on the backend after this request has ended, outside the token budget the "
+                "gateway holds for it; send the request without it (stream it for long outputs)",
+                param="background",
+                code="unsupported_parameter",
+            )
         previous = body.get("previous_response_id")
         if previous is not None and not isinstance(previous, str):
             raise InvalidRequest(

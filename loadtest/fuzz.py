@@ -276,6 +276,7 @@ def _mutate(body: dict[str, Any], rng: random.Random) -> tuple[str, dict[str, An
         "logit_bias",
         "stop_token_ids",
         "allowed_token_ids",
+        "background",
         "prompt_logprobs",
         "echo",
         "logprobs",
