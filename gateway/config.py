@@ -118,6 +118,20 @@ class TenantConfig:
 TENANT_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TenantConfig) if f.name != "name")
 
 
+# Request fields an engine reads from the body but trusts only from its own serving stack:
+# vLLM's prefill/decode connector metadata (a client's remote_host / remote_port steered the decode
+# instance's connections, vLLM PR #47843; its tp_size made it allocate without bound, #51137);
+# SGLang's prefill/decode bootstrap address and room; SGLang's custom_logit_processor, a serialized
+# Python callable the server runs when started with --enable-custom-logit-processor.
+ENGINE_INTERNAL_FIELDS: tuple[str, ...] = (
+    "kv_transfer_params",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+    "custom_logit_processor",
+)
+
+
 @dataclass(frozen=True, slots=True)
 class LimitsConfig:
     max_body_bytes: int = 4 * 1024 * 1024
@@ -126,6 +140,8 @@ class LimitsConfig:
     body_timeout_s: float = 30.0  # the whole body within this of the headers; then 408
     body_idle_timeout_s: float = 5.0  # and no gap longer than this between two body chunks
     max_connections: int = 4096  # open client connections per process; beyond: 503 at once
+    # Top-level body fields that only the serving stack may set: a request carrying one is a 400.
+    refused_fields: tuple[str, ...] = ENGINE_INTERNAL_FIELDS
 
 
 @dataclass(frozen=True, slots=True)

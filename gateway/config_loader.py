@@ -529,6 +529,7 @@ def _limits(v: Any) -> LimitsConfig:
         "body_timeout_s",
         "body_idle_timeout_s",
         "max_connections",
+        "refused_fields",
     )
     m = section(v, "limits", keys)
     d = LimitsConfig()
@@ -539,6 +540,9 @@ def _limits(v: Any) -> LimitsConfig:
         body_timeout_s=positive_number(m, "body_timeout_s", "limits", d.body_timeout_s),
         body_idle_timeout_s=positive_number(m, "body_idle_timeout_s", "limits", d.body_idle_timeout_s),
         max_connections=integer(m, "max_connections", "limits", d.max_connections, minimum=1),
+        refused_fields=d.refused_fields
+        if m.get("refused_fields") is None
+        else string_list(m, "refused_fields", "limits"),
     )
 
 

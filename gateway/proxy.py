@@ -212,6 +212,7 @@ class Proxy:
         self.models = gw.models
         self.reservations = gw.reservations
         self.max_body = cfg.limits.max_body_bytes
+        self.refused_fields = frozenset(cfg.limits.refused_fields)
         self.body_deadlines = BodyDeadlines(cfg.limits.body_timeout_s, cfg.limits.body_idle_timeout_s)
         self.default_max_tokens = cfg.pricing.default_max_tokens
         self.enforce_max_tokens = cfg.enforce_max_tokens
@@ -394,6 +395,7 @@ class Proxy:
         if x.kind is RouteKind.PASSTHROUGH:
             model, x.body = self._passthrough_model(x.raw)
             if x.body is not None:
+                self._refuse_engine_fields(x.body)
                 x.sent = _serialized(x.body)
             x.cost = await self.pricer.aprice_passthrough(
                 x.raw,
@@ -410,6 +412,7 @@ class Proxy:
             raise ApiError(400, f"Request body is not valid JSON: {exc}", code="invalid_json") from None
         if not isinstance(body, dict):
             raise ApiError(400, "Request body must be a JSON object", code="invalid_json")
+        self._refuse_engine_fields(body)
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise ApiError(
@@ -451,6 +454,20 @@ class Proxy:
             raise ApiError(400, exc.message, param=exc.param, code=exc.code) from None
         # (after pricing: a priced field nested too deep gets pricing's 400, which names the field)
         x.sent = _serialized(body)
+
+    def _refuse_engine_fields(self, body: dict[str, Any]) -> None:
+        """A top-level field in ``limits.refused_fields`` (config.ENGINE_INTERNAL_FIELDS by default:
+        what an engine trusts only from its own serving stack) is a 400, before anything is held."""
+        if self.refused_fields.isdisjoint(body):
+            return
+        name = next(k for k in body if k in self.refused_fields)
+        raise ApiError(
+            400,
+            f"{show_value(name)} is set by the serving stack, never by a client request; remove it "
+            "(limits.refused_fields)",
+            param=name,
+            code="unsupported_parameter",
+        )
 
     def _passthrough_model(self, raw: bytes) -> tuple[str | None, dict[str, Any] | None]:
         if raw.lstrip()[:1] != b"{":  # (as pricing reads it: classifiers.pricing, pass-through)

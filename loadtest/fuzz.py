@@ -277,6 +277,7 @@ def _mutate(body: dict[str, Any], rng: random.Random) -> tuple[str, dict[str, An
         "stop_token_ids",
         "allowed_token_ids",
         "background",
+        "kv_transfer_params",
         "prompt_logprobs",
         "echo",
         "logprobs",

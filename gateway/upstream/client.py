@@ -30,8 +30,10 @@ HOP_BY_HOP = frozenset(
 )
 
 # Client request headers never forwarded: hop-by-hop, the ones the client library recomputes,
-# the client's credentials (replaced by the backend's own key) and compression (we relay bytes
-# and must read the usage, so ask for identity).
+# the client's credentials (replaced by the backend's own key), compression (we relay bytes
+# and must read the usage, so ask for identity), and the data-parallel rank vLLM and SGLang pin a
+# request to when it names one (the engine's balancer places requests; a tenant pinning all of its
+# own to one rank would pile them onto the requests of whoever else is there).
 REQUEST_DROP = HOP_BY_HOP | {
     b"host",
     b"content-length",
@@ -40,6 +42,7 @@ REQUEST_DROP = HOP_BY_HOP | {
     b"x-api-key",
     b"accept-encoding",
     b"expect",
+    b"x-data-parallel-rank",
 }
 
 # Upstream response headers not relayed: hop-by-hop, what the ASGI server sets itself, and the

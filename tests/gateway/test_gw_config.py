@@ -210,6 +210,8 @@ def test_example_configs_load() -> None:
             "models.m*.vocab_size: expected a positive integer, got '152k'",
         ),
         ({"pricing": {"max_stop_token_ids": -1}}, "pricing.max_stop_token_ids: expected a non-negative"),
+        ({"limits": {"refused_fields": [1]}}, "limits.refused_fields[0]: expected a non-empty string, got 1"),
+        ({"limits": {"refused_fields": {"a": 1}}}, "limits.refused_fields: expected a list of strings"),
     ],
 )
 def test_errors_name_the_field(data: object, message: str) -> None:
@@ -313,3 +315,12 @@ def test_environment_variables_fill_the_file_and_a_missing_one_names_the_field(
         ConfigError, match=r"pools\.p\.backends\[0\]\.url: the environment variable TG_HOST is not set"
     ):
         load_config(path)
+
+
+def test_refused_fields_default_to_the_engine_internal_ones_and_an_empty_list_refuses_none() -> None:
+    from gateway.config import ENGINE_INTERNAL_FIELDS
+
+    assert parse_config({}).limits.refused_fields == ENGINE_INTERNAL_FIELDS
+    assert "kv_transfer_params" in ENGINE_INTERNAL_FIELDS
+    assert parse_config({"limits": {"refused_fields": []}}).limits.refused_fields == ()
+    assert parse_config({"limits": {"refused_fields": "vllm_xargs"}}).limits.refused_fields == ("vllm_xargs",)

@@ -1,0 +1,98 @@
+"""What an engine trusts only from its own serving stack never comes from a tenant.
+
+vLLM reads prefill/decode connector metadata from the request body (``kv_transfer_params``: a
+client's ``remote_host`` / ``remote_port`` steered the decode instance's outbound connections,
+vLLM PR #47843, and its ``tp_size`` made the engine allocate without bound, #51137); SGLang reads its
+prefill/decode bootstrap address the same way and runs a ``custom_logit_processor`` sent as a
+serialized Python callable when started with ``--enable-custom-logit-processor``; both pin a request
+to the data-parallel rank an ``X-Data-Parallel-Rank`` header names. Over real sockets: such fields are
+a 400 on every route before anything is held or forwarded, and the header never reaches a backend."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.config import ENGINE_INTERNAL_FIELDS
+from tests.conftest import GatewayFactory, StubBackend, stub_pools
+
+EVIL: dict[str, Any] = {
+    "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "10.0.0.66", "remote_port": 5600},
+    "bootstrap_host": "10.0.0.66",
+    "bootstrap_port": 8998,
+    "bootstrap_room": 1234,
+    "custom_logit_processor": '{"callable": "gASV..."}',
+}
+ROUTES: list[tuple[str, dict[str, Any]]] = [
+    (
+        "/v1/chat/completions",
+        {"model": "stub-model", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]},
+    ),
+    ("/v1/completions", {"model": "stub-model", "max_tokens": 5, "prompt": "hi"}),
+    ("/v1/responses", {"model": "stub-model", "max_output_tokens": 5, "input": "hi"}),
+    ("/v1/embeddings", {"model": "stub-model", "input": "hi"}),
+    ("/v1/rerank", {"model": "stub-model", "query": "q", "documents": ["a"]}),
+]
+
+
+def config(url: str, **limits: Any) -> dict[str, object]:
+    return {
+        "pools": stub_pools(url, capacity=200_000),
+        "tenants": {"t": {"keys": ["k"], "budget_tokens": 20_000}},
+        "passthrough": {"routes": [{"method": "POST", "path": "/v1/rerank"}]},
+        **({"limits": limits} if limits else {}),
+    }
+
+
+def test_the_default_list_is_every_field_attacked_here() -> None:
+    assert set(EVIL) == set(ENGINE_INTERNAL_FIELDS)
+
+
+@pytest.mark.parametrize(("path", "body"), ROUTES)
+async def test_engine_internal_fields_are_a_400_on_every_route(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory, path: str, body: dict[str, Any]
+) -> None:
+    stub, url = stub_backend
+    gw = await gateway_factory(config(url))
+    async with httpx.AsyncClient(headers={"authorization": "Bearer k"}) as c:
+        for field, value in EVIL.items():
+            r = await c.post(gw.url + path, json={**body, field: value})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["code"] == "unsupported_parameter" and error["param"] == field, error
+            assert "limits.refused_fields" in error["message"]
+        assert stub.requests == []
+        assert (await c.post(gw.url + path, json=body)).status_code == 200
+    assert await gw.wait_idle() == {name: 0 for name in await gw.in_flight()}
+
+
+async def test_an_operator_chooses_the_list(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
+) -> None:
+    stub, url = stub_backend
+    gw = await gateway_factory(config(url, refused_fields=["vllm_xargs"]))
+    chat = ROUTES[0][1]
+    async with httpx.AsyncClient(headers={"authorization": "Bearer k"}) as c:
+        r = await c.post(gw.url + "/v1/chat/completions", json={**chat, "vllm_xargs": {"lp": 1}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "vllm_xargs"
+        # Not on the operator's list: forwarded (a deployment whose own router sits behind the gateway).
+        r = await c.post(gw.url + "/v1/chat/completions", json={**chat, "kv_transfer_params": {"a": 1}})
+        assert r.status_code == 200
+    assert stub.requests[-1].body["kv_transfer_params"] == {"a": 1}
+
+
+async def test_a_tenant_cannot_pin_its_requests_to_a_data_parallel_rank(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
+) -> None:
+    stub, url = stub_backend
+    gw = await gateway_factory(config(url))
+    async with httpx.AsyncClient(headers={"authorization": "Bearer k"}) as c:
+        for path, body in ROUTES:
+            headers = {"X-Data-Parallel-Rank": "3", "x-data-parallel-rank": "3", "X-Other": "kept"}
+            assert (await c.post(gw.url + path, json=body, headers=headers)).status_code == 200
+    assert len(stub.requests) == len(ROUTES)
+    for req in stub.requests:
+        assert "x-data-parallel-rank" not in {k.lower() for k in req.headers}
+        assert req.headers["x-other"] == "kept"
