@@ -357,7 +357,17 @@ def _backend(v: Any, where: str) -> BackendConfig:
     m = section(
         v,
         where,
-        ("url", "capacity_tokens", "models", "api_key", "accepts_priority", "timeouts", "name", "draining"),
+        (
+            "url",
+            "capacity_tokens",
+            "models",
+            "api_key",
+            "accepts_priority",
+            "cache_salt",
+            "timeouts",
+            "name",
+            "draining",
+        ),
     )
     url = string(m, "url", where, None)
     if not re.match(r"^https?://[^/\s]+", url):
@@ -376,6 +386,7 @@ def _backend(v: Any, where: str) -> BackendConfig:
         models=string_list(m, "models", where),
         api_key=opt_string(m, "api_key", where),
         accepts_priority=boolean(m, "accepts_priority", where, False),
+        cache_salt=choice(m, "cache_salt", where, "client", ("client", "tenant")),
         timeouts=timeouts,
         name=string(m, "name", where, url),
         draining=boolean(m, "draining", where, False),

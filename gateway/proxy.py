@@ -30,6 +30,7 @@ from classifiers import InvalidRequest, show_value
 from classifiers.pricing import MAX_JSON_DEPTH
 from gateway.accesslog import Record
 from gateway.auth import bearer_key
+from gateway.cache_salt import tenant_cache_salt
 from gateway.errors import AnswerCut, ApiError, from_admission
 from gateway.exchange import CancelReason, Exchange, Phase, Placement, Receive, RouteKind, Scope, Send
 from gateway.passthrough import PassthroughRoute
@@ -723,16 +724,21 @@ class Proxy:
         if body is None:  # not JSON (a pass-through upload): sent as it came
             x.client_wants_usage = False
             return x.raw
+        salted = backend.spec.cache_salt == "tenant" and x.tenant is not None
         if kind is RouteKind.PASSTHROUGH:
             x.client_wants_usage = False
-            if "priority" in body and x.tier is not None:
-                # A client's own priority never reaches the engine: the tier's where the backend
-                # takes one, else none (never added where the client sent none).
+            if ("priority" in body and x.tier is not None) or salted:
                 out = dict(body)
-                if backend.spec.accepts_priority:
-                    out["priority"] = x.tier.rank
-                else:
-                    del out["priority"]
+                if "priority" in body and x.tier is not None:
+                    # A client's own priority never reaches the engine: the tier's where the backend
+                    # takes one, else none (never added where the client sent none).
+                    if backend.spec.accepts_priority:
+                        out["priority"] = x.tier.rank
+                    else:
+                        del out["priority"]
+                if salted:
+                    assert x.tenant is not None
+                    out["cache_salt"] = tenant_cache_salt(x.tenant.name, body.get("cache_salt"))
                 return orjson.dumps(out)
             return x.sent
         assert x.cost is not None and x.tier is not None
@@ -745,6 +751,10 @@ class Proxy:
                 changes["priority"] = x.tier.rank
         elif "priority" in body:
             drop_priority = True
+        if salted:
+            # No two tenants share the engine's prefix cache (gateway.cache_salt).
+            assert x.tenant is not None
+            changes["cache_salt"] = tenant_cache_salt(x.tenant.name, body.get("cache_salt"))
         wants_usage = True
         if kind is RouteKind.EMBEDDING:
             wants_usage = False

@@ -64,6 +64,10 @@ def document() -> dict[str, Any]:
             "name": {"type": "string"},
             "draining": {"type": "boolean"},
             "accepts_priority": {"type": "boolean"},
+            "cache_salt": {
+                "enum": ["client", "tenant"],
+                "description": "tenant: no two tenants share the prefix cache",
+            },
             "api_key": {"type": ["string", "null"]},
             "timeouts": {
                 "type": "object",

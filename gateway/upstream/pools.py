@@ -34,6 +34,9 @@ class BackendSpec:
     models: tuple[str, ...] = ()  # empty = serves every model (the gateway forwards the name)
     api_key: str | None = None
     accepts_priority: bool = False
+    # "client": a request's own cache_salt goes as sent; "tenant": the gateway sets it from the
+    # tenant, so no two tenants share the engine's prefix cache (gateway.cache_salt).
+    cache_salt: str = "client"
     timeouts: Timeouts = Timeouts()
     name: str = ""  # defaults to the URL; used in metrics and logs
     draining: bool = False  # takes no new requests; those in flight finish (before removing it)

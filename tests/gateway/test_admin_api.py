@@ -181,6 +181,13 @@ async def test_pools_backends_and_tiers_change_live(
             assert [b["draining"] for b in r.json()["backends"]] == [True, False]
             assert (await use(gw, "sk-acme")).status_code == 200
             assert len(first.requests) == 0 and len(second.requests) == 1
+            assert "cache_salt" not in second.requests[-1].body
+            r = await c.patch(
+                "/admin/v1/pools/default/backends", json={"url": served.url, "cache_salt": "tenant"}
+            )
+            assert r.status_code == 200, r.text
+            assert (await use(gw, "sk-acme")).status_code == 200
+            assert second.requests[-1].body["cache_salt"].startswith("tg-")  # the tenant's, set live
             r = await c.delete("/admin/v1/pools/default/backends", params={"url": url})
             assert [b["url"] for b in r.json()["backends"]] == [served.url]
             r = await c.put("/admin/v1/tiers/gold", json={"rank": 5, "ceiling": 0.5})
