@@ -122,13 +122,16 @@ TENANT_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TenantCo
 # vLLM's prefill/decode connector metadata (a client's remote_host / remote_port steered the decode
 # instance's connections, vLLM PR #47843; its tp_size made it allocate without bound, #51137);
 # SGLang's prefill/decode bootstrap address and room; SGLang's custom_logit_processor, a serialized
-# Python callable the server runs when started with --enable-custom-logit-processor.
+# Python callable the server runs when started with --enable-custom-logit-processor; SGLang's rid,
+# the request's id inside the engine (two requests with one rid hung or crashed SGLang before PR
+# #19035, and since then the second is refused: a tenant must not choose ids others could hold).
 ENGINE_INTERNAL_FIELDS: tuple[str, ...] = (
     "kv_transfer_params",
     "bootstrap_host",
     "bootstrap_port",
     "bootstrap_room",
     "custom_logit_processor",
+    "rid",
 )
 
 

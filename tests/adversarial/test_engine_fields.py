@@ -3,8 +3,10 @@
 vLLM reads prefill/decode connector metadata from the request body (``kv_transfer_params``: a
 client's ``remote_host`` / ``remote_port`` steered the decode instance's outbound connections,
 vLLM PR #47843, and its ``tp_size`` made the engine allocate without bound, #51137); SGLang reads its
-prefill/decode bootstrap address the same way and runs a ``custom_logit_processor`` sent as a
-serialized Python callable when started with ``--enable-custom-logit-processor``; both pin a request
+prefill/decode bootstrap address the same way, runs a ``custom_logit_processor`` sent as a
+serialized Python callable when started with ``--enable-custom-logit-processor``, and takes a
+request's engine-wide id from ``rid`` (two requests with one ``rid`` hung or crashed it before
+SGLang PR #19035); both pin a request
 to the data-parallel rank an ``X-Data-Parallel-Rank`` header names. Over real sockets: such fields are
 a 400 on every route before anything is held or forwarded, and the header never reaches a backend."""
 
@@ -24,6 +26,7 @@ EVIL: dict[str, Any] = {
     "bootstrap_port": 8998,
     "bootstrap_room": 1234,
     "custom_logit_processor": '{"callable": "gASV..."}',
+    "rid": "req-1",
 }
 ROUTES: list[tuple[str, dict[str, Any]]] = [
     (
