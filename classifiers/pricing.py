@@ -52,7 +52,9 @@ Responses (``/v1/responses``), priced like chat:
   engine would answer at once and generate afterwards, while nothing holds its tokens;
 * server-side state is invisible: ``previous_response_id``, ``conversation``, ``prompt`` and
   ``item_reference`` make the server add stored items the gateway cannot see or count, and the
-  turns of built-in tool loops add tool output server-side. Only the visible body is priced;
+  turns of built-in tool loops add tool output server-side. Only the visible body is priced,
+  unless ``server_state_at_context`` is on: then such a request (or one with a tool of a type other
+  than ``function`` / ``custom``) is priced at the model's whole context, prompt and output together;
   ``input`` may be absent only when one of the first three is given.
 
 Completions (``/v1/completions``): each prompt is its own sequence. A string counts its tokens,
@@ -201,6 +203,11 @@ class PricingSettings:
     file_tokens: int = 4096
     # A Responses API `item_reference` names an item stored on the server; its size is unknown here.
     item_reference_tokens: int = 16
+    # A Responses request whose server adds what the body does not show (stored history or prompt,
+    # item references, the turns of built-in tools) holds the model's whole context instead of what
+    # is visible: sound for untrusted tenants on an engine with its response store or tool server on
+    # (vLLM: VLLM_ENABLE_RESPONSES_API_STORE=1, --tool-server), at the price of reserving that much.
+    server_state_at_context: bool = False
     # Work an engine does on every decode step of a request, beside everyone else's: each `stop`
     # string is searched for in the new text (in vLLM's API server, whose one loop streams every
     # request), each `logit_bias` entry applied to the logits. OpenAI allows 4 stop sequences; these
@@ -577,6 +584,28 @@ _TEXT_FORMATS = ("text", "json_object", "json_schema")
 _RESPONSES_PARTS = ("input_text", "output_text", "refusal", "input_image", "input_file", "input_audio")
 # State kept by the server that stands in for `input`.
 _STORED_STATE = ("previous_response_id", "conversation", "prompt")
+# Responses tools the client runs itself; any other type (web_search, file_search,
+# code_interpreter, mcp, ...) is run by the server, whose turns add to the request's context.
+_CLIENT_TOOLS = ("function", "custom")
+
+
+def _adds_server_state(body: Mapping[str, Any]) -> bool:
+    """Whether the server adds to this (validated) Responses request what its body does not show:
+    stored state, an ``item_reference``, or a tool the server runs."""
+    if any(body.get(key) is not None for key in _STORED_STATE):
+        return True
+    items = body.get("input")
+    if isinstance(items, list):
+        for item in items:
+            kind = item.get("type") if isinstance(item, dict) else None
+            if kind == "item_reference" or (kind is None and isinstance(item, dict) and "role" not in item):
+                return True
+    tools = body.get("tools")
+    return isinstance(tools, list) and any(
+        isinstance(t, dict) and t.get("type") not in _CLIENT_TOOLS for t in tools
+    )
+
+
 _OUTPUT_LIMIT_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 # Far above any budget (so still refused), yet exact in the Lua store's doubles.
 _MAX_PASSTHROUGH_DECODE = 2**32
@@ -688,7 +717,8 @@ class Pricer:
         """Price ``POST /v1/responses`` like chat (see the module docstring for the rules).
 
         Only what the body shows is priced: ``previous_response_id``, ``conversation`` and
-        ``item_reference`` items make the server prepend state the gateway cannot see.
+        ``item_reference`` items make the server prepend state the gateway cannot see (unless
+        ``server_state_at_context``: then such a request holds the whole context).
         """
         tok = self._tokenizer(body)
         return self._walk_responses(tok, body, default_max_tokens, max_tokens_limit, context_length)
@@ -959,6 +989,8 @@ class Pricer:
         per_sequence = self._per_choice(requested, key, default_max_tokens, max_tokens_limit)
         self._check_context(prefill, context_length, "input")
         each = min(per_sequence, context_length - prefill)
+        if self._s.server_state_at_context and _adds_server_state(body):
+            prefill = context_length - each  # whatever the server adds fits in the context, no more
         return Cost(prefill=prefill, decode=each, per_choice=each)
 
     def _walk_passthrough(

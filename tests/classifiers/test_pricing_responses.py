@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
-from classifiers import Cost, InvalidRequest, Pricer, TokenizerRegistry, default_tokenizer
+from classifiers import Cost, InvalidRequest, Pricer, PricingSettings, TokenizerRegistry, default_tokenizer
 
 CTX = 8192
 LIMITS: dict[str, Any] = {"default_max_tokens": 256, "max_tokens_limit": None, "context_length": CTX}
@@ -278,3 +278,37 @@ def test_responses_validation_errors_name_the_param(pricer: Pricer, body: dict[s
         pricer.price_responses(body, **LIMITS)
     assert info.value.param == param
     assert info.value.message
+
+
+SERVER_STATE: list[dict[str, Any]] = [
+    {"previous_response_id": "resp_1"},
+    {"conversation": "conv_1"},
+    {"prompt": {"id": "pmpt_1"}},
+    {"input": [{"type": "item_reference", "id": "msg_1"}]},
+    {"input": [{"id": "msg_1"}]},  # an item reference without its type
+    {"tools": [{"type": "web_search_preview"}]},
+    {"tools": [{"type": "function", "name": "f", "parameters": {}}, {"type": "code_interpreter"}]},
+    {"tools": [{"type": "mcp", "server_label": "x", "server_url": "http://mcp"}]},
+]
+
+
+@pytest.mark.parametrize("extra", SERVER_STATE)
+def test_with_server_state_at_context_what_the_server_adds_holds_the_whole_context(
+    extra: dict[str, Any],
+) -> None:
+    on = Pricer(TokenizerRegistry(), PricingSettings(server_state_at_context=True))
+    body = {**resp(max_output_tokens=500), **extra}
+    cost = on.price_responses(body, **LIMITS)
+    assert cost.total == CTX and cost.decode == 500
+    # Off (the default): only the visible body, as documented.
+    assert Pricer(TokenizerRegistry()).price_responses(body, **LIMITS).total < 1000
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"tools": [{"type": "function", "name": "f", "parameters": {}}, {"type": "custom", "name": "g"}]}],
+)
+def test_a_request_the_server_adds_nothing_to_is_priced_as_before(extra: dict[str, Any]) -> None:
+    on = Pricer(TokenizerRegistry(), PricingSettings(server_state_at_context=True))
+    body = {**resp(max_output_tokens=500), **extra}
+    assert on.price_responses(body, **LIMITS) == Pricer(TokenizerRegistry()).price_responses(body, **LIMITS)
