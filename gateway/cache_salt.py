@@ -4,8 +4,9 @@ An engine with prefix caching serves a prompt whose first blocks it has cached f
 tenant can time its own requests to learn whether a guessed prefix (a system prompt, a document,
 the start of someone's question) is cached, and so what others sent (CVE-2025-46570; nearly
 perfectly distinguishable at 8 tokens). vLLM's ``cache_salt`` enters the hash of a request's first
-block, so only requests with the same salt share cached blocks, and a caller that sets a salt
-shares with whoever sets the same one: the salt must come from the serving stack, not the caller.
+block, so only requests with the same salt share cached blocks (SGLang reads the same field for
+its radix cache), and a caller that sets a salt shares with whoever sets the same one: the salt
+must come from the serving stack, not the caller.
 
 On a backend with ``cache_salt: tenant`` the gateway sets it on every JSON body to the value
 below: a function of the authenticated tenant (so all of a tenant's requests share their cache,
