@@ -724,23 +724,29 @@ class Proxy:
         if body is None:  # not JSON (a pass-through upload): sent as it came
             x.client_wants_usage = False
             return x.raw
-        salted = backend.spec.cache_salt == "tenant" and x.tenant is not None
+        # No two tenants share the engine's prefix cache where the backend keeps them apart.
+        tenant = x.tenant
+        salt = (
+            tenant_cache_salt(tenant.name, body.get("cache_salt"))
+            if tenant is not None and backend.spec.cache_salt == "tenant"
+            else None
+        )
         if kind is RouteKind.PASSTHROUGH:
             x.client_wants_usage = False
-            if ("priority" in body and x.tier is not None) or salted:
-                out = dict(body)
-                if "priority" in body and x.tier is not None:
-                    # A client's own priority never reaches the engine: the tier's where the backend
-                    # takes one, else none (never added where the client sent none).
-                    if backend.spec.accepts_priority:
-                        out["priority"] = x.tier.rank
-                    else:
-                        del out["priority"]
-                if salted:
-                    assert x.tenant is not None
-                    out["cache_salt"] = tenant_cache_salt(x.tenant.name, body.get("cache_salt"))
-                return orjson.dumps(out)
-            return x.sent
+            reprioritize = "priority" in body and x.tier is not None
+            if not reprioritize and salt is None:
+                return x.sent
+            out = dict(body)
+            if reprioritize and x.tier is not None:
+                # A client's own priority never reaches the engine: the tier's where the backend
+                # takes one, else none (never added where the client sent none).
+                if backend.spec.accepts_priority:
+                    out["priority"] = x.tier.rank
+                else:
+                    del out["priority"]
+            if salt is not None:
+                out["cache_salt"] = salt
+            return orjson.dumps(out)
         assert x.cost is not None and x.tier is not None
         changes: dict[str, Any] = {}
         # The engine's scheduling priority is the tier's (accepts_priority) or nobody's: a client's
@@ -751,10 +757,8 @@ class Proxy:
                 changes["priority"] = x.tier.rank
         elif "priority" in body:
             drop_priority = True
-        if salted:
-            # No two tenants share the engine's prefix cache (gateway.cache_salt).
-            assert x.tenant is not None
-            changes["cache_salt"] = tenant_cache_salt(x.tenant.name, body.get("cache_salt"))
+        if salt is not None:
+            changes["cache_salt"] = salt
         wants_usage = True
         if kind is RouteKind.EMBEDDING:
             wants_usage = False
