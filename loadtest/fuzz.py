@@ -517,6 +517,7 @@ def _admin_body(rng: random.Random) -> dict[str, Any]:
             "capacity_tokens": 1000,
         },
         {"url": "http://127.0.0.1:1", "draining": True},
+        {"url": "http://127.0.0.1:1", "cache_salt": rng.choice(["tenant", "client", "yes", True, None])},
         {"rank": rng.randint(0, 9), "ceiling": rng.choice([0.5, 1.0, 2.0])},
         {"overlap_s": rng.choice([0, 1, 10**9])},
         {"name": "ci"},
