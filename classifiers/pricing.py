@@ -59,9 +59,10 @@ Responses (``/v1/responses``), priced like chat:
 
 Completions (``/v1/completions``): each prompt is its own sequence. A string counts its tokens,
 a token-id array its length; ``suffix`` adds its tokens to every prompt. A token id is an integer
-in [0, 2**63), and below the model's ``vocab_size`` where one is configured; an empty token-id array inside an array of them is refused (an empty string prompt
-is legal). ``prompt_embeds`` (vLLM) is refused (400 ``unsupported_parameter``): how many tokens an
-embedding tensor holds depends on the model's hidden size, which the gateway does not know.
+in [0, 2**63), and below the model's ``vocab_size`` where one is configured; an empty token-id
+array inside an array of them is refused (an empty string prompt is legal). ``prompt_embeds``
+(vLLM) is refused (400 ``unsupported_parameter``): how many tokens an embedding tensor holds
+depends on the model's hidden size, which the gateway does not know.
 Embeddings: the same shapes for ``input``; decode is 0.
 
 Pass-through routes (allow-listed POSTs such as ``/v1/rerank``, ``/v1/score``, ``/v1/audio/...``)
@@ -109,8 +110,8 @@ the device, where one out of range can take the whole engine down (or write into
 rows): ``logit_bias`` keys are decimal digits and its values numbers; ``stop_token_ids`` and
 ``allowed_token_ids`` are arrays of integers, at most ``max_stop_token_ids`` (128) and
 ``max_allowed_token_ids`` (1,024), the widths of vLLM's sampler rows; every one of these ids, and
-the token ids of a prompt, is non-negative and, for a model with ``vocab_size`` (``Pricer(vocab_sizes=)``,
-config ``models.<glob>.vocab_size``), below it.
+the token ids of a prompt, is non-negative and, for a model with ``vocab_size``
+(``Pricer(vocab_sizes=)``, config ``models.<glob>.vocab_size``), below it.
 Client JSON serialized for counting (tools, schemas, unknown items) may nest at most
 ``MAX_JSON_DEPTH`` (254, orjson's limit) containers; deeper is a 400 saying so, never a
 RecursionError. Client values echoed in messages are cut to 64 characters plus their length, and
@@ -1320,15 +1321,19 @@ class Pricer:
             ids = body.get(key)
             if ids is None:
                 continue
-            if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+            if not isinstance(ids, list):
                 raise InvalidRequest(
                     f"'{key}' must be an array of token ids (integers), got {_kind(ids)}", param=key
                 )
-            if most and len(ids) > most:
+            if most and len(ids) > most:  # (counted before a million ids are looked at)
                 raise InvalidRequest(
                     f"'{key}' has {len(ids)} token ids, above the limit of {most} (pricing.{setting}); "
                     "send fewer",
                     param=key,
+                )
+            if not all(type(t) is int for t in ids):
+                raise InvalidRequest(
+                    f"'{key}' must be an array of token ids (integers), got {_kind(ids)}", param=key
                 )
             if ids:
                 self._check_token_ids(body, ids, key)
