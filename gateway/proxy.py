@@ -26,7 +26,7 @@ import orjson
 from yarl import URL
 
 from budgets.types import AdmissionError, Demand, backend_pool, class_pool, tenant_pool
-from classifiers import InvalidRequest, show_value
+from classifiers import Cost, InvalidRequest, show_value
 from classifiers.pricing import MAX_JSON_DEPTH
 from gateway.accesslog import Record
 from gateway.auth import bearer_key
@@ -146,6 +146,12 @@ async def read_body(
             f"{deadlines.total_s:g} s in all, limits.body_idle_timeout_s {deadlines.idle_s:g} s between chunks)",
             code="body_timeout",
         ) from None
+
+
+def _sequences(cost: Cost) -> int:
+    """How many sequences a request runs in the engine: its choices (times its prompts), read off
+    its priced output; 1 for a request that generates nothing (embeddings)."""
+    return max(1, cost.decode // cost.per_choice) if cost.per_choice > 0 else 1
 
 
 def _serialized(body: dict[str, Any]) -> bytes:
@@ -541,6 +547,14 @@ class Proxy:
             if r.decode != cost.decode:
                 x.cost = with_decode(cost, r.decode)
                 rec.decode = r.decode
+        # Each sequence holds at least its share of the engine's sequence slots (max_num_seqs):
+        # otherwise a tenant's many tiny requests fill the slots within its token budget, and
+        # everyone else's wait inside the engine, where the fair queue cannot see them.
+        least = self.router.pools[pool].sequence_tokens * _sequences(cost)
+        held = x.cost or cost
+        if least > held.total:
+            x.cost = with_decode(held, least - held.prefill)
+            rec.decode = x.cost.decode
 
     # ---- 5. admit ----
 
@@ -684,15 +698,17 @@ class Proxy:
         r = x.reserved
         if r is None or not r.reduced or not self.reservations.default.grow or x.lease is None:
             return None
-        x.grow_at = _GROW_AT * r.decode
+        if x.cost is None or x.cost.decode >= r.limit:  # (held at least a sequence's share: no growth)
+            return None
+        x.grow_at = _GROW_AT * x.cost.decode
         return self._grow
 
     async def _grow(self, x: Exchange) -> None:
         """Extend the lease before the stream outgrows it: by ``grow_factor``, up to the limit. Never
         waits for room: past the pools' capacity it is an overdraft (counted), not a queue."""
-        r, lease, rec = x.reserved, x.lease, x.record
-        assert r is not None and lease is not None
-        held = r.decode + x.extended_tokens
+        r, lease, rec, cost = x.reserved, x.lease, x.record, x.cost
+        assert r is not None and lease is not None and cost is not None
+        held = cost.decode + x.extended_tokens  # (the reservation, or a sequence's share above it)
         target = min(r.limit, math.ceil(held * self.reservations.default.grow_factor))
         extra = target - held
         if extra <= 0:

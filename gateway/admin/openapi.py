@@ -64,6 +64,7 @@ def document() -> dict[str, Any]:
             "name": {"type": "string"},
             "draining": {"type": "boolean"},
             "accepts_priority": {"type": "boolean"},
+            "max_num_seqs": {"type": ["integer", "null"], "minimum": 1},
             "cache_salt": {
                 "enum": ["client", "tenant"],
                 "description": "tenant: no two tenants share the prefix cache",

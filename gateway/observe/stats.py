@@ -62,6 +62,8 @@ def config_view(classes: Sequence[ClassRule], pools: Sequence[BackendPoolSpec]) 
                 d["models"] = list(b.models)
             if b.accepts_priority:
                 d["accepts_priority"] = True
+            if b.max_num_seqs is not None:
+                d["max_num_seqs"] = b.max_num_seqs
             if b.cache_salt != "client":
                 d["cache_salt"] = b.cache_salt
             if b.name:

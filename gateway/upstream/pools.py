@@ -34,6 +34,10 @@ class BackendSpec:
     models: tuple[str, ...] = ()  # empty = serves every model (the gateway forwards the name)
     api_key: str | None = None
     accepts_priority: bool = False
+    # The engine's most running sequences (vLLM / SGLang --max-num-seqs / --max-running-requests):
+    # with it on every backend of a pool, each sequence holds at least the pool's tokens per
+    # sequence, so tiny requests cannot fill the engine's sequence slots past the gateway's queue.
+    max_num_seqs: int | None = None
     # "client": a request's own cache_salt goes as sent; "tenant": the gateway sets it from the
     # tenant, so no two tenants share the engine's prefix cache (gateway.cache_salt).
     cache_salt: str = "client"
@@ -197,6 +201,9 @@ class BackendPool:
         self.name = name
         self.backends: tuple[Backend, ...] = tuple(backends)
         self.capacity_tokens = sum(b.spec.capacity_tokens for b in self.backends)
+        # Tokens one running sequence stands for (0: some backend's max_num_seqs is not known).
+        seqs = [b.spec.max_num_seqs or 0 for b in self.backends]
+        self.sequence_tokens = -(-self.capacity_tokens // sum(seqs)) if seqs and all(seqs) else 0
 
     def serves(self, model: str) -> bool:
         if len(self.backends) == 1:  # the common pool of one, on every request: no generator
