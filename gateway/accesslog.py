@@ -56,6 +56,7 @@ class Record:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     extended: int = 0  # output tokens a stream's lease grew by (its reservation was outgrown)
+    slot_tokens: int = 0  # of decode, held beyond the reservation: its share of the engine's sequence slots
     overdraft: int = 0  # of those, tokens beyond what its pools had room for
     error: str | None = None
 
@@ -104,6 +105,7 @@ class Record:
             "total_ms": round((end - self.start) * 1000.0, 2),
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
+            "slot_tokens": self.slot_tokens or None,
             "extended": self.extended or None,
             "overdraft": self.overdraft or None,
             "error": None if self.error is None else self.error[:_ERROR_LIMIT],

@@ -553,6 +553,7 @@ class Proxy:
         least = self.router.pools[pool].sequence_tokens * _sequences(cost)
         held = x.cost or cost
         if least > held.total:
+            rec.slot_tokens = least - held.total
             x.cost = with_decode(held, least - held.prefill)
             rec.decode = x.cost.decode
 
@@ -890,14 +891,14 @@ class Proxy:
             if rec.backend_s is not None:
                 b.backend.observe(rec.backend_s)
             if x.reserved is not None and rec.completion_tokens is not None:
-                self.metrics.observe_reservation(
-                    b, x.reserved.decode, x.extended_tokens, rec.completion_tokens
+                self.metrics.observe_reservation(  # (the slot share was held too: no overdraft within it)
+                    b, x.reserved.decode, x.extended_tokens + rec.slot_tokens, rec.completion_tokens
                 )
             if rec.prompt_tokens is not None or rec.completion_tokens is not None:
                 self.metrics.observe_usage(
                     b,
                     est_prompt=rec.prefill,
-                    est_output=rec.decode,
+                    est_output=rec.decode - rec.slot_tokens,
                     prompt=rec.prompt_tokens,
                     output=rec.completion_tokens,
                 )

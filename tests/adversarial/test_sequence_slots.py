@@ -72,6 +72,8 @@ async def test_each_sequence_holds_its_share_of_the_slots_and_the_queue_stays_fa
         assert int(r.headers["x-tokengate-cost"]) == CAPACITY // SLOTS  # 2,500, not ~16
         r = await c.post("/v1/chat/completions", json=tiny(n=2))
         assert int(r.headers["x-tokengate-cost"]) == 2 * CAPACITY // SLOTS  # two sequences
+        big = await c.post("/v1/chat/completions", json=tiny(max_tokens=3000))
+        assert 3000 < int(big.headers["x-tokengate-cost"]) < 3100  # above its share: as priced
     stub.requests.clear()
     most, before_victim = await run_burst(gw.url, stub)
     assert most <= SLOTS
