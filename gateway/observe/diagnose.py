@@ -16,7 +16,7 @@ LEVELS = ("ok", "info", "warn", "crit")
 @dataclass(frozen=True, slots=True)
 class Finding:
     level: str  # ok | info | warn | crit
-    topic: str  # slo | hol | backend | one_server | kv | split | queue | store
+    topic: str  # slo | hol | backend | one_server | kv | slots | split | queue | store
     text: str
 
     def as_dict(self) -> dict[str, str]:
@@ -159,6 +159,12 @@ def _one_server(stats: Mapping[str, Any]) -> list[Finding]:
     return out
 
 
+# A backend whose engine queues at least this many requests while its KV cache is below this is
+# bounded by its sequence slots (a few waiting for a step are normal).
+_SLOTS_BOUND_WAITING = 8
+_SLOTS_BOUND_KV = 0.5
+
+
 def _backends(stats: Mapping[str, Any]) -> list[Finding]:
     out = []
     for b in stats.get("backends", []):
@@ -216,6 +222,20 @@ def _backends(stats: Mapping[str, Any]) -> list[Finding]:
                     "warn",
                     "kv",
                     f"{name}: {b['preemptions_per_s']:.2f} preemptions/s; the engine is short of KV cache.",
+                )
+            )
+        elif (
+            kv is not None and float(kv) < _SLOTS_BOUND_KV and (b.get("waiting") or 0) >= _SLOTS_BOUND_WAITING
+        ):
+            # Waiting with the cache half empty: what is full is the engine's sequence slots.
+            out.append(
+                Finding(
+                    "warn",
+                    "slots",
+                    f"{name}: {b['waiting']:.0f} requests wait inside the engine while its KV cache is at "
+                    f"{float(kv):.0%}: its sequence slots (--max-num-seqs), not its memory, are full, and "
+                    "those requests wait first come first served, out of the gateway's fair queue. Set "
+                    "max_num_seqs on this backend to the engine's --max-num-seqs (or lower it).",
                 )
             )
     if stats.get("backends") and not out:

@@ -214,6 +214,24 @@ def test_diagnose_healthy_and_empty() -> None:
     assert any("no head-of-line fingerprint" in f.text for f in fs)
 
 
+def test_an_engine_queueing_with_its_cache_half_empty_is_named_slot_bound() -> None:
+    def backend(kv: float, waiting: int) -> dict[str, object]:
+        return {
+            "backend": "b",
+            "pool": "p",
+            "kv_usage": kv,
+            "waiting": waiting,
+            "stale": False,
+            "saturated": False,
+        }
+
+    (f,) = [f for f in diagnose({"backends": [backend(0.2, 40)]}) if f.topic == "slots"]
+    assert f.level == "warn" and "max_num_seqs" in f.text and "40 requests" in f.text
+    # A few waiting for a step, or waiting because the cache is full, are not the slots' doing.
+    for kv, waiting in ((0.2, 3), (0.7, 40)):
+        assert all(f.topic != "slots" for f in diagnose({"backends": [backend(kv, waiting)]}))
+
+
 async def test_store_down_is_a_metric_and_a_finding() -> None:
     calls = {"n": 0}
 
