@@ -63,7 +63,8 @@ in [0, 2**63), and below the model's ``vocab_size`` where one is configured; an 
 array inside an array of them is refused (an empty string prompt is legal). ``prompt_embeds``
 (vLLM) is refused (400 ``unsupported_parameter``): how many tokens an embedding tensor holds
 depends on the model's hidden size, which the gateway does not know.
-Embeddings: the same shapes for ``input``; decode is 0.
+Embeddings: the same shapes for ``input``; or, instead of it, ``messages`` (vLLM's chat-style
+embeddings request) priced like chat's prompt (parts, images, URLs and all); decode is 0.
 
 Pass-through routes (allow-listed POSTs such as ``/v1/rerank``, ``/v1/score``, ``/v1/audio/...``)
 are never refused: prefill is the token count of the whole body decoded as UTF-8 with
@@ -116,7 +117,10 @@ Client JSON serialized for counting (tools, schemas, unknown items) may nest at 
 ``MAX_JSON_DEPTH`` (254, orjson's limit) containers; deeper is a 400 saying so, never a
 RecursionError. Client values echoed in messages are cut to 64 characters plus their length, and
 containers are named by type, never printed. Tokenizers that refuse lone surrogates count the
-text with them replaced.
+text with them replaced. A media part's URL (chat ``image_url`` / ``audio_url`` / ``video_url``,
+Responses ``input_image`` / ``input_file``), which the engine fetches itself, is a string that
+``media_urls`` allows (classifiers/media_urls.py: no paths, no schemes but the allowed ones,
+no private hosts); otherwise a 400 ``media_url_not_allowed``.
 """
 
 from __future__ import annotations
@@ -135,7 +139,8 @@ from typing import Any
 import orjson
 
 from classifiers.bymodel import ByModel
-from classifiers.images import ImageRule
+from classifiers.images import ImageRule, data_url_size
+from classifiers.media_urls import MediaUrls
 from classifiers.tokenizers import (
     BytesTokenizer,
     OffLoopCounting,
@@ -226,6 +231,11 @@ class PricingSettings:
     # engine's full-vocabulary logits of the prompt are a memory spike outside its KV cache, ~1.9
     # GiB at 2,048 tokens of a 152k vocabulary). 0: no bound.
     max_prompt_logprobs_tokens: int = 2048
+    # Pixels of one image whose size the request shows (a data: URL's PNG, JPEG, GIF or WebP header):
+    # an engine decodes all of them before it resizes (3-4 bytes each, in its API server, while the
+    # KV cost is capped by the model's max_pixels): 20,000 x 20,000 is 1.2 GB from a few hundred KB
+    # of PNG. Default: Pillow's own decompression-bomb warning threshold. 0: no bound.
+    max_image_pixels: int = 89_478_485
     # Elements a request may hold: chat messages and their content parts, completions prompts and
     # embeddings inputs (strings or token-id arrays), Responses input items and their parts. Pricing
     # walks each one on the event loop (~3 us each): 100,000 tiny ones, 4 MB, stalled the loop for
@@ -250,6 +260,9 @@ class PricingSettings:
     # thread gets ~0.3 % of a core, so a long prompt's pricing can take seconds; `false` keeps only
     # the nice increment (~10 %), for a deployment that prefers long prompts to wait less.
     encode_idle: bool = True
+    # The URLs a media part may make the engine fetch from inside its network (classifiers/media_urls.py):
+    # by default data: and http(s) URLs of public hosts; never paths, other schemes, private addresses.
+    media_urls: MediaUrls = field(default_factory=MediaUrls)
 
 
 _JSON_TYPE = {
@@ -582,6 +595,8 @@ _RESPONSES_ROLES = ("user", "assistant", "system", "developer")
 # none of them changes the reservation.
 _REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 _TEXT_FORMATS = ("text", "json_object", "json_schema")
+# Chat content parts whose value is a URL (or an object with a "url") the engine fetches.
+_URL_PARTS = frozenset(("image_url", "audio_url", "video_url"))
 _RESPONSES_PARTS = ("input_text", "output_text", "refusal", "input_image", "input_file", "input_audio")
 # State kept by the server that stands in for `input`.
 _STORED_STATE = ("previous_response_id", "conversation", "prompt")
@@ -899,6 +914,18 @@ class Pricer:
         max_tokens_limit: int | None,
         context_length: int,
     ) -> Cost:
+        prefill = self._chat_prompt_tokens(tok, body)
+        self._check_step_work(body)
+        self._check_prompt_logprobs(body, prefill, echo_counts=False)
+        choices = self._choices(body, allow_best_of=True)
+        requested, key = self._requested_max(body, ("max_completion_tokens", "max_tokens"))
+        per_choice = self._per_choice(requested, key, default_max_tokens, max_tokens_limit)
+        self._check_context(prefill, context_length, "messages")
+        each = min(per_choice, context_length - prefill)
+        return Cost(prefill=prefill, decode=each * choices, per_choice=each)
+
+    def _chat_prompt_tokens(self, tok: Tokenizer, body: Mapping[str, Any]) -> int:
+        """The prompt a chat template renders from ``messages`` and what else it reads."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise InvalidRequest(
@@ -914,15 +941,7 @@ class Pricer:
         prefill += self._tools_tokens(tok, body, "tools")
         prefill += self._tools_tokens(tok, body, "functions")
         prefill += self._response_format_tokens(tok, body)
-        prefill += self._template_input_tokens(tok, body)
-        self._check_step_work(body)
-        self._check_prompt_logprobs(body, prefill, echo_counts=False)
-        choices = self._choices(body, allow_best_of=True)
-        requested, key = self._requested_max(body, ("max_completion_tokens", "max_tokens"))
-        per_choice = self._per_choice(requested, key, default_max_tokens, max_tokens_limit)
-        self._check_context(prefill, context_length, "messages")
-        each = min(per_choice, context_length - prefill)
-        return Cost(prefill=prefill, decode=each * choices, per_choice=each)
+        return prefill + self._template_input_tokens(tok, body)
 
     def _walk_completion(
         self,
@@ -959,6 +978,19 @@ class Pricer:
         )
 
     def _walk_embeddings(self, tok: Tokenizer, body: Mapping[str, Any], context_length: int | None) -> Cost:
+        if body.get("messages") is not None:
+            # vLLM's chat-style embeddings request (multimodal embedding models): its messages are
+            # rendered by the chat template, and with an 'input' as well which one the engine embeds
+            # depends on how its request union is parsed: one or the other, never both.
+            if body.get("input") is not None:
+                raise InvalidRequest(
+                    "send 'input' or 'messages' (a chat-style embeddings request), not both",
+                    param="messages",
+                )
+            prefill = self._chat_prompt_tokens(tok, body)
+            if context_length is not None:
+                self._check_context(prefill, context_length, "messages")
+            return Cost(prefill=prefill, decode=0)
         lengths = self._prompt_lengths(tok, body, "input")
         if context_length is not None:
             self._check_context(max(lengths), context_length, "input")
@@ -1254,11 +1286,46 @@ class Pricer:
                     f"{at}.{kind} must be an object describing the {kind} part, got {_kind(value)}",
                     param=f"{at}.{kind}",
                 )
-            if kind == "image_url":
-                total += images.price(value.get("url") if isinstance(value, dict) else value)
-            else:
-                total += constant
+            if kind in _URL_PARTS:
+                url = value.get("url") if isinstance(value, dict) else value
+                self._check_media_url(url, f"{at}.{kind}.url" if isinstance(value, dict) else f"{at}.{kind}")
+                if kind == "image_url":
+                    total += self._image_tokens(url, images, f"{at}.{kind}")
+                    continue
+            total += constant
         return total
+
+    def _image_tokens(self, url: object, images: ImageRule, param: str) -> int:
+        """What an image costs (the model's rule: by the size its data: URL's header gives, else the
+        most; a file id or a remote URL: the most), once its size is within ``max_image_pixels``."""
+        size = data_url_size(url) if isinstance(url, str) else None
+        if size is None:
+            return images.most
+        most = self._s.max_image_pixels
+        if most and size[0] * size[1] > most:
+            raise InvalidRequest(
+                f"{param} is a {size[0]} x {size[1]} image ({size[0] * size[1]:,} pixels), above the "
+                f"limit of {most:,} (pricing.max_image_pixels): the engine decodes every pixel before "
+                "it resizes; scale it down (the model sees a few million pixels at most)",
+                param=param,
+                code="image_too_large",
+            )
+        return images.for_size(*size)
+
+    def _check_media_url(self, url: object, param: str) -> None:
+        """A media part's URL, which the engine fetches from inside its network, is one the gateway
+        allows (classifiers/media_urls.py); absent (a file id, a cached uuid) is the engine's to judge."""
+        if url is None:
+            return
+        if not isinstance(url, str):
+            raise InvalidRequest(f"{param} must be a string URL, got {_kind(url)}", param=param)
+        why = self._s.media_urls.problem(url)
+        if why is not None:
+            raise InvalidRequest(
+                f"{param} {why}; send the media inline as a data: URL (pricing.media_urls)",
+                param=param,
+                code="media_url_not_allowed",
+            )
 
     def _tools_tokens(self, tok: Tokenizer, body: Mapping[str, Any], key: str) -> int:
         tools = body.get(key)
@@ -1624,7 +1691,8 @@ class Pricer:
                     )
                 total += tok.count(text)
             elif kind == "input_image":
-                total += images.price(part.get("image_url"))  # (a file_id: the most)
+                self._check_media_url(part.get("image_url"), f"{at}.image_url")
+                total += self._image_tokens(part.get("image_url"), images, f"{at}.image_url")
             elif kind == "input_audio":
                 total += s.audio_tokens
             elif kind == "input_file":
@@ -1633,6 +1701,7 @@ class Pricer:
                     raise InvalidRequest(
                         f"{at}.file_data must be a string, got {_kind(data)}", param=f"{at}.file_data"
                     )
+                self._check_media_url(part.get("file_url"), f"{at}.file_url")
                 # Inline data is what the server reads: count it when it is the larger estimate.
                 total += s.file_tokens if data is None else max(s.file_tokens, tok.count(data))
             else:

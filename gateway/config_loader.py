@@ -22,6 +22,7 @@ from backends.reference.server import BackendSettings
 from budgets.types import QUEUE_ORDERS, QueueOrder
 from classifiers import PricingSettings, load_tokenizer
 from classifiers.images import ImageRule
+from classifiers.media_urls import MediaUrls
 from classifiers.reservation import ReservationSettings
 from gateway import stores
 from gateway.class_rules import parse_classes
@@ -467,7 +468,9 @@ def _pricing(v: Any) -> PricingConfig:
     values: dict[str, Any] = {}
     for k in own:  # each knob read by its default's type: a switch or a count
         default = getattr(d, k)
-        if isinstance(default, bool):
+        if k == "media_urls":
+            values[k] = _media_urls(m.get(k))
+        elif isinstance(default, bool):
             values[k] = boolean(m, k, "pricing", default)
         else:
             values[k] = integer(m, k, "pricing", default, minimum=0)
@@ -557,6 +560,30 @@ def _limits(v: Any) -> LimitsConfig:
         if m.get("refused_fields") is None
         else string_list(m, "refused_fields", "limits"),
     )
+
+
+def _media_urls(v: Any) -> MediaUrls:
+    where = "pricing.media_urls"
+    m = section(v, where, ("schemes", "hosts", "private_hosts"))
+    d = MediaUrls()
+    schemes = d.schemes if m.get("schemes") is None else string_list(m, "schemes", where)
+    hosts = string_list(m, "hosts", where)
+    private = boolean(m, "private_hosts", where, d.private_hosts)
+    for i, scheme in enumerate(schemes):
+        try:
+            MediaUrls(schemes=(scheme,))
+        except ValueError as exc:
+            raise ConfigError(f"{where}.schemes[{i}]: {exc}; write it as data, http or https") from None
+    for i, host in enumerate(hosts):
+        try:
+            MediaUrls(hosts=(host,))
+        except ValueError as exc:
+            raise ConfigError(f"{where}.hosts[{i}]: {exc}, e.g. images.example.com") from None
+    if hosts and private:
+        raise ConfigError(
+            f"{where}: set hosts or private_hosts, not both (with hosts listed, only they are fetched)"
+        )
+    return MediaUrls(schemes=schemes, hosts=hosts, private_hosts=private)
 
 
 _PRICED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/models")

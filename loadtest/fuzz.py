@@ -182,10 +182,36 @@ _IMAGE_HEADS: tuple[bytes, ...] = (
 )
 
 
+_HOSTILE_URLS: tuple[str, ...] = (
+    "http://127.0.0.1",
+    "http://2130706433",
+    "http://0x7f.1",
+    "http://0177.0.0.1",
+    "http://" + "9" * 5000,
+    "http://" + "a." * 3000 + "com",
+    "http://[::ffff:127.0.0.1]",
+    "http://[fe80::1%25eth0]",
+    "http://[",
+    "http://]",
+    "http://a@b@c",
+    "http:/localhost",
+    "http:\\\\localhost",
+    "file:///etc/passwd",
+    "/etc/passwd",
+    "https://127。0。0。1",
+    "http://xn--",
+    "http://..",
+    "HTTP://LOCALHOST.",
+    "javascript:alert(1)",
+)
+
+
 def _image_url(rng: random.Random) -> str:
     kind = rng.random()
-    if kind < 0.2:
+    if kind < 0.1:
         return rng.choice(["https://img.example/a.png", "file-abc", "data:", "data:image/png;base64", ""])
+    if kind < 0.2:  # URLs the engine would fetch from inside its network (classifiers/media_urls.py)
+        return rng.choice(_HOSTILE_URLS) + rng.choice(["", "/x", ":1", ":99999", "\t", "%00", "\u00e9"])
     head = rng.choice(_IMAGE_HEADS) + rng.randbytes(rng.choice([0, 3, 64]))
     if kind < 0.4:  # percent-encoded, or not base64 at all
         return "data:image/png," + "".join(f"%{b:02x}" for b in head)

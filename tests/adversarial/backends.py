@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import aiohttp
 import orjson
 
 from tests.conftest import Receive, Scope, Send
@@ -90,3 +91,49 @@ class HalfStream(_Backend):
             await send({"type": "http.response.body", "body": body, "more_body": True})
             await asyncio.sleep(0.01)  # the scenario: a stream under way when the backend dies
         raise RuntimeError("backend crashed mid-stream at /opt/secret/engine.py")
+
+
+class MediaFetching(_Backend):
+    """Fetches every http(s) media URL of a request before answering, as an engine's media connector
+    does (vLLM: any host, redirects followed): each ``url`` / ``image_url`` / ``file_url`` string
+    found anywhere in the body. Records what it fetched and how that went in ``fetched``."""
+
+    def __init__(self) -> None:
+        self.fetched: list[tuple[str, str]] = []
+        self.bodies: list[Any] = []
+
+    async def answer(self, scope: Scope, raw: bytes, send: Send) -> None:
+        body = orjson.loads(raw) if raw else {}
+        if raw:
+            self.bodies.append(body)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+            for url in _media_urls(body):
+                try:
+                    async with session.get(url) as r:
+                        self.fetched.append((url, str(r.status)))
+                except Exception as exc:  # what the engine makes of it is not this test's concern
+                    self.fetched.append((url, type(exc).__name__))
+        await _json(
+            send,
+            200,
+            {
+                "id": "x",
+                "object": "chat.completion",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "a cat"}}],
+                "usage": {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12},
+            },
+        )
+
+
+def _media_urls(value: Any) -> list[str]:
+    found: list[str] = []
+    if isinstance(value, dict):
+        for key, v in value.items():
+            if key in ("url", "image_url", "file_url") and isinstance(v, str) and v[:4].lower() == "http":
+                found.append(v)
+            else:
+                found += _media_urls(v)
+    elif isinstance(value, list):
+        for v in value:
+            found += _media_urls(v)
+    return found

@@ -50,6 +50,22 @@ async def test_a_30k_token_responses_request_is_priced_at_its_size(
     assert stub_backend[0].requests[0].body["max_output_tokens"] == 500
 
 
+async def test_a_chat_style_embeddings_request_is_priced_by_its_messages_and_cannot_hide_behind_input(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
+) -> None:
+    # vLLM embeds `messages` (its chat-style request for multimodal embedding models) rendered by
+    # the chat template; before, only `input` was priced: 30k tokens of messages cost 1 beside it.
+    body = {"model": "stub-model", "messages": [{"role": "user", "content": WORDS}]}
+    assert await refused_small_admitted_big(stub_backend, gateway_factory, "/v1/embeddings", body) >= 30_000
+    stub, url = stub_backend
+    gw = await gateway_factory(config(url, 100_000))
+    async with httpx.AsyncClient(headers={"authorization": "Bearer k"}) as c:
+        r = await c.post(gw.url + "/v1/embeddings", json={**body, "input": "x"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        assert "not both" in r.json()["error"]["message"]
+    assert len(stub.requests) == 1
+
+
 # Prompt text in the fields vLLM's and SGLang's chat templates render beyond OpenAI's: each used to
 # cost 12 tokens here whatever it carried.
 ENGINE_FIELDS: dict[str, dict[str, object]] = {

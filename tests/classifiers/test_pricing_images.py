@@ -66,7 +66,11 @@ def test_an_image_the_gateway_cannot_measure_costs_the_models_most() -> None:
 def test_a_fixed_rule_and_the_default_price_every_image_the_same() -> None:
     big = {"url": png_url(4000, 4000)}
     assert image_cost(chat, "llava-1.5-7b", big) == 576
-    assert image_cost(chat, "gpt-4o", big) == image_cost(chat, "gpt-4o", {"url": "https://x"}) == 765
+    assert (
+        image_cost(chat, "gpt-4o", big)
+        == image_cost(chat, "gpt-4o", {"url": "https://img.example.com/a.png"})
+        == 765
+    )
     assert image_cost(responses, "gpt-4o", {"image_url": big["url"]}) == 765
 
 
@@ -142,3 +146,17 @@ def test_processor_settings_the_gateway_cannot_price_are_refused(
             price(body, **LIMITS)
         assert info.value.param == param, info.value.message
         assert len(info.value.message) < 300
+
+
+def test_an_image_over_max_image_pixels_is_refused_whatever_the_models_rule() -> None:
+    # The engine decodes every pixel before it resizes: a fixed token price does not bound that.
+    pricer = Pricer(TokenizerRegistry(), PricingSettings(max_image_pixels=10_000, encode_threads=0))
+    for model in ("gpt-4o", "llava-1.5", "Qwen/Qwen2.5-VL-7B"):
+        with pytest.raises(InvalidRequest) as err:
+            pricer.price_chat(chat(model, {"url": png_url(101, 100)}), **LIMITS)
+        assert (err.value.code, err.value.param) == ("image_too_large", "messages[0].content[1].image_url")
+        assert "101 x 100 image (10,100 pixels)" in err.value.message
+        assert pricer.price_chat(chat(model, {"url": png_url(100, 100)}), **LIMITS).prefill > 0
+    # A size the gateway cannot read (a remote URL) is not refused: it is priced at the most.
+    assert pricer.price_chat(chat("gpt-4o", {"url": "https://img.example.com/a.png"}), **LIMITS).prefill > 765
+    assert PricingSettings().max_image_pixels == 89_478_485  # Pillow's decompression-bomb warning

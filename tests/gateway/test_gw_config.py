@@ -212,6 +212,22 @@ def test_example_configs_load() -> None:
         ({"pricing": {"max_stop_token_ids": -1}}, "pricing.max_stop_token_ids: expected a non-negative"),
         ({"limits": {"refused_fields": [1]}}, "limits.refused_fields[0]: expected a non-empty string, got 1"),
         ({"limits": {"refused_fields": {"a": 1}}}, "limits.refused_fields: expected a list of strings"),
+        (
+            {"pricing": {"media_urls": {"schemes": ["ht tp"]}}},
+            "pricing.media_urls.schemes[0]: 'ht tp' is not",
+        ),
+        ({"pricing": {"media_urls": {"hosts": ["a/b"]}}}, "pricing.media_urls.hosts[0]: 'a/b' is not a host"),
+        ({"pricing": {"media_urls": {"hosts": ["[::1]"]}}}, "pricing.media_urls.hosts[0]: '[::1]' is not"),
+        (
+            {"pricing": {"media_urls": {"hosts": ["a.example"], "private_hosts": True}}},
+            "pricing.media_urls: set hosts or private_hosts, not both",
+        ),
+        ({"pricing": {"media_urls": {"private": True}}}, "pricing.media_urls.private: unknown key"),
+        (
+            {"pricing": {"media_urls": {"private_hosts": "yes"}}},
+            "pricing.media_urls.private_hosts: expected true",
+        ),
+        ({"pricing": {"media_urls": ["data"]}}, "pricing.media_urls: expected a mapping"),
     ],
 )
 def test_errors_name_the_field(data: object, message: str) -> None:
