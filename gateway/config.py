@@ -22,6 +22,7 @@ from classifiers.reservation import ReservationSettings
 from gateway.observe.settings import ObserveSettings
 from gateway.passthrough import DEFAULT_ROUTES, PassthroughRoute
 from gateway.reservations import ReservationConfig
+from gateway.upstream.client import PRIVATE_HEADERS
 from gateway.upstream.pools import BackendPoolSpec, BackendSpec, Timeouts
 
 DEFAULT_CONTEXT_LENGTH = 32768
@@ -145,6 +146,9 @@ class LimitsConfig:
     max_connections: int = 4096  # open client connections per process; beyond: 503 at once
     # Top-level body fields that only the serving stack may set: a request carrying one is a 400.
     refused_fields: tuple[str, ...] = ENGINE_INTERNAL_FIELDS
+    # The serving stack's own headers (names, or prefixes ending in "*"): never forwarded from a
+    # client, never relayed to one (gateway/upstream/client.py PRIVATE_HEADERS).
+    private_headers: tuple[str, ...] = PRIVATE_HEADERS
 
 
 @dataclass(frozen=True, slots=True)

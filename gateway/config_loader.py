@@ -74,6 +74,7 @@ from gateway.observe.settings import ObserveConfigError, ObserveSettings
 from gateway.passthrough import DEFAULT_ROUTES, PassthroughRoute
 from gateway.paths import path_problem
 from gateway.reservations import ReservationConfig
+from gateway.upstream.client import header_pattern_problem
 
 _SHA256_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 
@@ -546,6 +547,7 @@ def _limits(v: Any) -> LimitsConfig:
         "body_idle_timeout_s",
         "max_connections",
         "refused_fields",
+        "private_headers",
     )
     m = section(v, "limits", keys)
     d = LimitsConfig()
@@ -559,7 +561,19 @@ def _limits(v: Any) -> LimitsConfig:
         refused_fields=d.refused_fields
         if m.get("refused_fields") is None
         else string_list(m, "refused_fields", "limits"),
+        private_headers=_private_headers(m, d.private_headers),
     )
+
+
+def _private_headers(m: Mapping[str, Any], default: tuple[str, ...]) -> tuple[str, ...]:
+    if m.get("private_headers") is None:
+        return default
+    names = string_list(m, "private_headers", "limits")
+    for i, name in enumerate(names):
+        problem = header_pattern_problem(name)
+        if problem is not None:
+            raise ConfigError(f"limits.private_headers[{i}]: {show(name)} {problem}")
+    return names
 
 
 def _media_urls(v: Any) -> MediaUrls:

@@ -21,7 +21,10 @@ from gateway.config import TenantConfig, TierConfig
 from gateway.metrics import Bound
 from gateway.passthrough import PassthroughRoute
 from gateway.reservations import Reserved
+from gateway.upstream.client import HeaderNames
 from gateway.upstream.gate import GatePass
+
+NO_HEADERS = HeaderNames()
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -82,6 +85,7 @@ class Exchange:
     has_content_type: bool = False
     content_length: int = -1
     max_wait_s: float = 0.0
+    private_headers: HeaderNames = NO_HEADERS  # the serving stack's: kept out of the answer too
     # read, price
     raw: bytes = b""
     body: dict[str, Any] | None = None  # parsed JSON object (priced routes; pass-through if JSON)

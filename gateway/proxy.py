@@ -39,7 +39,7 @@ from gateway.requestid import from_client, new_id
 from gateway.reservations import with_decode
 from gateway.signals import RequestSignals, request_signals
 from gateway.sse import usage_counts
-from gateway.upstream.client import REQUEST_DROP, classify_error
+from gateway.upstream.client import REQUEST_DROP, HeaderNames, classify_error
 from gateway.upstream.pools import Backend, NoBackend
 
 if TYPE_CHECKING:
@@ -220,6 +220,7 @@ class Proxy:
         self.reservations = gw.reservations
         self.max_body = cfg.limits.max_body_bytes
         self.refused_fields = frozenset(cfg.limits.refused_fields)
+        self.private_headers = HeaderNames.of(cfg.limits.private_headers)
         self.body_deadlines = BodyDeadlines(cfg.limits.body_timeout_s, cfg.limits.body_idle_timeout_s)
         self.default_max_tokens = cfg.pricing.default_max_tokens
         self.enforce_max_tokens = cfg.enforce_max_tokens
@@ -319,6 +320,7 @@ class Proxy:
         hop: set[str] | None = None  # headers the client's Connection header names: this hop's only
         fwd = x.headers
         drop = REQUEST_DROP
+        private = x.private_headers = self.private_headers
         for name, value in x.scope["headers"]:
             if name in drop:
                 if name == b"connection":
@@ -342,6 +344,8 @@ class Proxy:
                     max_wait_s = _max_wait_header(value)
                 elif name == b"x-tokengate-oracle-output":  # benchmarks (reservation.oracle_header)
                     x.oracle_output = int(value) if value.isdigit() and len(value) < 10 else None
+                continue
+            if name in private:
                 continue
             if name == b"x-request-id":
                 adopted, x.record.client_request_id = from_client(value, self.trust_request_id)

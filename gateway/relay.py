@@ -36,7 +36,7 @@ def upstream_failed(x: Exchange, failure: UpstreamFailure) -> ApiError:
 
 def _answer_headers(x: Exchange, resp: aiohttp.ClientResponse) -> list[tuple[bytes, bytes]]:
     rec = x.record
-    headers = response_headers(resp.raw_headers)
+    headers = response_headers(resp.raw_headers, x.private_headers)
     headers.append((b"x-request-id", rec.request_id.encode()))
     headers.append((b"x-tokengate-class", rec.klass.encode()))
     headers.append((b"x-tokengate-cost", str(rec.prefill + rec.decode).encode()))

@@ -8,6 +8,7 @@ closed at shutdown) over a pooled, keep-alive TCPConnector.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -30,10 +31,9 @@ HOP_BY_HOP = frozenset(
 )
 
 # Client request headers never forwarded: hop-by-hop, the ones the client library recomputes,
-# the client's credentials (replaced by the backend's own key), compression (we relay bytes
-# and must read the usage, so ask for identity), and the data-parallel rank vLLM and SGLang pin a
-# request to when it names one (the engine's balancer places requests; a tenant pinning all of its
-# own to one rank would pile them onto the requests of whoever else is there).
+# the client's credentials (replaced by the backend's own key) and compression (we relay bytes
+# and must read the usage, so ask for identity). The serving stack's own headers are dropped too,
+# both ways: `HeaderNames`, config limits.private_headers.
 REQUEST_DROP = HOP_BY_HOP | {
     b"host",
     b"content-length",
@@ -42,8 +42,52 @@ REQUEST_DROP = HOP_BY_HOP | {
     b"x-api-key",
     b"accept-encoding",
     b"expect",
-    b"x-data-parallel-rank",
 }
+
+# Headers the serving stack behind the gateway reads to place a request, or writes to say where it
+# went: vLLM's and SGLang's data-parallel rank (a tenant pinning all its requests to one rank piles
+# them onto whoever else is there); SGLang's model gateway, x-smg-* (a worker by index, a
+# consistent-hash key, the token ids its cache-aware policy routes by; x-smg-worker-id names the
+# worker that served); the Gateway API inference extension (llm-d), x-gateway-* (the fairness id
+# its flow control queues by, the objective that sets a request's priority, the endpoint chosen or
+# served). A tenant must not steer them, nor learn where its requests ran (which requests share a
+# worker, and its cache, with which).
+PRIVATE_HEADERS: tuple[str, ...] = ("x-data-parallel-rank", "x-smg-*", "x-gateway-*")
+
+
+@dataclass(frozen=True, slots=True)
+class HeaderNames:
+    """A set of lower-case header names: exact names, and prefixes (a pattern ending in ``*``)."""
+
+    exact: frozenset[bytes] = frozenset()
+    prefixes: tuple[bytes, ...] = ()
+
+    @classmethod
+    def of(cls, patterns: Iterable[str]) -> HeaderNames:
+        exact: set[bytes] = set()
+        prefixes: list[bytes] = []
+        for p in patterns:
+            name = p.strip().lower().encode("latin-1")
+            if name.endswith(b"*"):
+                prefixes.append(name[:-1])
+            else:
+                exact.add(name)
+        return cls(frozenset(exact), tuple(prefixes))
+
+    def __contains__(self, name: bytes) -> bool:
+        """``name``: lower case, as ASGI and `response_headers` give names."""
+        return name in self.exact or (bool(self.prefixes) and name.startswith(self.prefixes))
+
+
+def header_pattern_problem(pattern: str) -> str | None:
+    """Why ``pattern`` is not a header name or a prefix of names followed by ``*`` (None if it is)."""
+    name = pattern[:-1] if pattern.endswith("*") else pattern
+    if not _TOKEN.fullmatch(name):
+        return "is not a header name (letters, digits, '-' and the like), or one followed by '*'"
+    return None
+
+
+_TOKEN = re.compile(r"[!#$%&'+.^_`|~0-9A-Za-z-]+")
 
 # Upstream response headers not relayed: hop-by-hop, what the ASGI server sets itself, and the
 # backend's own request id (the client gets the gateway's, which was forwarded to the backend).
@@ -70,8 +114,11 @@ def make_session(*, max_connections: int = 1024, keepalive_s: float = 4.0) -> ai
     )
 
 
-def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """Upstream response headers minus hop-by-hop ones (also those named by Connection)."""
+def response_headers(
+    raw: Iterable[tuple[bytes, bytes]], private: HeaderNames = HeaderNames()
+) -> list[tuple[bytes, bytes]]:
+    """Upstream response headers minus hop-by-hop ones (also those named by Connection) and the
+    serving stack's ``private`` ones."""
     out: list[tuple[bytes, bytes]] = []
     extra: set[bytes] | None = None
     for name, value in raw:
@@ -79,6 +126,8 @@ def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, by
         if lname in RESPONSE_DROP:
             if lname == b"connection":
                 extra = {t.strip().lower() for t in value.split(b",")}
+            continue
+        if lname in private:
             continue
         out.append((lname, value))
     if extra:

@@ -137,3 +137,38 @@ def _media_urls(value: Any) -> list[str]:
         for v in value:
             found += _media_urls(v)
     return found
+
+
+class RoutingStack(_Backend):
+    """Stands for a routing layer behind the gateway (SGLang's model gateway, an llm-d inference
+    gateway): records the headers each request arrived with, and answers - JSON, or SSE when the body
+    asks to stream - with headers that say where the request ran."""
+
+    SERVED = (
+        (b"x-smg-worker-id", b"0f3a9c12"),
+        (b"x-gateway-destination-endpoint-served", b"10.0.3.7:8000"),
+        (b"x-answer-other", b"kept"),
+    )
+
+    def __init__(self) -> None:
+        self.headers: list[dict[str, str]] = []
+
+    async def answer(self, scope: Scope, raw: bytes, send: Send) -> None:
+        if scope["method"] == "POST":  # (not the gateway's own health probes)
+            self.headers.append({k.decode(): v.decode() for k, v in scope["headers"]})
+        body = orjson.loads(raw) if raw else {}
+        stream = isinstance(body, dict) and body.get("stream") is True
+        kind = b"text/event-stream" if stream else b"application/json"
+        headers = [(b"content-type", kind), *self.SERVED]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        if stream:
+            frames = b'data: {"choices":[{"index":0,"delta":{"content":"ok"}}]}\n\ndata: [DONE]\n\n'
+            await send({"type": "http.response.body", "body": frames})
+            return
+        answer = {
+            "id": "x",
+            "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+        }
+        await send({"type": "http.response.body", "body": orjson.dumps(answer)})

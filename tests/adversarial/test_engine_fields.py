@@ -12,13 +12,15 @@ a 400 on every route before anything is held or forwarded, and the header never 
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
 
 from gateway.config import ENGINE_INTERNAL_FIELDS
-from tests.conftest import GatewayFactory, StubBackend, stub_pools
+from tests.adversarial.backends import RoutingStack
+from tests.conftest import GatewayFactory, StubBackend, serve_asgi, stub_pools
 
 EVIL: dict[str, Any] = {
     "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "10.0.0.66", "remote_port": 5600},
@@ -84,6 +86,65 @@ async def test_an_operator_chooses_the_list(
         r = await c.post(gw.url + "/v1/chat/completions", json={**chat, "kv_transfer_params": {"a": 1}})
         assert r.status_code == 200
     assert stub.requests[-1].body["kv_transfer_params"] == {"a": 1}
+
+
+# What routing layers behind the gateway read to place a request: SGLang's model gateway (worker by
+# index, consistent-hash key, the token ids its cache-aware policy routes by), the Gateway API
+# inference extension / llm-d (the fairness id its flow control queues by, the objective that sets
+# priority, the endpoint chosen), and the engines' data-parallel rank.
+STEERING = {
+    "X-SMG-Target-Worker": "0",
+    "x-smg-routing-key": "victim-session",
+    "X-Smg-Routing-Tokens": "128000,882,25",
+    "x-gateway-inference-fairness-id": "victim-tenant",
+    "X-Gateway-Inference-Objective": "critical",
+    "x-gateway-destination-endpoint": "10.0.3.7:8000",
+    "X-Data-Parallel-Rank": "3",
+}
+
+
+@pytest.fixture
+async def routing_stack() -> AsyncIterator[tuple[RoutingStack, str]]:
+    stack = RoutingStack()
+    served = await serve_asgi(stack)
+    try:
+        yield stack, served.url
+    finally:
+        await served.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_tenant_cannot_steer_the_routing_layer_behind_the_gateway_nor_learn_where_it_ran(
+    routing_stack: tuple[RoutingStack, str], gateway_factory: GatewayFactory, stream: bool
+) -> None:
+    stack, url = routing_stack
+    gw = await gateway_factory(config(url))
+    async with httpx.AsyncClient(headers={"authorization": "Bearer k"}) as c:
+        for path, body in ROUTES:
+            sent = {**body, "stream": True} if stream and path != "/v1/embeddings" else body
+            r = await c.post(gw.url + path, json=sent, headers={**STEERING, "X-Other": "kept"})
+            assert r.status_code == 200, (path, r.text)
+            answered = {k.lower() for k in r.headers}
+            assert not answered & {"x-smg-worker-id", "x-gateway-destination-endpoint-served"}, path
+            assert r.headers["x-answer-other"] == "kept"
+    assert len(stack.headers) == len(ROUTES)
+    for headers in stack.headers:
+        assert not {k.lower() for k in STEERING} & set(headers), headers
+        assert headers["x-other"] == "kept"
+    assert await gw.wait_idle() == {name: 0 for name in await gw.in_flight()}
+
+
+async def test_an_operator_chooses_the_private_headers(
+    routing_stack: tuple[RoutingStack, str], gateway_factory: GatewayFactory
+) -> None:
+    stack, url = routing_stack
+    gw = await gateway_factory(config(url, private_headers=["x-session-*", "x-smg-worker-id"]))
+    async with httpx.AsyncClient(headers={"authorization": "Bearer k"}) as c:
+        headers = {"x-session-id": "s", "x-smg-routing-key": "k"}
+        r = await c.post(gw.url + ROUTES[0][0], json=ROUTES[0][1], headers=headers)
+        assert r.status_code == 200
+        assert "x-smg-worker-id" not in r.headers and "x-gateway-destination-endpoint-served" in r.headers
+    assert "x-session-id" not in stack.headers[0] and stack.headers[0]["x-smg-routing-key"] == "k"
 
 
 async def test_a_tenant_cannot_pin_its_requests_to_a_data_parallel_rank(

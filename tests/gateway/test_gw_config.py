@@ -213,6 +213,15 @@ def test_example_configs_load() -> None:
         ({"limits": {"refused_fields": [1]}}, "limits.refused_fields[0]: expected a non-empty string, got 1"),
         ({"limits": {"refused_fields": {"a": 1}}}, "limits.refused_fields: expected a list of strings"),
         (
+            {"limits": {"private_headers": ["x smg"]}},
+            "limits.private_headers[0]: 'x smg' is not a header name",
+        ),
+        (
+            {"limits": {"private_headers": ["x-*-id"]}},
+            "limits.private_headers[0]: 'x-*-id' is not a header name",
+        ),
+        ({"limits": {"private_headers": [""]}}, "limits.private_headers[0]: expected a non-empty string"),
+        (
             {"pricing": {"media_urls": {"schemes": ["ht tp"]}}},
             "pricing.media_urls.schemes[0]: 'ht tp' is not",
         ),
