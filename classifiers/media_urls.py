@@ -127,6 +127,54 @@ class MediaUrls:
         return None if why is None else f"names {why}: media must come from public hosts"
 
 
+# Keys whose value names media an engine loads: OpenAI-style content parts (chat, and the multimodal
+# score / rerank / pooling requests built from them), Responses parts, SGLang's native /generate.
+MEDIA_KEYS = frozenset(
+    ("image_url", "audio_url", "video_url", "file_url", "image_data", "audio_data", "video_data")
+)
+_MEDIA_KEY_BYTES = tuple(k.encode() for k in MEDIA_KEYS)
+
+
+class TooManyElements(Exception):
+    """A body with more elements than a walk for media URLs may visit."""
+
+
+def may_name_media(raw: bytes) -> bool:
+    """Whether a JSON body's text holds a media key at all: most bodies are skipped at this cost."""
+    return any(key in raw for key in _MEDIA_KEY_BYTES)
+
+
+def media_urls_in(value: object, limit: int) -> list[tuple[str, object]]:
+    """(where, URL) of every media reference in a parsed JSON ``value`` of unknown shape: the value
+    of a `MEDIA_KEYS` key, a string (or anything else), a list of them, or an object whose ``url`` it
+    is. Visits at most ``limit`` elements (0: no bound), else raises `TooManyElements`."""
+    found: list[tuple[str, object]] = []
+    stack: list[tuple[str, object]] = [("", value)]
+    visited = 0
+    while stack:
+        where, v = stack.pop()
+        visited += 1 + len(v) if isinstance(v, dict | list) else 1  # (its elements: each is looked at)
+        if limit and visited > limit:
+            raise TooManyElements
+        if isinstance(v, dict):
+            for key, item in v.items():
+                at = f"{where}.{key}" if where else str(key)
+                if key in MEDIA_KEYS:
+                    items = item if isinstance(item, list) else [item]
+                    for i, one in enumerate(items):
+                        here = f"{at}[{i}]" if isinstance(item, list) else at
+                        if isinstance(one, dict):
+                            if "url" in one:
+                                found.append((f"{here}.url", one["url"]))
+                        elif one is not None:
+                            found.append((here, one))
+                elif isinstance(item, dict | list):
+                    stack.append((at, item))
+        elif isinstance(v, list):
+            stack.extend((f"{where}[{i}]", item) for i, item in enumerate(v) if isinstance(item, dict | list))
+    return found
+
+
 def _listed(host: str, hosts: tuple[str, ...]) -> bool:
     for allowed in hosts:
         if allowed.startswith("*."):

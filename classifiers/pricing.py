@@ -140,7 +140,7 @@ import orjson
 
 from classifiers.bymodel import ByModel
 from classifiers.images import ImageRule, data_url_size
-from classifiers.media_urls import MediaUrls
+from classifiers.media_urls import MediaUrls, TooManyElements, may_name_media, media_urls_in
 from classifiers.tokenizers import (
     BytesTokenizer,
     OffLoopCounting,
@@ -1311,6 +1311,23 @@ class Pricer:
                 code="image_too_large",
             )
         return images.for_size(*size)
+
+    def check_passthrough_media(self, raw: bytes, body: Mapping[str, Any]) -> None:
+        """A pass-through JSON body (``raw``, parsed as ``body``) names only media the engine may
+        fetch: every media key anywhere in it (`media_urls.MEDIA_KEYS`: a multimodal score, rerank or
+        pooling request's content parts, SGLang's ``image_data``) holds an allowed URL. The walk
+        visits at most ``max_items`` elements, and only bodies whose text holds a media key."""
+        if not may_name_media(raw):
+            return
+        try:
+            found = media_urls_in(body, self._s.max_items)
+        except TooManyElements:
+            raise InvalidRequest(
+                f"the request names media and holds more than {self._s.max_items} elements, above "
+                "this deployment's limit (pricing.max_items); send fewer, or split the request"
+            ) from None
+        for where, url in found:
+            self._check_media_url(url, where)
 
     def _check_media_url(self, url: object, param: str) -> None:
         """A media part's URL, which the engine fetches from inside its network, is one the gateway

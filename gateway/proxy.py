@@ -407,6 +407,10 @@ class Proxy:
             model, x.body = self._passthrough_model(x.raw)
             if x.body is not None:
                 self._refuse_engine_fields(x.body)
+                try:
+                    self.pricer.check_passthrough_media(x.raw, x.body)
+                except InvalidRequest as exc:
+                    raise ApiError(400, exc.message, param=exc.param, code=exc.code) from None
                 x.sent = _serialized(x.body)
             x.cost = await self.pricer.aprice_passthrough(
                 x.raw,

@@ -99,6 +99,7 @@ def config(url: str, **media_urls: Any) -> dict[str, Any]:
     return {
         "pools": stub_pools(url, capacity=200_000),
         "tenants": {"t": {"keys": ["k"], "budget_tokens": 50_000}},
+        "passthrough": {"routes": [{"method": "POST", "path": "/v1/rerank", "generates": False}]},
         **({"pricing": {"media_urls": media_urls}} if media_urls else {}),
     }
 
@@ -128,6 +129,9 @@ def carriers(url: str) -> list[tuple[str, dict[str, Any], str]]:
         ("/v1/responses", responses({"type": "input_image", "image_url": url}), "input[0].content[1].image_url"),
         ("/v1/responses", responses({"type": "input_file", "file_url": url}), "input[0].content[1].file_url"),
         ("/v1/embeddings", {"model": "stub-model", **embed({"type": "image_url", "image_url": {"url": url}})}, "messages[0].content[1].image_url.url"),
+        # A pass-through route's JSON: a multimodal rerank's documents, SGLang's native image_data.
+        ("/v1/rerank", {"model": "stub-model", "query": "cat?", "documents": {"content": [{"type": "image_url", "image_url": {"url": url}}]}}, "documents.content[0].image_url.url"),
+        ("/v1/rerank", {"model": "stub-model", "query": "cat?", "image_data": ["data:,x", url]}, "image_data[1]"),
     ]  # fmt: skip
 
 
@@ -169,8 +173,28 @@ async def test_no_spelling_of_an_internal_address_reaches_the_engine_on_any_part
                 assert (await c.post(route, json=body)).status_code == 200, (spelling, route)
     assert service.hits == []
     assert all("127.0.0.1" not in fetched for fetched, _ in backend.fetched), backend.fetched
-    assert len(backend.bodies) == 14
+    assert len(backend.bodies) == 18
     assert await gw.wait_idle() == {name: 0 for name in await gw.in_flight()}
+
+
+async def test_a_pass_through_body_that_names_media_is_walked_within_max_items(
+    fetching: tuple[MediaFetching, str], gateway_factory: GatewayFactory
+) -> None:
+    backend, url = fetching
+    gw = await gateway_factory(config(url))
+    many = [1] * 20_000  # (the default pricing.max_items is 10,000)
+    async with httpx.AsyncClient(base_url=gw.url, headers=AUTH, timeout=30) as c:
+        r = await c.post("/v1/rerank", json={"model": "stub-model", "query": "q", "documents": many})
+        assert r.status_code == 200  # names no media: not walked, as before
+        named = {
+            "model": "stub-model",
+            "query": "q",
+            "documents": many,
+            "image_url": "https://img.example.com/a.png",
+        }
+        r = await c.post("/v1/rerank", json=named)
+        assert r.status_code == 400 and "pricing.max_items" in r.json()["error"]["message"], r.text
+    assert len(backend.bodies) == 1
 
 
 async def test_a_listed_host_is_fetched_and_nothing_else(

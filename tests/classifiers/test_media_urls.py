@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from classifiers import InvalidRequest, Pricer, PricingSettings, TokenizerRegistry
-from classifiers.media_urls import MediaUrls
+from classifiers.media_urls import MediaUrls, TooManyElements, may_name_media, media_urls_in
 
 PUBLIC = [
     "https://upload.wikimedia.org/wikipedia/commons/cat.png",
@@ -182,3 +182,37 @@ def test_pricing_checks_every_url_carrying_part_and_names_it() -> None:
     # The operator's policy is the pricer's.
     open_pricer = Pricer(TokenizerRegistry(), PricingSettings(media_urls=MediaUrls(private_hosts=True)))
     assert open_pricer.price_chat(cases[0][0], **limits).prefill > 0
+
+
+def test_media_references_are_found_in_a_body_of_any_shape() -> None:
+    body = {
+        "query": {"content": [{"type": "image_url", "image_url": {"url": "http://a.example/q.png"}}]},
+        "documents": [
+            {"content": [{"type": "video_url", "video_url": {"url": "http://b.example/v.mp4"}}]},
+            {"type": "image_url", "image_url": "http://c.example/d.png"},
+            "plain text",
+        ],
+        "image_data": ["data:,x", {"url": "http://d.example/e.png"}, None],
+        "audio_data": "/var/audio.wav",
+        "input_image": {"not": "a media key"},
+        "url": "http://not-a-media-key.example/",
+    }
+    assert sorted(media_urls_in(body, 0)) == [
+        ("audio_data", "/var/audio.wav"),
+        ("documents[0].content[0].video_url.url", "http://b.example/v.mp4"),
+        ("documents[1].image_url", "http://c.example/d.png"),
+        ("image_data[0]", "data:,x"),
+        ("image_data[1].url", "http://d.example/e.png"),
+        ("query.content[0].image_url.url", "http://a.example/q.png"),
+    ]
+    assert may_name_media(b'{"image_data": []}') and not may_name_media(b'{"documents": ["an image"]}')
+
+
+def test_the_walk_for_media_is_bounded_by_the_elements_it_looks_at() -> None:
+    # The object and its one key, then the list and its numbers: 2 + 1 + 97 = 100.
+    assert media_urls_in({"documents": [1] * 97}, 100) == []
+    with pytest.raises(TooManyElements):
+        media_urls_in({"documents": [1] * 98}, 100)
+    with pytest.raises(TooManyElements):
+        media_urls_in([[[[[]]]]] * 30, 100)
+    assert media_urls_in({"documents": [1] * 10_000}, 0) == []  # 0: no bound
