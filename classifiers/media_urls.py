@@ -132,7 +132,6 @@ class MediaUrls:
 MEDIA_KEYS = frozenset(
     ("image_url", "audio_url", "video_url", "file_url", "image_data", "audio_data", "video_data")
 )
-_MEDIA_KEY_BYTES = tuple(k.encode() for k in MEDIA_KEYS)
 
 
 class TooManyElements(Exception):
@@ -140,8 +139,10 @@ class TooManyElements(Exception):
 
 
 def may_name_media(raw: bytes) -> bool:
-    """Whether a JSON body's text holds a media key at all: most bodies are skipped at this cost."""
-    return any(key in raw for key in _MEDIA_KEY_BYTES)
+    """Whether a JSON body's text may hold a media key: most bodies are skipped at the cost of three
+    scans. Every key in `MEDIA_KEYS` ends in ``_url`` or ``_data``, unless a ``\\u`` escape spells a
+    character of it (``"image\\u005furl"`` is ``image_url`` to every JSON parser)."""
+    return b"_url" in raw or b"_data" in raw or b"\\u" in raw
 
 
 def media_urls_in(value: object, limit: int) -> list[tuple[str, object]]:

@@ -197,6 +197,25 @@ async def test_a_pass_through_body_that_names_media_is_walked_within_max_items(
     assert len(backend.bodies) == 1
 
 
+async def test_a_media_key_spelled_with_json_escapes_is_still_found(
+    internal: tuple[InternalService, int],
+    fetching: tuple[MediaFetching, str],
+    gateway_factory: GatewayFactory,
+) -> None:
+    service, port = internal
+    backend, url = fetching
+    gw = await gateway_factory(config(url))
+    raw = (
+        '{"model": "stub-model", "query": "q", "documents": [{"content": [{"type": "image\\u005furl", '
+        f'"image\\u005furl": {{"url": "http://127.0.0.1:{port}/escaped-key"}}}}]}}]}}'
+    )
+    assert "image_url" not in raw
+    async with httpx.AsyncClient(base_url=gw.url, headers={**AUTH, "content-type": "application/json"}) as c:
+        r = await c.post("/v1/rerank", content=raw.encode())
+        assert r.status_code == 400 and r.json()["error"]["code"] == "media_url_not_allowed", r.text
+    assert service.hits == [] and backend.bodies == []
+
+
 async def test_a_listed_host_is_fetched_and_nothing_else(
     internal: tuple[InternalService, int],
     fetching: tuple[MediaFetching, str],

@@ -206,6 +206,9 @@ def test_media_references_are_found_in_a_body_of_any_shape() -> None:
         ("query.content[0].image_url.url", "http://a.example/q.png"),
     ]
     assert may_name_media(b'{"image_data": []}') and not may_name_media(b'{"documents": ["an image"]}')
+    # A key spelled with escapes is the same key to the engine's parser: such bodies are walked.
+    assert may_name_media(b'{"image\\u005furl": "http://127.0.0.1/"}')
+    assert may_name_media(b'{"\\u0069mage\\u005f\\u0075rl": 1}')
 
 
 def test_the_walk_for_media_is_bounded_by_the_elements_it_looks_at() -> None:
