@@ -75,7 +75,11 @@ class HeaderNames:
         return cls(frozenset(exact), tuple(prefixes))
 
     def __contains__(self, name: bytes) -> bool:
-        """``name``: lower case, as ASGI and `response_headers` give names."""
+        """``name``: lower case, as ASGI and `response_headers` give names. An underscore counts as
+        a hyphen: servers behind a WSGI-style or CGI-style interface (and some proxies) read
+        ``x_smg_target_worker`` as ``x-smg-target-worker``."""
+        if b"_" in name:
+            name = name.replace(b"_", b"-")
         return name in self.exact or (bool(self.prefixes) and name.startswith(self.prefixes))
 
 

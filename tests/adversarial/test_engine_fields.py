@@ -100,6 +100,7 @@ STEERING = {
     "X-Gateway-Inference-Objective": "critical",
     "x-gateway-destination-endpoint": "10.0.3.7:8000",
     "X-Data-Parallel-Rank": "3",
+    "x_smg_target_worker": "1",  # (read as x-smg-target-worker behind a CGI-style interface)
 }
 
 
