@@ -35,7 +35,7 @@ from gateway.accesslog import Record
 from gateway.admin.api import AdminApi
 from gateway.admin.control import Control, state_store_for
 from gateway.admin.tokens import Role, load_tokens
-from gateway.auth import Authenticator
+from gateway.auth import Authenticator, visible_models
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError, error_body
 from gateway.exchange import CancelReason, Exchange, Phase, Receive, RouteKind, Scope, Send
@@ -380,8 +380,8 @@ class Gateway:
                 assert self._proxy is not None, "the app's lifespan has not run"
                 await self._proxy.handle(scope, receive, send, kind)
             elif path.startswith("/v1/"):
-                if path == "/v1/models":
-                    await self._list_models(scope, send)
+                if path == "/v1/models" or path.startswith("/v1/models/"):
+                    await self._models(scope, send, path)
                     return
                 route = self.passthrough.match(scope["method"], path)
                 if route is None:
@@ -509,11 +509,14 @@ class Gateway:
         finally:
             rec.emit(perf_counter())
 
-    async def _list_models(self, scope: Scope, send: Send) -> None:
+    async def _models(self, scope: Scope, send: Send, path: str) -> None:
+        """``GET /v1/models`` (the list) and ``GET /v1/models/{id}`` (one), answered here: only the
+        served models the key's tenant may use (its ``models`` globs), so no tenant reads the names
+        of another's models (a customer's fine-tune or adapter)."""
         rec = self._record(scope)
         try:
             if scope["method"] != "GET":
-                raise ApiError(405, "Use GET /v1/models", code="method_not_allowed")
+                raise ApiError(405, f"Use GET {path}", code="method_not_allowed")
             key = None
             for name, value in scope["headers"]:
                 if name == b"authorization":
@@ -522,16 +525,21 @@ class Gateway:
                     break
                 if name in (b"api-key", b"x-api-key"):
                     key = value.decode("latin-1").strip()
-            rec.tenant = self.auth.authenticate(key).name
-            body = orjson.dumps(
-                {
-                    "object": "list",
-                    "data": [
-                        {"id": m, "object": "model", "created": 0, "owned_by": "tokengate"}
-                        for m in self.router.served_models()
-                    ],
-                }
-            )
+            tenant = self.auth.authenticate(key)
+            rec.tenant = tenant.name
+            visible = visible_models(tenant, self.router.served_models())
+            if path == "/v1/models":
+                body = orjson.dumps({"object": "list", "data": [_model_object(m) for m in visible]})
+            elif (wanted := path[len("/v1/models/") :]) in visible:
+                body = orjson.dumps(_model_object(wanted))
+            else:
+                raise ApiError(
+                    404,
+                    f"The model {show_value(wanted)} does not exist or is not available to this API "
+                    f"key; models: {', '.join(visible) or '(none)'}",
+                    param="model",
+                    code="model_not_found",
+                )
             status, headers = 200, [(b"content-type", b"application/json")]
         except ApiError as exc:
             status, headers, body = exc.status, exc.headers(), exc.body()
@@ -629,3 +637,7 @@ def build_app(
     raw: Mapping[str, Any] | None = None,
 ) -> Gateway:
     return Gateway(config, store=store, clock=clock, raw=raw)
+
+
+def _model_object(model: str) -> dict[str, object]:
+    return {"id": model, "object": "model", "created": 0, "owned_by": "tokengate"}

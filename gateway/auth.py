@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from fnmatch import fnmatchcase
 
 from classifiers import show_value
 from gateway.config import OPEN_TENANT, GatewayConfig, TenantConfig, TierConfig
@@ -91,3 +92,14 @@ def bearer_key(authorization: str) -> str | None:
     if scheme.lower() != "bearer":
         return None
     return rest.strip() or None
+
+
+def may_use(tenant: TenantConfig, model: str) -> bool:
+    """Whether ``tenant`` may use ``model`` (its ``models`` globs; none: every served model)."""
+    return not tenant.models or any(fnmatchcase(model, g) for g in tenant.models)
+
+
+def visible_models(tenant: TenantConfig, served: Iterable[str]) -> list[str]:
+    """The served models ``tenant`` may use: all it is ever shown, so that one tenant's model names
+    (a customer's fine-tune, its LoRA adapter) are not read by another."""
+    return [m for m in served if may_use(tenant, m)]

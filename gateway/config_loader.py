@@ -629,6 +629,11 @@ def _passthrough(v: Any) -> tuple[PassthroughRoute, ...]:
             )
         if path in _PRICED_ROUTES:
             raise ConfigError(f"{where}.path: {path} is a priced route the gateway serves itself; remove it")
+        if path.startswith("/v1/models/"):
+            raise ConfigError(
+                f"{where}.path: the gateway answers GET /v1/models/{{id}} itself (each tenant sees "
+                f"only the models it may use); remove {path}"
+            )
         if path_problem(path.replace("*", "x").replace("?", "x").encode()) is not None:
             raise ConfigError(
                 f"{where}.path: {show(path)} is not a valid path (no dot segments, '//' or escapes)"

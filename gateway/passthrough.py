@@ -2,7 +2,8 @@
 
 Every route that can make a backend work must be priced, or a tenant can hold a budget's worth of
 GPU for free (a 30k-token request on an unpriced route held 16 tokens). So the priced OpenAI routes
-are built in, ``GET /v1/models`` is answered by the gateway itself, and anything else under
+are built in, ``GET /v1/models`` and ``GET /v1/models/{id}`` are answered by the gateway itself
+(each tenant sees only the models it may use), and anything else under
 ``/v1`` is forwarded only when ``passthrough.routes`` names it (method + path glob); the rest is a
 404 that names the setting. An allowed POST is priced from its body
 (``classifiers.Pricer.price_passthrough``): its text's tokens, plus the output limit it names, or
@@ -23,7 +24,7 @@ class PassthroughRoute:
     generates: bool = True  # the route may produce tokens when the body names no output limit
 
 
-DEFAULT_ROUTES: tuple[PassthroughRoute, ...] = (PassthroughRoute("GET", "/v1/models/*", generates=False),)
+DEFAULT_ROUTES: tuple[PassthroughRoute, ...] = ()
 
 
 class PassthroughRoutes:

@@ -17,7 +17,6 @@ import logging
 import math
 from collections.abc import MutableMapping
 from dataclasses import dataclass
-from fnmatch import fnmatchcase
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
@@ -29,8 +28,9 @@ from budgets.types import AdmissionError, Demand, backend_pool, class_pool, tena
 from classifiers import Cost, InvalidRequest, show_value
 from classifiers.pricing import MAX_JSON_DEPTH
 from gateway.accesslog import Record
-from gateway.auth import bearer_key
+from gateway.auth import bearer_key, may_use, visible_models
 from gateway.cache_salt import tenant_cache_salt
+from gateway.config import TenantConfig
 from gateway.errors import AnswerCut, ApiError, from_admission
 from gateway.exchange import CancelReason, Exchange, Phase, Placement, Receive, RouteKind, Scope, Send
 from gateway.passthrough import PassthroughRoute
@@ -407,6 +407,9 @@ class Proxy:
             model, x.body = self._passthrough_model(x.raw)
             if x.body is not None:
                 self._refuse_engine_fields(x.body)
+                named = x.body.get("model")
+                if isinstance(named, str) and not may_use(tenant, named):
+                    raise self._unknown_model(named, tenant)  # (its models bound pass-through routes too)
                 try:
                     self.pricer.check_passthrough_media(x.raw, x.body)
                 except InvalidRequest as exc:
@@ -436,15 +439,9 @@ class Proxy:
                 param="model",
                 code="invalid_type" if model is not None else "missing_required_parameter",
             )
-        if not self.router.known_model(model):
-            raise self._unknown_model(model)
-        if tenant.models and not any(fnmatchcase(model, g) for g in tenant.models):
-            raise ApiError(
-                403,
-                f"This API key may not use the model {show_value(model)}; it may use: {', '.join(tenant.models)}",
-                param="model",
-                code="model_not_allowed",
-            )
+        if not self.router.known_model(model) or not may_use(tenant, model):
+            # (one answer for both: which models exist for other tenants is not this one's to learn)
+            raise self._unknown_model(model, tenant)
         x.body, x.model = body, model
         ctx = self.models.context_length(model)
         p = self.pricer
@@ -496,11 +493,12 @@ class Proxy:
         model = body.get("model")
         return (model if isinstance(model, str) and model and self.router.known_model(model) else None), body
 
-    def _unknown_model(self, model: str) -> ApiError:
-        served = ", ".join(self.router.served_models()) or "(none)"
+    def _unknown_model(self, model: str, tenant: TenantConfig) -> ApiError:
+        served = ", ".join(visible_models(tenant, self.router.served_models())) or "(none)"
         return ApiError(
             404,
-            f"The model {show_value(model)} does not exist or is not served here; served models: {served}",
+            f"The model {show_value(model)} does not exist or is not available to this API key; "
+            f"models: {served}",
             param="model",
             code="model_not_found",
         )

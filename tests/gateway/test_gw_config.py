@@ -64,7 +64,7 @@ FULL = {
     "limits": {"max_body_bytes": 4194304, "body_timeout_s": 30, "max_header_bytes": 32768},
     "passthrough": {
         "routes": [
-            {"method": "GET", "path": "/v1/models/*"},
+            {"method": "GET", "path": "/v1/files/*"},
             {"method": "POST", "path": "/v1/rerank", "generates": False},
         ]
     },
@@ -212,6 +212,10 @@ def test_example_configs_load() -> None:
         ({"pricing": {"max_stop_token_ids": -1}}, "pricing.max_stop_token_ids: expected a non-negative"),
         ({"limits": {"refused_fields": [1]}}, "limits.refused_fields[0]: expected a non-empty string, got 1"),
         ({"limits": {"refused_fields": {"a": 1}}}, "limits.refused_fields: expected a list of strings"),
+        (
+            {"passthrough": {"routes": [{"method": "GET", "path": "/v1/models/*"}]}},
+            "passthrough.routes[0].path: the gateway answers GET /v1/models/{id} itself",
+        ),
         (
             {"limits": {"private_headers": ["x smg"]}},
             "limits.private_headers[0]: 'x smg' is not a header name",

@@ -27,7 +27,7 @@ async def test_unlisted_routes_are_404_and_never_forwarded(
             ("PUT", "/v1/fine_tuning/jobs"),
             ("POST", "/v1/rerank"),
             ("GET", "/v1/files"),
-            ("DELETE", "/v1/models/x"),
+            ("DELETE", "/v1/files/x"),
         ]:
             r = await c.request(method, path, json={"model": "stub-model"} if method != "GET" else None)
             assert r.status_code == 404, (method, path)
@@ -36,17 +36,22 @@ async def test_unlisted_routes_are_404_and_never_forwarded(
     assert stub.requests == []
 
 
-async def test_the_default_allowlist_is_read_only(
+async def test_by_default_nothing_is_forwarded_and_a_model_is_retrieved_from_the_gateway(
     stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
 ) -> None:
     stub, url = stub_backend
     gw = await gateway_factory(routes_config(url))
     async with httpx.AsyncClient(base_url=gw.url) as c:
         r = await c.get("/v1/models/stub-model")
-        assert r.status_code == 200 and r.json()["echo"] == "/v1/models/stub-model"
-        assert r.headers["x-tokengate-class"] == "passthrough" and r.headers["x-tokengate-cost"] == "0"
-    assert [req.path for req in stub.requests] == ["/v1/models/stub-model"]
-    assert await gw.wait_idle() == {name: 0 for name in await gw.in_flight()}
+        assert r.status_code == 200 and r.json() == {
+            "id": "stub-model",
+            "object": "model",
+            "created": 0,
+            "owned_by": "tokengate",
+        }
+        r = await c.get("/v1/files/file-1")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_route"
+    assert stub.requests == []
 
 
 async def test_an_allowed_post_is_priced_from_its_body_not_a_constant(
