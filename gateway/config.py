@@ -113,6 +113,9 @@ class TenantConfig:
     max_max_tokens: int | None = None  # larger per-choice requests are a 400
     max_queue_len: int = 64
     models: tuple[str, ...] = ()  # model globs this tenant may use; empty = every served model
+    # Server-run Responses tools it may use (gateway/server_tools.py): tool types, "mcp:<label>",
+    # "mcp:*"; () none; None whatever the engine runs.
+    server_tools: tuple[str, ...] | None = None
 
 
 # The keys of a tenant's section in the file (all but its name).

@@ -74,6 +74,7 @@ from gateway.observe.settings import ObserveConfigError, ObserveSettings
 from gateway.passthrough import DEFAULT_ROUTES, PassthroughRoute
 from gateway.paths import path_problem
 from gateway.reservations import ReservationConfig
+from gateway.server_tools import entry_problem
 from gateway.upstream.client import header_pattern_problem
 
 _SHA256_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -528,9 +529,23 @@ def _tenants(v: Any, tiers: Sequence[TierConfig], tier_names: set[str]) -> tuple
                 max_max_tokens=max_max,
                 max_queue_len=integer(t, "max_queue_len", where, 64, minimum=0),
                 models=string_list(t, "models", where),
+                server_tools=_server_tools(t, where),
             )
         )
     return tuple(out)
+
+
+def _server_tools(t: Mapping[str, Any], where: str) -> tuple[str, ...] | None:
+    if t.get("server_tools") is None:
+        return None
+    if t["server_tools"] == []:
+        return ()
+    entries = string_list(t, "server_tools", where)
+    for i, entry in enumerate(entries):
+        problem = entry_problem(entry)
+        if problem is not None:
+            raise ConfigError(f"{where}.server_tools[{i}]: {show(entry)} {problem}")
+    return entries
 
 
 def _limits(v: Any) -> LimitsConfig:

@@ -27,6 +27,7 @@ from yarl import URL
 from budgets.types import AdmissionError, Demand, backend_pool, class_pool, tenant_pool
 from classifiers import Cost, InvalidRequest, show_value
 from classifiers.pricing import MAX_JSON_DEPTH
+from gateway import server_tools
 from gateway.accesslog import Record
 from gateway.auth import bearer_key, may_use, visible_models
 from gateway.cache_salt import tenant_cache_salt
@@ -464,6 +465,8 @@ class Proxy:
                 )
         except InvalidRequest as exc:
             raise ApiError(400, exc.message, param=exc.param, code=exc.code) from None
+        if x.kind is RouteKind.RESPONSES:
+            server_tools.check(tenant.server_tools, body)
         # (after pricing: a priced field nested too deep gets pricing's 400, which names the field)
         x.sent = _serialized(body)
 

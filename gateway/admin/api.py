@@ -195,6 +195,7 @@ class AdminApi:
                 d = asdict(t)
                 d.pop("keys")
                 d["models"] = list(t.models)
+                d["server_tools"] = None if t.server_tools is None else list(t.server_tools)
                 d["source"] = self._source("tenants", name)
                 return d
         raise ApiError(404, f"No tenant {show_value(name)}", code="tenant_not_found")

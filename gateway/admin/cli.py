@@ -69,6 +69,10 @@ def _globs(text: str) -> list[str]:
     return [g.strip() for g in text.split(",") if g.strip()]
 
 
+def _tools(text: str) -> object:
+    return _CLEAR if text.strip().lower() == "any" else _globs(text)
+
+
 def _segment(name: str) -> str:
     if name in (".", ".."):
         raise Failed(f"{name!r} is not a name", 2)
@@ -109,6 +113,12 @@ def _tenant_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-max-tokens", type=_count, help="larger max_tokens per choice is a 400")
     p.add_argument("--max-queue-len", type=_count, help="waiting requests before 429")
     p.add_argument("--models", type=_globs, help="model globs, comma-separated ('' : every model)")
+    p.add_argument(
+        "--server-tools",
+        type=_tools,
+        help="server-run Responses tools it may use, comma-separated (code_interpreter, mcp:<label>, "
+        "mcp:*); '' : none; 'any': whatever the engine runs",
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -280,6 +290,7 @@ _TENANT_FLAGS = {
     "max_max_tokens": "max_max_tokens",
     "max_queue_len": "max_queue_len",
     "models": "models",
+    "server_tools": "server_tools",
 }
 
 

@@ -54,6 +54,12 @@ def document() -> dict[str, Any]:
         "max_max_tokens": _NULLABLE_INT,
         "max_queue_len": _INT,
         "models": {"type": "array", "items": {"type": "string"}, "description": "model globs; empty: all"},
+        "server_tools": {
+            "type": ["array", "null"],
+            "items": {"type": "string"},
+            "description": "server-run Responses tools it may use (code_interpreter, mcp:<label>, mcp:*); "
+            "[]: none; null: any the engine runs",
+        },
     }
     backend: dict[str, Any] = {
         "type": "object",

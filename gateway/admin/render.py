@@ -85,6 +85,8 @@ def tenant(t: Mapping[str, Any]) -> str:
     lines = [f"{'tenant:':20} {cell(t.get('name'))}"]
     lines += [f"{k + ':':20} {cell(t.get(k))}" for k in _TENANT_COLUMNS[1:]]
     lines.append(f"{'models:':20} {_models(t.get('models'))}")
+    tools = t.get("server_tools")
+    lines.append(f"{'server_tools:':20} {'(any)' if tools is None else ','.join(tools) or '(none)'}")
     lines.append(f"{'source:':20} {cell(t.get('source'))}")
     return "\n".join(lines)
 

@@ -135,6 +135,17 @@ async def test_tenant_commands_create_show_update_and_delete_a_tenant_live(
     shown = (await admin(*g, "tenants", "get", "newco", "--json")).json()  # --json after the command too
     assert shown["max_max_tokens"] is None and shown["models"] == [] and shown["budget_tokens"] == 300
 
+    assert shown["server_tools"] is None  # unset: whatever the engine runs
+    r = await admin(*g, "tenants", "update", "newco", "--server-tools", "mcp:docs,code_interpreter")
+    assert r.code == 0 and "mcp:docs,code_interpreter" in r.out, r.err
+    r = await admin(*g, "tenants", "update", "newco", "--server-tools", "")
+    assert r.code == 0 and "server_tools:        (none)" in r.out
+    assert (await admin(*g, "--json", "tenants", "get", "newco")).json()["server_tools"] == []
+    r = await admin(*g, "tenants", "update", "newco", "--server-tools", "any")
+    assert r.code == 0 and "server_tools:        (any)" in r.out
+    r = await admin(*g, "tenants", "update", "newco", "--server-tools", "Web Search")
+    assert r.code != 0 and "server_tools[0]" in r.err
+
     r = await admin(*g, "tenants", "delete", "newco")
     assert r.code == 0 and "Deleted tenant newco" in r.out
     r = await admin(*g, "tenants", "get", "newco")
