@@ -539,6 +539,11 @@ def _admin_body(rng: random.Random) -> dict[str, Any]:
             "tier": rng.choice(["batch", "critical", "gold"]),
         },
         {
+            "server_tools": rng.choice(
+                [[], ["mcp:*"], ["mcp:"], "code_interpreter", [1], {"a": 1}, ["x" * 5000]]
+            )
+        },
+        {
             "url": rng.choice(["http://127.0.0.1:1", "ftp://x", "", "http://" + "a" * 500]),
             "capacity_tokens": 1000,
         },
