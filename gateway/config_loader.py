@@ -368,6 +368,7 @@ def _backend(v: Any, where: str) -> BackendConfig:
             "accepts_priority",
             "max_num_seqs",
             "cache_salt",
+            "tenant_header",
             "timeouts",
             "name",
             "draining",
@@ -392,10 +393,22 @@ def _backend(v: Any, where: str) -> BackendConfig:
         accepts_priority=boolean(m, "accepts_priority", where, False),
         max_num_seqs=opt_integer(m, "max_num_seqs", where, minimum=1),
         cache_salt=choice(m, "cache_salt", where, "client", ("client", "tenant")),
+        tenant_header=_tenant_header(m, where),
         timeouts=timeouts,
         name=string(m, "name", where, url),
         draining=boolean(m, "draining", where, False),
     )
+
+
+def _tenant_header(m: Mapping[str, Any], where: str) -> str | None:
+    name = opt_string(m, "tenant_header", where)
+    if name is None:
+        return None
+    if name.endswith("*") or header_pattern_problem(name) is not None:
+        raise ConfigError(f"{where}.tenant_header: {show(name)} is not a header name")
+    if name.lower() in ("authorization", "host", "content-length", "content-type", "x-request-id"):
+        raise ConfigError(f"{where}.tenant_header: {name} is a header the gateway sets itself; pick another")
+    return name.lower()
 
 
 def _models(v: Any) -> tuple[ModelConfig, ...]:

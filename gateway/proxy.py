@@ -817,6 +817,10 @@ class Proxy:
 
     def _request_headers(self, x: Exchange, backend: Backend) -> list[tuple[str, str]]:
         headers = x.headers
+        named = backend.spec.tenant_header
+        if named is not None and x.tenant is not None:  # (set by the gateway, never by the client)
+            headers = [h for h in headers if h[0] != named]
+            headers.append((named, x.tenant.name))
         auth = backend.auth_header
         if auth is not None:
             headers = [h for h in headers if h[0] != "Authorization"] if self.open_mode else headers.copy()

@@ -75,6 +75,10 @@ def document() -> dict[str, Any]:
                 "enum": ["client", "tenant"],
                 "description": "tenant: no two tenants share the prefix cache",
             },
+            "tenant_header": {
+                "type": ["string", "null"],
+                "description": "a header set to the tenant's name on every request (llm-d fairness id)",
+            },
             "api_key": {"type": ["string", "null"]},
             "timeouts": {
                 "type": "object",

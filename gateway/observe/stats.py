@@ -66,6 +66,8 @@ def config_view(classes: Sequence[ClassRule], pools: Sequence[BackendPoolSpec]) 
                 d["max_num_seqs"] = b.max_num_seqs
             if b.cache_salt != "client":
                 d["cache_salt"] = b.cache_salt
+            if b.tenant_header is not None:
+                d["tenant_header"] = b.tenant_header
             if b.name:
                 d["name"] = b.name
             backends.append(d)

@@ -41,6 +41,11 @@ class BackendSpec:
     # "client": a request's own cache_salt goes as sent; "tenant": the gateway sets it from the
     # tenant, so no two tenants share the engine's prefix cache (gateway.cache_salt).
     cache_salt: str = "client"
+    # A header the gateway sets to the authenticated tenant's name on every request to this backend
+    # (any value a client sent under that name is dropped): the fairness id of an llm-d / Gateway
+    # API inference gateway's flow control (x-gateway-inference-fairness-id), SGLang's model-gateway
+    # routing key (x-smg-routing-key: each tenant's requests share one worker's prefix cache).
+    tenant_header: str | None = None
     timeouts: Timeouts = Timeouts()
     name: str = ""  # defaults to the URL; used in metrics and logs
     draining: bool = False  # takes no new requests; those in flight finish (before removing it)

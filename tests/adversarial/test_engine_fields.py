@@ -148,6 +148,23 @@ async def test_an_operator_chooses_the_private_headers(
     assert "x-session-id" not in stack.headers[0] and stack.headers[0]["x-smg-routing-key"] == "k"
 
 
+async def test_a_routing_layer_behind_the_gateway_is_told_the_tenant_not_what_the_client_claims(
+    routing_stack: tuple[RoutingStack, str], gateway_factory: GatewayFactory
+) -> None:
+    stack, url = routing_stack
+    cfg = config(url)
+    cfg["pools"]["default"]["backends"][0]["tenant_header"] = "X-Gateway-Inference-Fairness-Id"
+    cfg["tenants"]["u"] = {"keys": ["ku"]}
+    gw = await gateway_factory(cfg)
+    async with httpx.AsyncClient() as c:
+        for k in ("k", "ku"):
+            headers = {"authorization": f"Bearer {k}", "x-gateway-inference-fairness-id": "victim"}
+            r = await c.post(gw.url + ROUTES[0][0], json=ROUTES[0][1], headers=headers)
+            assert r.status_code == 200
+    sent = [[v for name, v in h.items() if name == "x-gateway-inference-fairness-id"] for h in stack.headers]
+    assert sent == [["t"], ["u"]]
+
+
 async def test_a_tenant_cannot_pin_its_requests_to_a_data_parallel_rank(
     stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
 ) -> None:

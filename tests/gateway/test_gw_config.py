@@ -213,6 +213,28 @@ def test_example_configs_load() -> None:
         ({"limits": {"refused_fields": [1]}}, "limits.refused_fields[0]: expected a non-empty string, got 1"),
         ({"limits": {"refused_fields": {"a": 1}}}, "limits.refused_fields: expected a list of strings"),
         (
+            {
+                "pools": {
+                    "p": {
+                        "backends": [{"url": "http://a", "capacity_tokens": 1, "tenant_header": "x tenant"}]
+                    }
+                }
+            },
+            "pools.p.backends[0].tenant_header: 'x tenant' is not a header name",
+        ),
+        (
+            {
+                "pools": {
+                    "p": {
+                        "backends": [
+                            {"url": "http://a", "capacity_tokens": 1, "tenant_header": "Authorization"}
+                        ]
+                    }
+                }
+            },
+            "tenant_header: Authorization is a header the gateway sets itself",
+        ),
+        (
             {"passthrough": {"routes": [{"method": "GET", "path": "/v1/models/*"}]}},
             "passthrough.routes[0].path: the gateway answers GET /v1/models/{id} itself",
         ),
