@@ -12,7 +12,7 @@ import dataclasses
 import hashlib
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -553,12 +553,18 @@ def _server_tools(t: Mapping[str, Any], where: str) -> tuple[str, ...] | None:
         return None
     if t["server_tools"] == []:
         return ()
-    entries = string_list(t, "server_tools", where)
-    for i, entry in enumerate(entries):
-        problem = entry_problem(entry)
-        if problem is not None:
-            raise ConfigError(f"{where}.server_tools[{i}]: {show(entry)} {problem}")
-    return entries
+    return _each_checked(string_list(t, "server_tools", where), f"{where}.server_tools", entry_problem)
+
+
+def _each_checked(
+    items: tuple[str, ...], where: str, problem: Callable[[str], str | None]
+) -> tuple[str, ...]:
+    """``items``, once ``problem`` finds nothing wrong with any; else the error naming the first."""
+    for i, item in enumerate(items):
+        why = problem(item)
+        if why is not None:
+            raise ConfigError(f"{where}[{i}]: {show(item)} {why}")
+    return items
 
 
 def _limits(v: Any) -> LimitsConfig:
@@ -596,12 +602,9 @@ def _limits(v: Any) -> LimitsConfig:
 def _private_headers(m: Mapping[str, Any], default: tuple[str, ...]) -> tuple[str, ...]:
     if m.get("private_headers") is None:
         return default
-    names = string_list(m, "private_headers", "limits")
-    for i, name in enumerate(names):
-        problem = header_pattern_problem(name)
-        if problem is not None:
-            raise ConfigError(f"limits.private_headers[{i}]: {show(name)} {problem}")
-    return names
+    return _each_checked(
+        string_list(m, "private_headers", "limits"), "limits.private_headers", header_pattern_problem
+    )
 
 
 def _media_urls(v: Any) -> MediaUrls:
