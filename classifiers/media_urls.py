@@ -69,7 +69,7 @@ _NAT64_LOCAL = ipaddress.IPv6Network("64:ff9b:1::/48")
 
 @dataclass(frozen=True, slots=True)
 class MediaUrls:
-    """The media URLs a request may carry (module docstring); config ``limits.media_urls``."""
+    """The media URLs a request may carry (module docstring); config ``pricing.media_urls``."""
 
     schemes: tuple[str, ...] = DEFAULT_SCHEMES
     hosts: tuple[str, ...] = ()  # when set, the only http(s) hosts allowed: "name" or "*.name"
@@ -118,7 +118,7 @@ class MediaUrls:
             return "has a port above 65535"
         host = (name or v6).lower()
         if self.hosts:
-            if _listed(host.rstrip("."), self.hosts):
+            if _listed(host[:-1] if host.endswith(".") else host, self.hosts):
                 return None
             return f"names the host {host}, which is not one this gateway fetches media from"
         if self.private_hosts:

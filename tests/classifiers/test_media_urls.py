@@ -103,6 +103,7 @@ def test_listed_hosts_are_the_only_ones_fetched_whatever_they_are() -> None:
         "https://eu.img.example.com/a",
         "https://a.b.img.example.com/a",
         "https://cdn.example.com/",
+        "https://cdn.example.com./",
     ):
         assert policy.problem(ok) is None, ok
     for bad in (
@@ -110,6 +111,7 @@ def test_listed_hosts_are_the_only_ones_fetched_whatever_they_are() -> None:
         "https://img.example.com/a",
         "https://evilimg.example.com/",
         "https://example.com/",
+        "https://cdn.example.com../",
     ):
         assert policy.problem(bad) is not None, bad
     assert policy.problem("data:image/png;base64,AAAA") is None
