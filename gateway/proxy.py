@@ -489,8 +489,11 @@ class Proxy:
             return None, None
         try:
             body = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            return None, None
+        except orjson.JSONDecodeError as exc:
+            # A body that looks like JSON is checked before it is forwarded. One that orjson refuses
+            # but a laxer parser reads (Python's json, the engines': NaN, Infinity, 1e400, a lone
+            # surrogate) would go unchecked: refused like a priced route's.
+            raise ApiError(400, f"Request body is not valid JSON: {exc}", code="invalid_json") from None
         if not isinstance(body, dict):
             return None, None
         model = body.get("model")

@@ -178,3 +178,23 @@ async def test_a_tenant_cannot_pin_its_requests_to_a_data_parallel_rank(
     for req in stub.requests:
         assert "x-data-parallel-rank" not in {k.lower() for k in req.headers}
         assert req.headers["x-other"] == "kept"
+
+
+@pytest.mark.parametrize("odd", ["NaN", "Infinity", "1e400", '"\\ud800"'])
+async def test_a_pass_through_body_only_a_laxer_json_parser_reads_is_refused_not_forwarded_unchecked(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory, odd: str
+) -> None:
+    # Python's json (the engines' FastAPI) reads NaN, Infinity, 1e400 and lone surrogates; orjson
+    # does not. Such a body was forwarded as it came, so nothing in it was checked.
+    stub, url = stub_backend
+    gw = await gateway_factory(config(url))
+    raw = (
+        '{"model": "stub-model", "query": "q", "documents": ["a"], "x": ODD, "kv_transfer_params": {"a": 1}}'
+    )
+    raw = raw.replace("ODD", odd)
+    async with httpx.AsyncClient(
+        headers={"authorization": "Bearer k", "content-type": "application/json"}
+    ) as c:
+        r = await c.post(gw.url + "/v1/rerank", content=raw.encode())
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+    assert stub.requests == []
