@@ -485,6 +485,15 @@ class Proxy:
         )
 
     def _passthrough_model(self, raw: bytes) -> tuple[str | None, dict[str, Any] | None]:
+        if raw[:3] == b"\xef\xbb\xbf" or raw[:2] in (b"\xff\xfe", b"\xfe\xff") or b"\x00" in raw[:4]:
+            # Python's json (the engines' parser) reads JSON after a byte-order mark and in UTF-16 or
+            # UTF-32, which orjson does not: such a body would go unchecked.
+            raise ApiError(
+                400,
+                "Request body starts with a byte-order mark or is UTF-16/UTF-32: send JSON as UTF-8 "
+                "without a byte-order mark",
+                code="invalid_json",
+            )
         if raw.lstrip()[:1] != b"{":  # (as pricing reads it: classifiers.pricing, pass-through)
             return None, None
         try:

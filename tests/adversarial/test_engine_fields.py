@@ -198,3 +198,21 @@ async def test_a_pass_through_body_only_a_laxer_json_parser_reads_is_refused_not
         r = await c.post(gw.url + "/v1/rerank", content=raw.encode())
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
     assert stub.requests == []
+
+
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16-be", "utf-16-le", "utf-16", "utf-32-be", "utf-32"])
+async def test_a_pass_through_json_body_in_another_encoding_is_refused_not_forwarded_unchecked(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory, encoding: str
+) -> None:
+    # Python's json.loads(bytes) reads a byte-order mark and UTF-16/32 (FastAPI hands it the raw
+    # body); orjson reads neither, so such a body skipped every check of its fields.
+    stub, url = stub_backend
+    gw = await gateway_factory(config(url))
+    raw = '{"model": "stub-model", "query": "q", "documents": ["a"], "kv_transfer_params": {"a": 1}}'
+    async with httpx.AsyncClient(
+        headers={"authorization": "Bearer k", "content-type": "application/json"}
+    ) as c:
+        r = await c.post(gw.url + "/v1/rerank", content=raw.encode(encoding))
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+        assert "UTF-8" in r.json()["error"]["message"]
+    assert stub.requests == []
