@@ -558,6 +558,8 @@ class Gateway:
     async def _metrics(self, request: Request) -> Response:
         snapshot = await self.store.snapshot()
         self.metrics.in_flight_requests.set(len(self.exchanges))
+        if self._proxy is not None:
+            self.metrics.held_body_bytes.set(self._proxy.held.total)
         self.metrics.update_state(snapshot, self.router.backends, [t.name for t in self.config.tiers])
         used = self._used_tokens()
         for pool in self.router.pools:

@@ -580,6 +580,8 @@ def _limits(v: Any) -> LimitsConfig:
         "body_timeout_s",
         "body_idle_timeout_s",
         "max_connections",
+        "max_held_body_bytes",
+        "max_held_body_bytes_per_tenant",
         "refused_fields",
         "private_headers",
     )
@@ -592,6 +594,10 @@ def _limits(v: Any) -> LimitsConfig:
         body_timeout_s=positive_number(m, "body_timeout_s", "limits", d.body_timeout_s),
         body_idle_timeout_s=positive_number(m, "body_idle_timeout_s", "limits", d.body_idle_timeout_s),
         max_connections=integer(m, "max_connections", "limits", d.max_connections, minimum=1),
+        max_held_body_bytes=integer(m, "max_held_body_bytes", "limits", d.max_held_body_bytes, minimum=0),
+        max_held_body_bytes_per_tenant=integer(
+            m, "max_held_body_bytes_per_tenant", "limits", d.max_held_body_bytes_per_tenant, minimum=0
+        ),
         refused_fields=d.refused_fields
         if m.get("refused_fields") is None
         else string_list(m, "refused_fields", "limits"),

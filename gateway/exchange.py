@@ -86,6 +86,7 @@ class Exchange:
     content_length: int = -1
     max_wait_s: float = 0.0
     private_headers: HeaderNames = NO_HEADERS  # the serving stack's: kept out of the answer too
+    held_body: int = 0  # bytes of body it holds in the process's HeldBodies
     # read, price
     raw: bytes = b""
     body: dict[str, Any] | None = None  # parsed JSON object (priced routes; pass-through if JSON)

@@ -343,6 +343,11 @@ class GatewayMetrics:
         self.in_flight_requests = Gauge(
             "tokengate_requests_in_flight", "Requests inside the gateway now", registry=r
         )
+        self.held_body_bytes = Gauge(
+            "tokengate_held_body_bytes",
+            "Bytes of request bodies this process holds now (limits.max_held_body_bytes)",
+            registry=r,
+        )
         self.draining = Gauge("tokengate_draining", "1 while the gateway is draining", registry=r)
         self.prefill_gates = PrefillGateCollector()
         r.register(self.prefill_gates)

@@ -34,6 +34,7 @@ from gateway.cache_salt import tenant_cache_salt
 from gateway.config import TenantConfig
 from gateway.errors import AnswerCut, ApiError, from_admission
 from gateway.exchange import CancelReason, Exchange, Phase, Placement, Receive, RouteKind, Scope, Send
+from gateway.held_bodies import HeldBodies
 from gateway.passthrough import PassthroughRoute
 from gateway.relay import UPSTREAM_ERRORS, Grow, relay_raw, relay_sse, relay_whole, upstream_failed
 from gateway.requestid import from_client, new_id
@@ -207,6 +208,8 @@ class Proxy:
         self.observer = gw.observer
         self._demand_pools: dict[tuple[str, str, str | None], tuple[str, ...]] = {}
         self._urls: dict[tuple[int, bytes], URL] = {}
+        limits = gw.config.limits  # (a restart-only section: one count for the process's life)
+        self.held = HeldBodies(limits.max_held_body_bytes, limits.max_held_body_bytes_per_tenant)
         self.bind(gw)
 
     def bind(self, gw: Gateway) -> None:
@@ -273,6 +276,9 @@ class Proxy:
             rec.outcome = "internal_error"
         finally:
             self.exchanges.discard(x)
+            if x.held_body and x.tenant is not None:
+                self.held.give_back(x.tenant.name, x.held_body)
+                x.held_body = 0
             self._finish(x, perf_counter())
 
     async def _steps(self, x: Exchange) -> None:
@@ -284,8 +290,18 @@ class Proxy:
             )
         self.authenticate(x)
         self._refuse_if_draining()
+        tenant = x.tenant
+        assert tenant is not None
+        # The body's bytes are held from before it is read until the request ends: a 429 or 503 now,
+        # while nothing is read or held, rather than a process out of memory.
+        n = x.content_length
+        expected = n if 0 <= n <= self.max_body else 0 if n > self.max_body else self.max_body  # (>: a 413)
+        self.held.take(tenant.name, expected, open_mode=self.open_mode)
+        x.held_body = expected
         signals = request_signals(x.scope)
         await self.read(x, signals)
+        self.held.resize(tenant.name, x.held_body, len(x.raw))
+        x.held_body = min(x.held_body, len(x.raw))
         # A hang-up from here on cancels the request (and with it the upstream call): told by the
         # gateway's own HTTP server, else seen by a task waiting on receive().
         watcher = None
