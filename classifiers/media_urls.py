@@ -41,6 +41,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from dataclasses import dataclass
+from typing import Any
 
 DEFAULT_SCHEMES: tuple[str, ...] = ("data", "http", "https")
 
@@ -74,6 +75,11 @@ class MediaUrls:
     schemes: tuple[str, ...] = DEFAULT_SCHEMES
     hosts: tuple[str, ...] = ()  # when set, the only http(s) hosts allowed: "name" or "*.name"
     private_hosts: bool = False  # True: private addresses and internal names allowed (no `hosts`)
+    # The gateway fetches allowed http(s) media itself and sends it inline (gateway/media_fetch.py):
+    # names resolved once and checked, redirects checked, at most this many bytes within this time.
+    fetch: bool = False
+    fetch_max_bytes: int = 10 * 1024 * 1024
+    fetch_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         for scheme in self.schemes:
@@ -149,7 +155,13 @@ def media_urls_in(value: object, limit: int) -> list[tuple[str, object]]:
     """(where, URL) of every media reference in a parsed JSON ``value`` of unknown shape: the value
     of a `MEDIA_KEYS` key, a string (or anything else), a list of them, or an object whose ``url`` it
     is. Visits at most ``limit`` elements (0: no bound), else raises `TooManyElements`."""
-    found: list[tuple[str, object]] = []
+    return [(where, holder[key]) for where, holder, key in media_refs(value, limit)]
+
+
+def media_refs(value: object, limit: int) -> list[tuple[str, Any, Any]]:
+    """As `media_urls_in`, each reference as (where, holder, key): its value is ``holder[key]``, so
+    it can be replaced in place. Iterative: a body nested as deep as JSON allows is no recursion."""
+    found: list[tuple[str, Any, Any]] = []
     stack: list[tuple[str, object]] = [("", value)]
     visited = 0
     while stack:
@@ -161,14 +173,18 @@ def media_urls_in(value: object, limit: int) -> list[tuple[str, object]]:
             for key, item in v.items():
                 at = f"{where}.{key}" if where else str(key)
                 if key in MEDIA_KEYS:
-                    items = item if isinstance(item, list) else [item]
-                    for i, one in enumerate(items):
-                        here = f"{at}[{i}]" if isinstance(item, list) else at
+                    refs: list[tuple[str, Any, Any]]
+                    if isinstance(item, list):
+                        refs = [(f"{at}[{i}]", item, i) for i in range(len(item))]
+                    else:
+                        refs = [(at, v, key)]
+                    for here, holder, k in refs:
+                        one = holder[k]
                         if isinstance(one, dict):
                             if "url" in one:
-                                found.append((f"{here}.url", one["url"]))
+                                found.append((f"{here}.url", one, "url"))
                         elif one is not None:
-                            found.append((here, one))
+                            found.append((here, holder, k))
                 elif isinstance(item, dict | list):
                     stack.append((at, item))
         elif isinstance(v, list):

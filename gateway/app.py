@@ -334,6 +334,8 @@ class Gateway:
         await self.control.close()
         if self.session is not None:
             await self.session.close()
+        if self._proxy is not None:
+            await self._proxy.media.close()
         await self.store.close()
         self.pricer.close()
 

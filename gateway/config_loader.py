@@ -615,7 +615,9 @@ def _private_headers(m: Mapping[str, Any], default: tuple[str, ...]) -> tuple[st
 
 def _media_urls(v: Any) -> MediaUrls:
     where = "pricing.media_urls"
-    m = section(v, where, ("schemes", "hosts", "private_hosts"))
+    m = section(
+        v, where, ("schemes", "hosts", "private_hosts", "fetch", "fetch_max_bytes", "fetch_timeout_s")
+    )
     d = MediaUrls()
     schemes = d.schemes if m.get("schemes") is None else string_list(m, "schemes", where)
     hosts = string_list(m, "hosts", where)
@@ -634,7 +636,14 @@ def _media_urls(v: Any) -> MediaUrls:
         raise ConfigError(
             f"{where}: set hosts or private_hosts, not both (with hosts listed, only they are fetched)"
         )
-    return MediaUrls(schemes=schemes, hosts=hosts, private_hosts=private)
+    return MediaUrls(
+        schemes=schemes,
+        hosts=hosts,
+        private_hosts=private,
+        fetch=boolean(m, "fetch", where, d.fetch),
+        fetch_max_bytes=integer(m, "fetch_max_bytes", where, d.fetch_max_bytes, minimum=1),
+        fetch_timeout_s=positive_number(m, "fetch_timeout_s", where, d.fetch_timeout_s),
+    )
 
 
 _PRICED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/models")

@@ -35,6 +35,7 @@ from gateway.config import TenantConfig
 from gateway.errors import AnswerCut, ApiError, from_admission
 from gateway.exchange import CancelReason, Exchange, Phase, Placement, Receive, RouteKind, Scope, Send
 from gateway.held_bodies import HeldBodies
+from gateway.media_fetch import MediaFetcher
 from gateway.passthrough import PassthroughRoute
 from gateway.relay import UPSTREAM_ERRORS, Grow, relay_raw, relay_sse, relay_whole, upstream_failed
 from gateway.requestid import from_client, new_id
@@ -210,6 +211,7 @@ class Proxy:
         self._urls: dict[tuple[int, bytes], URL] = {}
         limits = gw.config.limits  # (a restart-only section: one count for the process's life)
         self.held = HeldBodies(limits.max_held_body_bytes, limits.max_held_body_bytes_per_tenant)
+        self.media = MediaFetcher(lambda: self.pricer.settings.media_urls)
         self.bind(gw)
 
     def bind(self, gw: Gateway) -> None:
@@ -427,6 +429,7 @@ class Proxy:
                 named = x.body.get("model")
                 if isinstance(named, str) and not may_use(tenant, named):
                     raise self._unknown_model(named, tenant)  # (its models bound pass-through routes too)
+                await self._inline_media(x, x.body)
                 try:
                     self.pricer.check_passthrough_media(x.raw, x.body)
                 except InvalidRequest as exc:
@@ -460,6 +463,7 @@ class Proxy:
             # (one answer for both: which models exist for other tenants is not this one's to learn)
             raise self._unknown_model(model, tenant)
         x.body, x.model = body, model
+        await self._inline_media(x, body)
         ctx = self.models.context_length(model)
         p = self.pricer
         try:
@@ -485,6 +489,14 @@ class Proxy:
             server_tools.check(tenant.server_tools, body)
         # (after pricing: a priced field nested too deep gets pricing's 400, which names the field)
         x.sent = _serialized(body)
+
+    async def _inline_media(self, x: Exchange, body: dict[str, Any]) -> None:
+        """With ``pricing.media_urls.fetch``, the body's http(s) media fetched by the gateway and sent
+        inline (gateway/media_fetch.py); the bytes count as the request's held body."""
+        fetched = await self.media.inline(body, self.pricer.settings.max_items)
+        if fetched and x.tenant is not None:
+            self.held.take(x.tenant.name, fetched, open_mode=self.open_mode)
+            x.held_body += fetched
 
     def _refuse_engine_fields(self, body: dict[str, Any]) -> None:
         """A top-level field in ``limits.refused_fields`` (config.ENGINE_INTERNAL_FIELDS by default:

@@ -1,0 +1,165 @@
+"""The gateway fetches a request's media itself, so the engine fetches nothing (``pricing.media_urls.fetch``).
+
+`classifiers.media_urls` checks a media URL as written; two things it cannot see are where a public
+name resolves (``127.0.0.1.nip.io``, a name rebound between two lookups) and where a public URL
+redirects, and an engine that fetches follows both. With ``fetch: true`` the gateway fetches every
+http(s) media URL an allowed request carries, before it is priced, and sends the engine the bytes
+as a ``data:`` URL instead:
+
+* every address a name resolves to must be public (unless the host is listed in ``hosts`` or
+  ``private_hosts`` is on), and the connection goes to the address that was checked: the check is
+  the resolver of the fetcher's own connection pool, so nothing resolves the name a second time;
+* a redirect is followed (at most ``_MOST_REDIRECTS``) only to a URL the policy allows, through the
+  same resolver; cookies are neither sent nor kept;
+* at most ``fetch_max_bytes`` per URL, within ``fetch_timeout_s``; the fetched bytes count against
+  the request's held body bytes (gateway/held_bodies.py);
+* a failure is a 400 ``media_fetch_failed`` naming the part and, in a few words, why (the status,
+  a timeout, a private address), never the exception's text.
+
+An inlined image is then priced by its real size, where a remote one was priced at the most.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import ipaddress
+import socket
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urljoin
+
+import aiohttp
+from aiohttp.abc import AbstractResolver, ResolveResult
+
+from classifiers.media_urls import MediaUrls, TooManyElements, media_refs
+from gateway.errors import ApiError
+
+_MOST_REDIRECTS = 3
+_REDIRECTS = frozenset((301, 302, 303, 307, 308))
+
+
+class PrivateAddress(OSError):
+    """A media host resolved to an address outside the public internet."""
+
+
+class CheckedResolver(AbstractResolver):
+    """Resolves with ``inner`` and refuses a name any of whose addresses is not public, unless the
+    policy allows private hosts or lists the name."""
+
+    def __init__(self, policy: Callable[[], MediaUrls], inner: AbstractResolver | None = None) -> None:
+        self._policy = policy
+        self._inner = inner or aiohttp.ThreadedResolver()
+
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
+        found = await self._inner.resolve(host, port, family)
+        policy = self._policy()
+        if policy.private_hosts or host.lower().rstrip(".") in policy.hosts:
+            return found
+        for r in found:
+            ip = ipaddress.ip_address(r["host"])
+            mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+            if not (mapped or ip).is_global or (mapped or ip).is_multicast:
+                raise PrivateAddress(f"{host} resolves to a private address")
+        return found
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+
+class MediaFetcher:
+    """Inlines the http(s) media of request bodies (module docstring). ``policy`` is read per call:
+    the pricing section applies live."""
+
+    def __init__(self, policy: Callable[[], MediaUrls], resolver: AbstractResolver | None = None) -> None:
+        self._policy = policy
+        self._resolver = resolver
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(
+                limit=64, resolver=CheckedResolver(self._policy, self._resolver), use_dns_cache=False
+            )
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                cookie_jar=aiohttp.DummyCookieJar(),
+                trust_env=False,
+                auto_decompress=True,
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def inline(self, body: dict[str, Any], limit: int) -> int:
+        """Replace each fetchable http(s) media URL in ``body`` by a data: URL of its bytes; the
+        number of bytes fetched. Media the policy refuses is left for pricing to refuse.
+        ``limit``: the most elements looked at (pricing.max_items)."""
+        policy = self._policy()
+        if not policy.fetch:
+            return 0
+        try:
+            found = media_refs(body, limit)
+        except TooManyElements:
+            return 0  # (pricing refuses such a body)
+        targets = [
+            (where, holder, key)
+            for where, holder, key in found
+            if isinstance(url := holder[key], str)
+            and url[:5].lower() in ("http:", "https")
+            and policy.problem(url) is None
+        ]
+        if not targets:
+            return 0
+        fetched = await asyncio.gather(*(self._fetch(h[k], where, policy) for where, h, k in targets))
+        for (_, holder, key), data_url in zip(targets, fetched, strict=True):
+            holder[key] = data_url
+        return sum(len(v) for v in fetched)
+
+    async def _fetch(self, url: str, where: str, policy: MediaUrls) -> str:
+        try:
+            async with asyncio.timeout(policy.fetch_timeout_s):
+                for _ in range(_MOST_REDIRECTS + 1):
+                    async with self._client().get(url, allow_redirects=False) as resp:
+                        if resp.status in _REDIRECTS and "location" in resp.headers:
+                            url = urljoin(url, resp.headers["location"])
+                            why = policy.problem(url)
+                            if why is not None:
+                                raise _failed(where, f"it redirects to a URL that {why}")
+                            continue
+                        if resp.status != 200:
+                            raise _failed(where, f"its server answered HTTP {resp.status}")
+                        data = await resp.content.read(policy.fetch_max_bytes + 1)
+                        if len(data) > policy.fetch_max_bytes:
+                            raise _failed(
+                                where,
+                                f"it is larger than {policy.fetch_max_bytes:,} bytes (pricing.media_urls.fetch_max_bytes)",
+                            )
+                        kind = (
+                            resp.headers.get("content-type", "application/octet-stream").split(";")[0].strip()
+                        )
+                        return f"data:{kind or 'application/octet-stream'};base64,{base64.b64encode(data).decode()}"
+                raise _failed(where, f"it redirects more than {_MOST_REDIRECTS} times")
+        except ApiError:
+            raise
+        except TimeoutError:
+            raise _failed(where, f"it did not arrive within {policy.fetch_timeout_s:g} s") from None
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
+            # (aiohttp wraps what the resolver raised in its connector error)
+            inner = getattr(exc, "os_error", None) or exc.__cause__
+            if isinstance(exc, PrivateAddress) or isinstance(inner, PrivateAddress):
+                raise _failed(where, "its host resolves to a private address") from None
+            raise _failed(where, "its host could not be reached") from None
+
+
+def _failed(where: str, why: str) -> ApiError:
+    return ApiError(
+        400,
+        f"{where}: the gateway could not fetch this media: {why}; send it inline as a data: URL",
+        param=where,
+        code="media_fetch_failed",
+    )

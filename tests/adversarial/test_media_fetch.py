@@ -1,0 +1,207 @@
+"""With ``pricing.media_urls.fetch`` the gateway fetches media itself and the engine fetches nothing.
+
+What a URL check cannot see — where a name resolves, where a URL redirects — is checked where the
+gateway connects: its resolver refuses private addresses and the connection goes to the address it
+checked; every redirect is checked as a URL. Over real sockets: an image server and an "internal
+service" on loopback; the backend receives data: URLs only; an image is priced by its real size."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from aiohttp.abc import AbstractResolver, ResolveResult
+from PIL import Image
+
+from classifiers.media_urls import MediaUrls
+from gateway.errors import ApiError
+from gateway.media_fetch import CheckedResolver, MediaFetcher, PrivateAddress
+from tests.conftest import GatewayFactory, Receive, Scope, Send, StubBackend, serve_asgi, stub_pools
+
+
+def png(side: int) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (side, side)).save(out, format="PNG")
+    return out.getvalue()
+
+
+class Images:
+    """/cat.png (64 x 64), /big (too large), /slow, /to-internal (a redirect), /secret (internal)."""
+
+    def __init__(self) -> None:
+        self.hits: list[str] = []
+        self.port = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        path = scope["path"]
+        self.hits.append(path)
+        status, headers, data = 200, [(b"content-type", b"image/png")], png(64)
+        if path == "/big":
+            data = b"\x89PNG" + b"\x00" * 60_000
+        elif path == "/slow":
+            await asyncio.sleep(3)
+        elif path == "/to-internal":
+            status, headers, data = 302, [(b"location", f"http://localhost:{self.port}/secret".encode())], b""
+        elif path == "/missing":
+            status, data = 404, b"no"
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": data})
+
+
+@pytest.fixture
+async def images() -> AsyncIterator[Images]:
+    app = Images()
+    served = await serve_asgi(app)
+    app.port = int(served.url.rsplit(":", 1)[1])
+    try:
+        yield app
+    finally:
+        await served.stop()
+
+
+def config(url: str, **media: Any) -> dict[str, Any]:
+    policy = {"fetch": True, "hosts": ["127.0.0.1"], "fetch_max_bytes": 50_000, "fetch_timeout_s": 1, **media}
+    return {
+        "pools": stub_pools(url, capacity=200_000),
+        "tenants": {"t": {"keys": ["k"], "budget_tokens": 100_000}},
+        "models": {"stub-model": {"images": {"patch_pixels": 28, "max_pixels": 12_845_056}}},
+        "pricing": {"media_urls": policy},
+    }
+
+
+def chat(url: str) -> dict[str, Any]:
+    parts = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": url}}]
+    return {"model": "stub-model", "max_tokens": 5, "messages": [{"role": "user", "content": parts}]}
+
+
+async def test_the_engine_gets_the_bytes_and_the_image_is_priced_by_its_real_size(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory, images: Images
+) -> None:
+    stub, url = stub_backend
+    gw = await gateway_factory(config(url))
+    remote = f"http://127.0.0.1:{images.port}/cat.png"
+    async with httpx.AsyncClient(base_url=gw.url, headers={"authorization": "Bearer k"}, timeout=30) as c:
+        r = await c.post("/v1/chat/completions", json=chat(remote))
+        assert r.status_code == 200, r.text
+        assert int(r.headers["x-tokengate-cost"]) < 100  # a 64 x 64 image; a URL cost the most (16,386)
+        responses = {
+            "model": "stub-model",
+            "max_output_tokens": 5,
+            "input": [{"role": "user", "content": [{"type": "input_image", "image_url": remote}]}],
+        }
+        assert (await c.post("/v1/responses", json=responses)).status_code == 200
+    sent = [
+        stub.requests[0].body["messages"][0]["content"][1]["image_url"]["url"],
+        stub.requests[1].body["input"][0]["content"][0]["image_url"],
+    ]
+    for data_url in sent:
+        assert data_url.startswith("data:image/png;base64,")
+        assert base64.b64decode(data_url.split(",", 1)[1]) == png(64)
+    assert images.hits == ["/cat.png", "/cat.png"]
+    assert await gw.wait_idle() == {name: 0 for name in await gw.in_flight()}
+
+
+@pytest.mark.parametrize(
+    ("path", "why"),
+    [
+        ("/to-internal", "redirects to a URL that names the host localhost"),
+        ("/missing", "answered HTTP 404"),
+        ("/big", "larger than 50,000 bytes"),
+        ("/slow", "did not arrive within 1 s"),
+    ],
+)
+async def test_a_fetch_that_fails_is_a_400_naming_why_and_nothing_is_forwarded(
+    stub_backend: tuple[StubBackend, str],
+    gateway_factory: GatewayFactory,
+    images: Images,
+    path: str,
+    why: str,
+) -> None:
+    stub, url = stub_backend
+    gw = await gateway_factory(config(url))
+    async with httpx.AsyncClient(base_url=gw.url, headers={"authorization": "Bearer k"}, timeout=30) as c:
+        r = await c.post("/v1/chat/completions", json=chat(f"http://127.0.0.1:{images.port}{path}"))
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "media_fetch_failed" and why in error["message"], error
+    assert error["param"] == "messages[0].content[1].image_url.url"
+    assert "/secret" not in images.hits and stub.requests == []
+    assert gw.app._proxy.held.total == 0
+
+
+async def test_an_unreachable_host_is_a_400_without_the_exception_text(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
+) -> None:
+    _, url = stub_backend
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    gw = await gateway_factory(config(url))
+    async with httpx.AsyncClient(base_url=gw.url, headers={"authorization": "Bearer k"}, timeout=30) as c:
+        r = await c.post("/v1/chat/completions", json=chat(f"http://127.0.0.1:{free}/cat.png"))
+    assert r.status_code == 400 and "could not be reached" in r.json()["error"]["message"]
+    assert "Errno" not in r.text and "Connect call failed" not in r.text
+
+
+class FakeDNS(AbstractResolver):
+    """A name's records, which a test cannot create in real DNS."""
+
+    def __init__(self, records: dict[str, str]) -> None:
+        self.records = records
+
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
+        ip = self.records[host]
+        return [{"hostname": host, "host": ip, "port": port, "family": family, "proto": 0, "flags": 0}]
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_a_public_name_that_resolves_inside_is_refused_where_the_gateway_connects(
+    images: Images,
+) -> None:
+    dns = FakeDNS({"cdn.example.com": "127.0.0.1"})
+    url = f"http://cdn.example.com:{images.port}/cat.png"
+    body = chat(url)
+    fetcher = MediaFetcher(lambda: MediaUrls(fetch=True), dns)
+    try:
+        with pytest.raises(ApiError) as err:
+            await fetcher.inline(body, 1000)
+        assert err.value.code == "media_fetch_failed" and "resolves to a private address" in err.value.message
+        assert images.hits == []
+        # Listed, the same name is fetched: from the address the resolver gave, nothing else.
+        listed = MediaFetcher(lambda: MediaUrls(fetch=True, hosts=("cdn.example.com",)), dns)
+        try:
+            assert await listed.inline(body, 1000) > 0
+        finally:
+            await listed.close()
+        assert body["messages"][0]["content"][1]["image_url"]["url"].startswith("data:image/png;base64,")
+        assert images.hits == ["/cat.png"]
+    finally:
+        await fetcher.close()
+
+
+async def test_the_checked_resolver_refuses_any_private_answer_unless_allowed() -> None:
+    dns = FakeDNS(
+        {"a.example.com": "93.184.215.14", "b.example.com": "::ffff:192.168.0.1", "c.example.com": "fd00::1"}
+    )
+    checked = CheckedResolver(lambda: MediaUrls(), dns)
+    assert (await checked.resolve("a.example.com", 80))[0]["host"] == "93.184.215.14"
+    for name in ("b.example.com", "c.example.com"):
+        with pytest.raises(PrivateAddress):
+            await checked.resolve(name, 80)
+    allowed = CheckedResolver(lambda: MediaUrls(private_hosts=True), dns)
+    assert (await allowed.resolve("b.example.com", 80))[0]["host"] == "::ffff:192.168.0.1"
