@@ -39,6 +39,10 @@ _MOST_REDIRECTS = 3
 _REDIRECTS = frozenset((301, 302, 303, 307, 308))
 
 
+def _no_hold(n: int) -> None:
+    pass
+
+
 class PrivateAddress(OSError):
     """A media host resolved to an address outside the public internet."""
 
@@ -95,10 +99,12 @@ class MediaFetcher:
         if self._session is not None:
             await self._session.close()
 
-    async def inline(self, body: dict[str, Any], limit: int) -> int:
+    async def inline(self, body: dict[str, Any], limit: int, hold: Callable[[int], None] = _no_hold) -> int:
         """Replace each fetchable http(s) media URL in ``body`` by a data: URL of its bytes; the
-        number of bytes fetched. Media the policy refuses is left for pricing to refuse.
-        ``limit``: the most elements looked at (pricing.max_items)."""
+        number of bytes sent inline. Media the policy refuses is left for pricing to refuse.
+        ``limit``: the most elements looked at (pricing.max_items). ``hold(n)``: called with the most
+        the fetches can bring (``fetch_max_bytes`` each, as base64) before any starts, and may
+        refuse; the caller gives back what that is above the number returned."""
         policy = self._policy()
         if not policy.fetch:
             return 0
@@ -115,7 +121,13 @@ class MediaFetcher:
         ]
         if not targets:
             return 0
-        fetched = await asyncio.gather(*(self._fetch(h[k], where, policy) for where, h, k in targets))
+        hold(most_inline(len(targets), policy.fetch_max_bytes))
+        try:  # (the first failure cancels the other fetches)
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self._fetch(h[k], where, policy)) for where, h, k in targets]
+        except* ApiError as failed:
+            raise failed.exceptions[0] from None
+        fetched = [t.result() for t in tasks]
         for (_, holder, key), data_url in zip(targets, fetched, strict=True):
             holder[key] = data_url
         return sum(len(v) for v in fetched)
@@ -154,6 +166,11 @@ class MediaFetcher:
             if isinstance(exc, PrivateAddress) or isinstance(inner, PrivateAddress):
                 raise _failed(where, "its host resolves to a private address") from None
             raise _failed(where, "its host could not be reached") from None
+
+
+def most_inline(urls: int, max_bytes: int) -> int:
+    """The most bytes ``urls`` fetches of at most ``max_bytes`` each become inline (base64, header)."""
+    return urls * ((max_bytes + 2) // 3 * 4 + 64)
 
 
 def _failed(where: str, why: str) -> ApiError:

@@ -492,11 +492,21 @@ class Proxy:
 
     async def _inline_media(self, x: Exchange, body: dict[str, Any]) -> None:
         """With ``pricing.media_urls.fetch``, the body's http(s) media fetched by the gateway and sent
-        inline (gateway/media_fetch.py); the bytes count as the request's held body."""
-        fetched = await self.media.inline(body, self.pricer.settings.max_items)
-        if fetched and x.tenant is not None:
-            self.held.take(x.tenant.name, fetched, open_mode=self.open_mode)
-            x.held_body += fetched
+        inline (gateway/media_fetch.py); the most the fetches can bring is held before they start
+        (a 429 / 503 past the limits), then what they brought."""
+        tenant = x.tenant
+        assert tenant is not None
+        before = x.held_body
+
+        def hold(n: int) -> None:
+            self.held.take(tenant.name, n, open_mode=self.open_mode)
+            x.held_body += n
+
+        inline = await self.media.inline(body, self.pricer.settings.max_items, hold)
+        held_for_media = x.held_body - before
+        if held_for_media > inline:
+            self.held.give_back(tenant.name, held_for_media - inline)
+            x.held_body = before + inline
 
     def _refuse_engine_fields(self, body: dict[str, Any]) -> None:
         """A top-level field in ``limits.refused_fields`` (config.ENGINE_INTERNAL_FIELDS by default:

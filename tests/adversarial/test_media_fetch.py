@@ -205,3 +205,17 @@ async def test_the_checked_resolver_refuses_any_private_answer_unless_allowed() 
             await checked.resolve(name, 80)
     allowed = CheckedResolver(lambda: MediaUrls(private_hosts=True), dns)
     assert (await allowed.resolve("b.example.com", 80))[0]["host"] == "::ffff:192.168.0.1"
+
+
+async def test_what_fetches_may_bring_is_held_before_they_start(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory, images: Images
+) -> None:
+    stub, url = stub_backend
+    cfg = config(url)
+    cfg["limits"] = {"max_held_body_bytes_per_tenant": 60_000}  # below one fetch's 50,000 as base64
+    gw = await gateway_factory(cfg)
+    async with httpx.AsyncClient(base_url=gw.url, headers={"authorization": "Bearer k"}, timeout=30) as c:
+        r = await c.post("/v1/chat/completions", json=chat(f"http://127.0.0.1:{images.port}/cat.png"))
+    assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_body_bytes", r.text
+    assert images.hits == [] and stub.requests == []
+    assert gw.app._proxy.held.total == 0

@@ -265,7 +265,10 @@ def test_example_configs_load() -> None:
         ({"pricing": {"media_urls": ["data"]}}, "pricing.media_urls: expected a mapping"),
         ({"pricing": {"media_urls": {"fetch": "yes"}}}, "pricing.media_urls.fetch: expected true or false"),
         ({"pricing": {"media_urls": {"fetch_max_bytes": 0}}}, "pricing.media_urls.fetch_max_bytes: expected"),
-        ({"pricing": {"media_urls": {"fetch_timeout_s": -1}}}, "pricing.media_urls.fetch_timeout_s: expected"),
+        (
+            {"pricing": {"media_urls": {"fetch_timeout_s": -1}}},
+            "pricing.media_urls.fetch_timeout_s: expected",
+        ),
     ],
 )
 def test_errors_name_the_field(data: object, message: str) -> None:
