@@ -429,11 +429,11 @@ class Proxy:
                 named = x.body.get("model")
                 if isinstance(named, str) and not may_use(tenant, named):
                     raise self._unknown_model(named, tenant)  # (its models bound pass-through routes too)
-                await self._inline_media(x, x.body)
                 try:
                     self.pricer.check_passthrough_media(x.raw, x.body)
                 except InvalidRequest as exc:
                     raise ApiError(400, exc.message, param=exc.param, code=exc.code) from None
+                await self._inline_media(x, x.body)
                 x.sent = _serialized(x.body)
             x.cost = await self.pricer.aprice_passthrough(
                 x.raw,
@@ -463,6 +463,8 @@ class Proxy:
             # (one answer for both: which models exist for other tenants is not this one's to learn)
             raise self._unknown_model(model, tenant)
         x.body, x.model = body, model
+        if x.kind is RouteKind.RESPONSES:
+            server_tools.check(tenant.server_tools, body)
         await self._inline_media(x, body)
         ctx = self.models.context_length(model)
         p = self.pricer
@@ -485,8 +487,6 @@ class Proxy:
                 )
         except InvalidRequest as exc:
             raise ApiError(400, exc.message, param=exc.param, code=exc.code) from None
-        if x.kind is RouteKind.RESPONSES:
-            server_tools.check(tenant.server_tools, body)
         # (after pricing: a priced field nested too deep gets pricing's 400, which names the field)
         x.sent = _serialized(body)
 
