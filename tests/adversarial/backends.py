@@ -11,7 +11,8 @@ import orjson
 from tests.conftest import Receive, Scope, Send
 
 
-async def _lifespan(receive: Receive, send: Send) -> None:
+async def lifespan(receive: Receive, send: Send) -> None:
+    """Answer an ASGI lifespan conversation: started, then stopped."""
     while (await receive())["type"] != "lifespan.shutdown":
         await send({"type": "lifespan.startup.complete"})
     await send({"type": "lifespan.shutdown.complete"})
@@ -42,7 +43,7 @@ class _Backend:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            await lifespan(receive, send)
             return
         if scope["path"] == "/v1/models":
             await _json(send, 200, {"data": [{"id": "stub-model"}]})

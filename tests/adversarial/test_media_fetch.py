@@ -22,6 +22,7 @@ from PIL import Image
 from classifiers.media_urls import MediaUrls
 from gateway.errors import ApiError
 from gateway.media_fetch import CheckedResolver, MediaFetcher, PrivateAddress
+from tests.adversarial.backends import lifespan
 from tests.conftest import GatewayFactory, Receive, Scope, Send, StubBackend, serve_asgi, stub_pools
 
 
@@ -40,9 +41,7 @@ class Images:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+            await lifespan(receive, send)
             return
         path = scope["path"]
         self.hits.append(path)

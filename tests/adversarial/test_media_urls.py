@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from gateway.config_loader import parse_config
-from tests.adversarial.backends import MediaFetching
+from tests.adversarial.backends import MediaFetching, lifespan
 from tests.conftest import GatewayFactory, Receive, Scope, Send, Served, serve_asgi, stub_pools
 
 AUTH = {"authorization": "Bearer k"}
@@ -31,9 +31,7 @@ class InternalService:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+            await lifespan(receive, send)
             return
         self.hits.append(scope["path"])
         await send(
