@@ -6,6 +6,10 @@ prompt or a chat history). `measure` returns them for the gateway's benchmark, w
 one-message chat costs through ``price_chat`` and through ``aprice_chat`` (its fast path: no
 thread hop; best of several runs).
 
+``--media N`` times what checking media URLs adds (classifiers/media_urls.py): a chat of ``N``
+remote-image parts, each URL a different public host, against the same chat with ``N`` data: URLs
+(the same parts, no host to check); microseconds per part, median of ``--rounds``.
+
 ``--tiny N`` measures a hostile shape instead: bodies of ``N`` tiny never-seen texts (completions
 prompts, chat content parts, chat messages), priced with ``aprice_*`` as the gateway does, while a
 1 ms ticker runs on the same loop: the body's size, the pricing's wall time and the longest time
@@ -197,6 +201,31 @@ def tiny(n: int, seed: int = 1, max_items: int | None = None) -> list[dict[str, 
         pricer.close()
 
 
+def media(n: int, rounds: int) -> dict[str, float]:
+    """Microseconds per part of pricing a chat of ``n`` remote-image parts and of ``n`` inline ones."""
+    pricer = Pricer(TokenizerRegistry(), PricingSettings(encode_threads=0))
+    limits: dict[str, Any] = {"default_max_tokens": 1, "max_tokens_limit": None, "context_length": 10**8}
+
+    def chat(urls: list[str]) -> dict[str, Any]:
+        parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+        return {"model": "m", "messages": [{"role": "user", "content": parts}]}
+
+    remote = chat([f"https://img{i}.cdn{i % 97}.example.com/a/b/{i}.png?size=large" for i in range(n)])
+    inline = chat(["data:image/png;base64,iVBORw0KGgo="] * n)
+    out: dict[str, float] = {}
+    try:
+        for name, body in (("remote_us", remote), ("inline_us", inline)):
+            times = []
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                pricer.price_chat(body, **limits)
+                times.append(time.perf_counter() - t0)
+            out[name] = statistics.median(times) / n * 1e6
+    finally:
+        pricer.close()
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m loadtest.bench.pricing", description=__doc__)
     parser.add_argument("--tokens", type=int, default=28_000)
@@ -204,6 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--tiny", type=int, metavar="N", help="price bodies of N tiny never-seen texts instead"
     )
+    parser.add_argument("--media", type=int, metavar="N", help="time the media-URL check on N parts instead")
     parser.add_argument(
         "--max-items",
         type=int,
@@ -213,6 +243,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.max_items is not None and args.max_items < 0:
         parser.error("--max-items must be 0 or more")
+    if args.media is not None:
+        if args.media < 1:
+            parser.error("--media must be at least 1")
+        m = media(args.media, args.rounds)
+        print(
+            f"price_chat, {args.media:,} image parts: {m['remote_us']:.2f} us per remote-URL part "
+            f"(its URL checked), {m['inline_us']:.2f} us per data: URL part (median of {args.rounds})"
+        )
+        return
     if args.tiny is not None:
         if args.tiny < 1:
             parser.error("--tiny must be at least 1")

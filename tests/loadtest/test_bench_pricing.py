@@ -41,3 +41,16 @@ def test_a_body_above_max_items_is_reported_refused(capsys: pytest.CaptureFixtur
     assert not any(r["refused"] for r in pricing.tiny(60, max_items=0))
     pricing.main(["--tiny", "60", "--max-items", "50"])
     assert capsys.readouterr().out.count("refused (pricing.max_items)") == 3
+
+
+def test_the_media_run_prices_remote_and_inline_parts_and_refuses_zero(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # (its remote hosts are all public: the run times checks that pass, never a refusal)
+    m = pricing.media(20, 2)
+    assert m["remote_us"] > 0 and m["inline_us"] > 0
+    pricing.main(["--media", "20", "--rounds", "2"])
+    assert "us per remote-URL part" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        pricing.main(["--media", "0"])
+    assert exc.value.code == 2 and "--media" in capsys.readouterr().err
