@@ -353,7 +353,14 @@ def _auth(api_key: str | None) -> list[tuple[str, str]]:
 
 
 def _broken_json(raw: bytes, rng: random.Random) -> tuple[str, bytes]:
-    kind = rng.randrange(7)
+    kind = rng.randrange(9)
+    if kind == 7:  # JSON Python's json reads and orjson does not (gateway/proxy.py, pass-through)
+        return "lax-json", raw.replace(
+            b'"hello', rng.choice([b"NaN", b"Infinity", b"1e400"]) + b', "x": "', 1
+        )
+    if kind == 8:
+        encoding = rng.choice(["utf-8-sig", "utf-16", "utf-16-be", "utf-32"])
+        return f"encoded-{encoding}", raw.decode("utf-8", "surrogatepass").encode(encoding, "surrogatepass")
     if kind == 0:
         return "truncated", raw[: rng.randrange(max(1, len(raw)))]
     if kind == 1:
@@ -404,7 +411,8 @@ def generate(seed: int, count: int, api_key: str | None = None) -> Iterator[Case
             yield Case(index, f"mutate {what}", _request("POST", route, _dumps(mutated), [json_ct, *auth]))
         elif family_roll < 0.45:
             what, raw = _broken_json(_dumps(body), rng)
-            yield Case(index, f"json {what}", _request("POST", route, raw, [json_ct, *auth]))
+            target = "/v1/rerank" if rng.random() < 0.3 else route  # (an allowed pass-through route)
+            yield Case(index, f"json {what} {target}", _request("POST", target, raw, [json_ct, *auth]))
         elif family_roll < 0.5:
             nested = dict(body)
             depth = rng.choice([64, 255, 256, 600, 990, 1023])

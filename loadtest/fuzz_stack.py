@@ -47,6 +47,8 @@ async def fuzz_stack(work_dir: Path | None = None, store: str = "memory") -> Asy
                 "vocab_size": 32_000,  # token ids checked against it (classifiers/pricing.py)
             }
         },
+        # a pass-through route: its JSON bodies are checked too (engine fields, media URLs, encodings)
+        "passthrough": {"routes": [{"method": "POST", "path": "/v1/rerank", "generates": False}]},
         "drain_timeout_s": 2,
         "admin": {"tokens_file": str(root / "tokens")},
     }
