@@ -66,6 +66,10 @@ _NUMERIC_LABEL = re.compile(r"(?:0[xX][0-9A-Fa-f]*|[0-9]+)\Z")
 # IPv6 prefixes that carry an IPv4 address which a translator reaches (RFC 6052 NAT64, RFC 3056 6to4).
 _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
 _NAT64_LOCAL = ipaddress.IPv6Network("64:ff9b:1::/48")
+# ...and the older forms that carry one in their last 32 bits: IPv4-compatible (RFC 4291, ::a.b.c.d;
+# deprecated, but a stack may still route it) and IPv4-translated (RFC 2765, ::ffff:0:a.b.c.d).
+_V4_COMPATIBLE = ipaddress.IPv6Network("::/96")
+_V4_TRANSLATED = ipaddress.IPv6Network("::ffff:0:0:0/96")
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,10 +258,22 @@ def _ipv4(labels: list[str]) -> ipaddress.IPv4Address | None:
 def _address_problem(ip: ipaddress.IPv4Address | ipaddress.IPv6Address, shown: str) -> str | None:
     if isinstance(ip, ipaddress.IPv6Address):
         inner: ipaddress.IPv4Address | None = ip.ipv4_mapped or ip.sixtofour
-        if inner is None and (ip in _NAT64 or ip in _NAT64_LOCAL):
+        carries = (
+            ip in _NAT64
+            or ip in _NAT64_LOCAL
+            or ip in _V4_TRANSLATED
+            or (ip in _V4_COMPATIBLE and int(ip) > 1)  # (:: and ::1 are themselves)
+        )
+        if inner is None and carries:
             inner = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
         if inner is not None and _address_problem(inner, "") is not None:
             return f"{shown}, which carries the private address {inner}"
     if not ip.is_global or ip.is_multicast:
         return f"{shown}, which is not a public address"
     return None
+
+
+def is_public(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Whether ``ip`` is a public address (nor carries a private IPv4 one): what a resolver's answer
+    for a media host must be (gateway/media_fetch.py)."""
+    return _address_problem(ip, "") is None

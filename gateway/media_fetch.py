@@ -32,7 +32,7 @@ from urllib.parse import urljoin
 import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
 
-from classifiers.media_urls import MediaUrls, TooManyElements, media_refs
+from classifiers.media_urls import MediaUrls, TooManyElements, is_public, media_refs
 from gateway.errors import ApiError
 
 _MOST_REDIRECTS = 3
@@ -63,9 +63,7 @@ class CheckedResolver(AbstractResolver):
         if policy.private_hosts or host.lower().rstrip(".") in policy.hosts:
             return found
         for r in found:
-            ip = ipaddress.ip_address(r["host"])
-            mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
-            if not (mapped or ip).is_global or (mapped or ip).is_multicast:
+            if not is_public(ipaddress.ip_address(r["host"])):
                 raise PrivateAddress(f"{host} resolves to a private address")
         return found
 

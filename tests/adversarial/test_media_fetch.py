@@ -195,11 +195,16 @@ async def test_a_public_name_that_resolves_inside_is_refused_where_the_gateway_c
 
 async def test_the_checked_resolver_refuses_any_private_answer_unless_allowed() -> None:
     dns = FakeDNS(
-        {"a.example.com": "93.184.215.14", "b.example.com": "::ffff:192.168.0.1", "c.example.com": "fd00::1"}
+        {
+            "a.example.com": "93.184.215.14",
+            "b.example.com": "::ffff:192.168.0.1",
+            "c.example.com": "fd00::1",
+            "d.example.com": "64:ff9b::a9fe:a9fe",
+        }
     )
     checked = CheckedResolver(lambda: MediaUrls(), dns)
     assert (await checked.resolve("a.example.com", 80))[0]["host"] == "93.184.215.14"
-    for name in ("b.example.com", "c.example.com"):
+    for name in ("b.example.com", "c.example.com", "d.example.com"):
         with pytest.raises(PrivateAddress):
             await checked.resolve(name, 80)
     allowed = CheckedResolver(lambda: MediaUrls(private_hosts=True), dns)

@@ -44,6 +44,8 @@ REFUSED = [
     ("http://[::ffff:7f00:1]/", "private address 127.0.0.1"),
     ("http://[64:ff9b::a9fe:a9fe]/", "private address 169.254.169.254"),  # NAT64
     ("http://[2002:c0a8:101::]/", "private address 192.168.1.1"),  # 6to4
+    ("http://[::127.0.0.1]/", "private address 127.0.0.1"),  # IPv4-compatible (deprecated)
+    ("http://[::ffff:0:a9fe:a9fe]/", "private address 169.254.169.254"),  # IPv4-translated
     ("http://localhost/", "single-label"),
     ("http://LocalHost./", "single-label"),
     ("http://redis:6379/", "single-label"),
