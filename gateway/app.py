@@ -189,6 +189,7 @@ class Gateway:
                 learned=lambda: self.reservations.learned(),
                 tight_pools=lambda: self.reservations.tight_pools(),
             ),
+            held_bodies=self._held_bodies,
         )
         self.draining = False
         self._drained = False
@@ -567,6 +568,12 @@ class Gateway:
         for pool in self.router.pools:
             self.metrics.pool_used.labels(pool).set(used.get(pool, 0))
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    def _held_bodies(self) -> tuple[int, int, dict[str, int]]:
+        if self._proxy is None:
+            return 0, self.config.limits.max_held_body_bytes, {}
+        held = self._proxy.held
+        return held.total, held.most, dict(held.by_tenant)
 
     def _used_tokens(self) -> dict[str, int]:
         """Per backend pool, the tokens requests in flight really occupy now: the prompt plus the

@@ -16,7 +16,7 @@ LEVELS = ("ok", "info", "warn", "crit")
 @dataclass(frozen=True, slots=True)
 class Finding:
     level: str  # ok | info | warn | crit
-    topic: str  # slo | hol | backend | one_server | kv | slots | split | queue | store
+    topic: str  # slo | hol | backend | one_server | kv | slots | split | queue | store | bodies
     text: str
 
     def as_dict(self) -> dict[str, str]:
@@ -40,6 +40,7 @@ def diagnose(stats: Mapping[str, Any]) -> list[Finding]:
     out += _backends(stats)
     out += _pools(stats)
     out += _split(stats)
+    out += _bodies(stats)
     out.sort(key=lambda f: -LEVELS.index(f.level))
     return out
 
@@ -54,6 +55,25 @@ def _store(stats: Mapping[str, Any]) -> list[Finding]:
             "store",
             f"the budget store is not answering ({err}): admissions fail closed (503) or fall back to "
             "the local budget, depending on store.fail_mode. Check Redis.",
+        )
+    ]
+
+
+def _bodies(stats: Mapping[str, Any]) -> list[Finding]:
+    held = stats.get("held_bodies")
+    if not held or not held.get("limit") or held["bytes"] < 0.8 * held["limit"]:
+        return []
+    top = held.get("top_tenants") or []
+    who = f"; most of it {top[0]['tenant']}'s ({top[0]['bytes']:,} bytes)" if top else ""
+    level = "crit" if held["bytes"] >= held["limit"] else "warn"
+    return [
+        Finding(
+            level,
+            "bodies",
+            f"request bodies held in this process: {held['bytes']:,} of {held['limit']:,} bytes "
+            f"(limits.max_held_body_bytes){who}. At the limit new requests get 503 overloaded; a "
+            "tenant at its share (limits.max_held_body_bytes_per_tenant) gets 429. Large or slow "
+            "uploads are held: raise the limits only with the process's memory (~3x the bodies).",
         )
     ]
 

@@ -114,6 +114,16 @@ class StatsSources:
     wall: Callable[[], float] = time.time
     backend_health: Callable[[], Sequence[BackendHealth]] | None = None
     reservations: ReservationSources | None = None
+    # Request bodies the process holds: (bytes now, the process's limit, per tenant) — gateway/held_bodies.py
+    held_bodies: Callable[[], tuple[int, int, Mapping[str, int]]] | None = None
+
+
+def _held_bodies(src: StatsSources) -> dict[str, Any] | None:
+    if src.held_bodies is None:
+        return None
+    total, most, by_tenant = src.held_bodies()
+    top = sorted(by_tenant.items(), key=lambda kv: -kv[1])[:5]
+    return {"bytes": total, "limit": most, "top_tenants": [{"tenant": t, "bytes": n} for t, n in top]}
 
 
 def _q(q: Quantiles) -> dict[str, float | None]:
@@ -391,6 +401,7 @@ async def build_stats(src: StatsSources) -> dict[str, Any]:
         "one_server": [p.as_dict() for p in _one_server(src)],
         "shape_thresholds": {"split_at": s.shape.split_at, "two_services_at": s.shape.two_services_at},
         "reservations": _reservations(src.reservations, snap),
+        "held_bodies": _held_bodies(src),
     }
     stats["findings"] = [f.as_dict() for f in diagnose(stats)]
     return stats

@@ -80,7 +80,16 @@ async def test_half_sent_bodies_are_held_and_bounded_per_tenant_and_per_process(
     assert held(gw) == (5 * SIZE, {"t": 2 * SIZE, "u": 2 * SIZE, "v": SIZE})
     async with httpx.AsyncClient() as ops:
         metrics = (await ops.get(gw.ops_url + "/metrics")).text
+        stats = (await ops.get(gw.ops_url + "/stats")).json()
     assert f"tokengate_held_body_bytes {5 * SIZE}.0" in metrics
+    assert stats["held_bodies"]["bytes"] == 5 * SIZE and stats["held_bodies"]["limit"] == 260_000
+    # The doctor names it (96 % of the limit), and who holds most.
+    [finding] = [f for f in stats["findings"] if f["topic"] == "bodies"]
+    assert (
+        finding["level"] == "warn"
+        and "250,000 of 260,000" in finding["text"]
+        and "'s (100,000 bytes)" in finding["text"]
+    )
     async with httpx.AsyncClient(base_url=gw.url, timeout=30) as c:
         post = c.post  # a whole request of the same size, sent at once
         r = await post("/v1/chat/completions", content=body(), headers={"authorization": "Bearer kt"})
