@@ -84,7 +84,10 @@ class ImageRule:
         """The cost of an image given by ``url`` (the part's URL string; anything else: the most)."""
         if self.tokens is not None or not isinstance(url, str):
             return self.most
-        size = data_url_size(url)
+        return self.price_size(data_url_size(url))
+
+    def price_size(self, size: tuple[int, int] | None) -> int:
+        """The cost of an image of ``size`` (width, height), or of one whose size is unknown: the most."""
         return self.most if size is None else self.for_size(*size)
 
 

@@ -602,7 +602,7 @@ _RESPONSES_PARTS = ("input_text", "output_text", "refusal", "input_image", "inpu
 _STORED_STATE = ("previous_response_id", "conversation", "prompt")
 # Responses tools the client runs itself; any other type (web_search, file_search,
 # code_interpreter, mcp, ...) is run by the server, whose turns add to the request's context.
-_CLIENT_TOOLS = ("function", "custom")
+CLIENT_TOOLS = frozenset(("function", "custom"))
 
 
 def _adds_server_state(body: Mapping[str, Any]) -> bool:
@@ -618,7 +618,7 @@ def _adds_server_state(body: Mapping[str, Any]) -> bool:
                 return True
     tools = body.get("tools")
     return isinstance(tools, list) and any(
-        isinstance(t, dict) and t.get("type") not in _CLIENT_TOOLS for t in tools
+        isinstance(t, dict) and t.get("type") not in CLIENT_TOOLS for t in tools
     )
 
 
@@ -1299,10 +1299,8 @@ class Pricer:
         """What an image costs (the model's rule: by the size its data: URL's header gives, else the
         most; a file id or a remote URL: the most), once its size is within ``max_image_pixels``."""
         size = data_url_size(url) if isinstance(url, str) else None
-        if size is None:
-            return images.most
         most = self._s.max_image_pixels
-        if most and size[0] * size[1] > most:
+        if size is not None and most and size[0] * size[1] > most:
             raise InvalidRequest(
                 f"{param} is a {size[0]} x {size[1]} image ({size[0] * size[1]:,} pixels), above the "
                 f"limit of {most:,} (pricing.max_image_pixels): the engine decodes every pixel before "
@@ -1310,7 +1308,7 @@ class Pricer:
                 param=param,
                 code="image_too_large",
             )
-        return images.for_size(*size)
+        return images.price_size(size)
 
     def check_passthrough_media(self, raw: bytes, body: Mapping[str, Any]) -> None:
         """A pass-through JSON body (``raw``, parsed as ``body``) names only media the engine may

@@ -18,10 +18,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from classifiers import show_value
+from classifiers.pricing import CLIENT_TOOLS
 from gateway.errors import ApiError
-
-# Tools the client runs itself: the model only names a call, the client answers it.
-CLIENT_TOOLS = frozenset(("function", "custom"))
 
 _ENTRY = re.compile(r"[a-z][a-z0-9_]*|mcp:(?:\*|[^\s*]+)")
 
