@@ -129,6 +129,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import os
 import sys
 import threading
@@ -139,6 +140,7 @@ from typing import Any
 import orjson
 
 from classifiers.bymodel import ByModel
+from classifiers.fair_pool import FairPool
 from classifiers.images import ImageRule, data_url_size
 from classifiers.media_urls import MediaUrls, TooManyElements, may_name_media, media_urls_in
 from classifiers.tokenizers import (
@@ -519,14 +521,30 @@ def _offloadable(tok: Tokenizer) -> bool:
 _JOB_CHARS = 16_384
 
 
-def _jobs(texts: list[str]) -> list[list[str]]:
-    """``texts`` in order, cut into runs of at least ``_JOB_CHARS`` characters (the last may be less)."""
-    jobs: list[list[str]] = []
-    job: list[str] = []
+# A piece of a text to count: (the text, its index among the texts, start, stop).
+_Span = tuple[str, int, int, int]
+
+
+def _spans(tok: Tokenizer, texts: list[str]) -> list[_Span]:
+    """``texts`` as the pieces ``tok`` counts apart (see TiktokenTokenizer.cuts); else whole."""
+    cuts: Callable[[str], list[int]] | None = getattr(tok, "cuts", None)
+    spans: list[_Span] = []
+    for i, text in enumerate(texts):
+        start = 0
+        for stop in cuts(text) if cuts is not None else (len(text),):
+            spans.append((text, i, start, stop))
+            start = stop
+    return spans
+
+
+def _jobs(spans: list[_Span]) -> list[list[_Span]]:
+    """``spans`` in order, cut into runs of at least ``_JOB_CHARS`` characters (the last may be less)."""
+    jobs: list[list[_Span]] = []
+    job: list[_Span] = []
     size = 0
-    for text in texts:
-        job.append(text)
-        size += len(text)
+    for span in spans:
+        job.append(span)
+        size += span[3] - span[2]
         if size >= _JOB_CHARS:
             jobs.append(job)
             job, size = [], 0
@@ -535,8 +553,13 @@ def _jobs(texts: list[str]) -> list[list[str]]:
     return jobs
 
 
-def _count_each(count: Callable[[str], int], texts: list[str]) -> list[int]:
-    return [count(text) for text in texts]
+def _job_chars(job: list[_Span]) -> int:
+    return sum(stop - start for _, _, start, stop in job)
+
+
+def _count_each(count: Callable[[str], int], job: list[_Span]) -> list[int]:
+    # (the slice of a whole text is that text itself, not a copy)
+    return [count(text[start:stop]) for text, _, start, stop in job]
 
 
 class _Probe:
@@ -655,9 +678,11 @@ class Pricer:
     byte estimate holds the GIL, so a thread would not free the loop, and it runs inline (about
     1 ms per 100 KB).
 
-    Overload: the pool is bounded (``encode_threads``) and its queue is FIFO, across tenants. A
-    flood of huge prompts queues there, waiting for a thread, instead of stalling the loop: their
-    own pricing gets slower, other requests' does not. What can wait is bounded by the gateway's
+    Overload: the pool is bounded (``encode_threads``) and shared fairly among the callers'
+    ``fair_key`` (the gateway passes the tenant; classifiers.fair_pool). A flood of huge prompts
+    queues there, waiting for a thread, instead of stalling the loop: their own pricing gets
+    slower, other requests' does not — not even another tenant's long prompt, which waits for one
+    chunk per thread, not for the flood. What can wait is bounded by the gateway's
     own limits (``limits.max_body_bytes`` per request, ``max_connections`` requests), i.e. by
     bodies the gateway already holds in memory; the queue holds references to those texts, no
     copies. A caller cancelled while its texts wait (client disconnect) drops its queued encodes;
@@ -686,7 +711,7 @@ class Pricer:
             "file": settings.file_tokens,
         }
         self._safe: dict[int, Tokenizer] = {}
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool: FairPool | None = None
         self._pool_lock = threading.Lock()
         self._closed = False
 
@@ -759,12 +784,14 @@ class Pricer:
 
     # ---- the same, with large never-seen texts tokenized off the event loop -----------------
 
-    async def _off_loop(self, walk: Callable[..., Cost], tok: Tokenizer, args: tuple[Any, ...]) -> Cost:
+    async def _off_loop(
+        self, walk: Callable[..., Cost], tok: Tokenizer, args: tuple[Any, ...], fair_key: str
+    ) -> Cost:
         """Price inline when nothing large and new is left after a first pass, else finish off the loop."""
         first = self._first_pass(walk, tok, args)
         if isinstance(first, Cost):
             return first
-        return await self._second_pass(first, walk, args)
+        return await self._second_pass(first, walk, args, fair_key)
 
     async def aprice_chat(
         self,
@@ -773,10 +800,11 @@ class Pricer:
         default_max_tokens: int,
         max_tokens_limit: int | None,
         context_length: int,
+        fair_key: str = "",
     ) -> Cost:
         """`price_chat`'s exact result (or exception); see "Off the event loop" in the class doc."""
         args = (body, default_max_tokens, max_tokens_limit, context_length)
-        return await self._off_loop(self._walk_chat, self._tokenizer(body), args)
+        return await self._off_loop(self._walk_chat, self._tokenizer(body), args, fair_key)
 
     async def aprice_completion(
         self,
@@ -785,15 +813,18 @@ class Pricer:
         default_max_tokens: int,
         max_tokens_limit: int | None,
         context_length: int,
+        fair_key: str = "",
     ) -> Cost:
         """`price_completion`'s exact result (or exception), large texts tokenized off the loop."""
         args = (body, default_max_tokens, max_tokens_limit, context_length)
-        return await self._off_loop(self._walk_completion, self._tokenizer(body), args)
+        return await self._off_loop(self._walk_completion, self._tokenizer(body), args, fair_key)
 
-    async def aprice_embeddings(self, body: Mapping[str, Any], *, context_length: int | None = None) -> Cost:
+    async def aprice_embeddings(
+        self, body: Mapping[str, Any], *, context_length: int | None = None, fair_key: str = ""
+    ) -> Cost:
         """`price_embeddings`'s exact result (or exception), large texts tokenized off the loop."""
         args = (body, context_length)
-        return await self._off_loop(self._walk_embeddings, self._tokenizer(body), args)
+        return await self._off_loop(self._walk_embeddings, self._tokenizer(body), args, fair_key)
 
     async def aprice_responses(
         self,
@@ -802,10 +833,11 @@ class Pricer:
         default_max_tokens: int,
         max_tokens_limit: int | None,
         context_length: int,
+        fair_key: str = "",
     ) -> Cost:
         """`price_responses`'s exact result (or exception), large texts tokenized off the loop."""
         args = (body, default_max_tokens, max_tokens_limit, context_length)
-        return await self._off_loop(self._walk_responses, self._tokenizer(body), args)
+        return await self._off_loop(self._walk_responses, self._tokenizer(body), args, fair_key)
 
     async def aprice_passthrough(
         self,
@@ -815,10 +847,18 @@ class Pricer:
         default_max_tokens: int,
         generates: bool = True,
         context_length: int | None = None,
+        fair_key: str = "",
     ) -> Cost:
         """`price_passthrough`'s exact result, a large body tokenized off the loop; never raises."""
         args = (body_bytes, default_max_tokens, generates, context_length)
-        return await self._off_loop(self._walk_passthrough, self._passthrough_tokenizer(model), args)
+        return await self._off_loop(
+            self._walk_passthrough, self._passthrough_tokenizer(model), args, fair_key
+        )
+
+    def encode_backlog(self) -> dict[str, int]:
+        """Characters waiting for an encode thread, per ``fair_key`` (tenant) with any; for /stats."""
+        pool = self._pool
+        return {} if pool is None else pool.backlog()
 
     def close(self) -> None:
         """Stop the encode pool; idempotent. Call it at shutdown.
@@ -831,7 +871,7 @@ class Pricer:
             self._closed = True
             pool, self._pool = self._pool, None
         if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+            pool.shutdown()
 
     # ---- off-loop machinery --------------------------------------------------------------
 
@@ -850,54 +890,57 @@ class Pricer:
             return probe
         return cost if probe.pending is None else probe
 
-    async def _second_pass(self, probe: _Probe, walk: Callable[..., Cost], args: tuple[Any, ...]) -> Cost:
+    async def _second_pass(
+        self, probe: _Probe, walk: Callable[..., Cost], args: tuple[Any, ...], fair_key: str
+    ) -> Cost:
         texts = list(probe.pending or ())
-        counts = await self._encode(probe.tok, texts)
+        counts = await self._encode(probe.tok, texts, fair_key)
         probe.settle(dict(zip(texts, counts, strict=True)))
         return walk(probe, *args)
 
-    async def _encode(self, tok: Tokenizer, texts: list[str]) -> list[int]:
-        """Token counts of `texts`, encoded concurrently in the pool while the loop runs on.
+    async def _encode(self, tok: Tokenizer, texts: list[str], fair_key: str) -> list[int]:
+        """Token counts of `texts`, encoded in the pool while the loop runs on.
 
-        Texts go to the pool in jobs of at least ``_JOB_CHARS`` characters (a long text is a job of
-        its own): a body of 100,000 tiny texts (prompts, content parts, messages) is a few dozen
-        jobs, not 100,000 futures to submit, wrap, wait for and wake the loop for, which stalled the
-        loop for seconds (docs/benchmarks.md, "Pricing long prompts off the event loop")."""
+        The pool shares its threads fairly among ``fair_key`` values (tenants; classifiers.fair_pool):
+        one tenant's flood of long prompts is encoded beside, not before, another's. For that a
+        long text goes to the pool as the chunks its tokenizer counts apart (``cuts``), so a
+        newcomer waits for one job per thread, not for a whole body. Chunks go in jobs of at least
+        ``_JOB_CHARS`` characters: a body of 100,000 tiny texts is a few dozen jobs, not 100,000
+        (docs/benchmarks.md, "Pricing long prompts off the event loop"); and a request is one
+        future, so the loop wakes once per request, not once per job."""
         pool = self._executor()
         off: OffLoopCounting = tok  # type: ignore[assignment]  # _first_pass checked _offloadable
-        jobs = _jobs(texts)
-        futures: list[concurrent.futures.Future[list[int]]] = []
+        jobs = _jobs(_spans(tok, texts))
+        future: concurrent.futures.Future[list[list[int]]] | None = None
         if pool is not None:
             try:
-                for job in jobs:
-                    futures.append(pool.submit(_count_each, off.count_nogil, job))
-            except RuntimeError:  # closed between _executor() and submit: the rest run inline below
+                count = functools.partial(_count_each, off.count_nogil)
+                future = pool.submit(fair_key, count, jobs, [_job_chars(job) for job in jobs])
+            except RuntimeError:  # closed between _executor() and submit: counted inline below
                 pass
-        if futures:
+        if future is not None:
             try:
-                await asyncio.wait([asyncio.wrap_future(f) for f in futures])
+                await asyncio.wait([asyncio.wrap_future(future)])
             except asyncio.CancelledError:
-                # The caller went away (client disconnect): drop what has not started yet.
-                for f in futures:
-                    f.cancel()
+                future.cancel()  # the caller went away (client disconnect): drop what has not started
                 raise
-        counts: list[int] = []
-        for i, job in enumerate(jobs):
+        if future is None or future.cancelled():
             # Not submitted, or cancelled by close(): counted here, inline (shutdown fails no request).
-            if i >= len(futures) or futures[i].cancelled():
-                counts += [tok.count(text) for text in job]
-            else:
-                counts += futures[i].result()
+            return [tok.count(text) for text in texts]
+        counts = [0] * len(texts)
+        for job, job_counts in zip(jobs, future.result(), strict=True):
+            for (_, i, _, _), n in zip(job, job_counts, strict=True):
+                counts[i] += n
         return counts
 
-    def _executor(self) -> concurrent.futures.ThreadPoolExecutor | None:
+    def _executor(self) -> FairPool | None:
         pool = self._pool
         if pool is None and not self._closed:
             with self._pool_lock:  # created on first need, so a pricer that never offloads has no threads
                 if self._pool is None and not self._closed:
-                    self._pool = concurrent.futures.ThreadPoolExecutor(
-                        max_workers=self._s.encode_threads,
-                        thread_name_prefix="tokengate-encode",
+                    self._pool = FairPool(
+                        self._s.encode_threads,
+                        name="tokengate-encode",
                         initializer=_lower_priority,
                         initargs=(self._s.encode_nice, self._s.encode_idle),
                     )

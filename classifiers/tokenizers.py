@@ -164,6 +164,14 @@ class TiktokenTokenizer:
         # encode_ordinary releases the GIL while it encodes; only the chunk loop holds it.
         return self.count(text)
 
+    def cuts(self, text: str) -> list[int]:
+        """Where `count` cuts `text` into chunks it counts apart: each chunk's end offset, the last
+        ``len(text)``. So ``count(text) == sum(count(text[a:b]) for a, b in spans)``; pricing's
+        encode pool schedules a long text chunk by chunk (classifiers.fair_pool)."""
+        if len(text) <= self._chunk_chars or not self._chunk:
+            return [len(text)]
+        return list(_cuts(text, self._chunk_chars))
+
     def _count_piece(self, text: str) -> int:
         n = self._cache.get(text)
         if n is None:
@@ -175,12 +183,19 @@ class TiktokenTokenizer:
 def _pieces(text: str, size: int) -> Iterator[str]:
     """`text` cut into chunks of about `size` characters at _SAFE_CUT boundaries."""
     start = 0
+    for stop in _cuts(text, size):
+        yield text[start:stop]
+        start = stop
+
+
+def _cuts(text: str, size: int) -> Iterator[int]:
+    """Where `_pieces` cuts `text`: the end offset of each chunk, the last one ``len(text)``."""
+    start = 0
     end = len(text)
     while start < end:
         cut = _SAFE_CUT.search(text, start + size) if end - start > size else None
-        stop = cut.start() if cut is not None else end
-        yield text[start:stop]
-        start = stop
+        start = cut.start() if cut is not None else end
+        yield start
 
 
 class HFTokenizer:

@@ -190,6 +190,8 @@ class Gateway:
                 tight_pools=lambda: self.reservations.tight_pools(),
             ),
             held_bodies=self._held_bodies,
+            # Through self: a reconfiguration may replace the Pricer.
+            encode_backlog=lambda: self.pricer.encode_backlog(),
         )
         self.draining = False
         self._drained = False
@@ -563,6 +565,7 @@ class Gateway:
         self.metrics.in_flight_requests.set(len(self.exchanges))
         if self._proxy is not None:
             self.metrics.held_body_bytes.set(self._proxy.held.total)
+        self.metrics.encode_backlog_chars.set(sum(self.pricer.encode_backlog().values()))
         self.metrics.update_state(snapshot, self.router.backends, [t.name for t in self.config.tiers])
         used = self._used_tokens()
         for pool in self.router.pools:

@@ -348,6 +348,11 @@ class GatewayMetrics:
             "Bytes of request bodies this process holds now (limits.max_held_body_bytes)",
             registry=r,
         )
+        self.encode_backlog_chars = Gauge(
+            "tokengate_encode_backlog_chars",
+            "Characters of long prompts waiting for a tokenizer thread (pricing.settings.encode_threads)",
+            registry=r,
+        )
         self.draining = Gauge("tokengate_draining", "1 while the gateway is draining", registry=r)
         self.prefill_gates = PrefillGateCollector()
         r.register(self.prefill_gates)

@@ -441,6 +441,7 @@ class Proxy:
                 default_max_tokens=default_max,
                 generates=x.route is not None and x.route.generates,
                 context_length=self.models.context_length(model) if model else None,
+                fair_key=tenant.name,
             )
             x.model = model or ""
             return
@@ -470,7 +471,7 @@ class Proxy:
         p = self.pricer
         try:
             if x.kind is RouteKind.EMBEDDING:
-                x.cost = await p.aprice_embeddings(body, context_length=ctx)
+                x.cost = await p.aprice_embeddings(body, context_length=ctx, fair_key=tenant.name)
             else:
                 price = (
                     p.aprice_chat
@@ -484,6 +485,7 @@ class Proxy:
                     default_max_tokens=default_max,
                     max_tokens_limit=tenant.max_max_tokens,
                     context_length=ctx,
+                    fair_key=tenant.name,  # long prompts are encoded fairly among tenants
                 )
         except InvalidRequest as exc:
             raise ApiError(400, exc.message, param=exc.param, code=exc.code) from None

@@ -116,6 +116,8 @@ class StatsSources:
     reservations: ReservationSources | None = None
     # Request bodies the process holds: (bytes now, the process's limit, per tenant) — gateway/held_bodies.py
     held_bodies: Callable[[], tuple[int, int, Mapping[str, int]]] | None = None
+    # Characters of long prompts waiting for a tokenizer thread, per tenant (classifiers.fair_pool)
+    encode_backlog: Callable[[], Mapping[str, int]] | None = None
 
 
 def _held_bodies(src: StatsSources) -> dict[str, Any] | None:
@@ -124,6 +126,14 @@ def _held_bodies(src: StatsSources) -> dict[str, Any] | None:
     total, most, by_tenant = src.held_bodies()
     top = sorted(by_tenant.items(), key=lambda kv: -kv[1])[:5]
     return {"bytes": total, "limit": most, "top_tenants": [{"tenant": t, "bytes": n} for t, n in top]}
+
+
+def _encode_backlog(src: StatsSources) -> dict[str, Any] | None:
+    if src.encode_backlog is None:
+        return None
+    waiting = src.encode_backlog()
+    top = sorted(waiting.items(), key=lambda kv: -kv[1])[:5]
+    return {"chars": sum(waiting.values()), "top_tenants": [{"tenant": t, "chars": n} for t, n in top]}
 
 
 def _q(q: Quantiles) -> dict[str, float | None]:
@@ -402,6 +412,7 @@ async def build_stats(src: StatsSources) -> dict[str, Any]:
         "shape_thresholds": {"split_at": s.shape.split_at, "two_services_at": s.shape.two_services_at},
         "reservations": _reservations(src.reservations, snap),
         "held_bodies": _held_bodies(src),
+        "encode_backlog": _encode_backlog(src),
     }
     stats["findings"] = [f.as_dict() for f in diagnose(stats)]
     return stats

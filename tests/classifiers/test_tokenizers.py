@@ -143,6 +143,23 @@ def test_the_memo_alone_gives_the_count_once_every_chunk_was_counted(
     assert tok.cached_count(text) == tok.count(text)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_pieces, min_size=1, max_size=400), st.integers(min_value=1, max_value=30), _chunk_sizes)
+def test_the_cuts_split_a_text_into_chunks_whose_counts_sum_to_the_texts(
+    enc: tiktoken.Encoding, pieces: list[str], repeat: int, chunk: int
+) -> None:
+    # Pricing's encode pool counts a long text chunk by chunk, in any thread, in any order.
+    text = "".join(pieces) * repeat
+    tok = TiktokenTokenizer(enc, chunk_chars=chunk)
+    cuts = tok.cuts(text)
+    assert cuts[-1] == len(text) and cuts == sorted(set(cuts))
+    starts = [0, *cuts[:-1]]
+    fresh = TiktokenTokenizer(enc, chunk_chars=chunk)
+    assert sum(fresh.count_nogil(text[a:b]) for a, b in zip(starts, cuts, strict=True)) == len(
+        enc.encode_ordinary(text)
+    )
+
+
 def test_hf_counts_off_the_loop_like_on_it(tiny_hf: Path) -> None:
     tok = HFTokenizer(tiny_hf)
     text = "hello world ! " * 50 + "unknown"
