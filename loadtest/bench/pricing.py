@@ -10,6 +10,12 @@ thread hop; best of several runs).
 remote-image parts, each URL a different public host, against the same chat with ``N`` data: URLs
 (the same parts, no host to check); microseconds per part, median of ``--rounds``.
 
+``--flood N`` measures fairness among tenants in the encode pool (classifiers/fair_pool.py): one
+tenant's ``N`` never-seen prompts of ``--flood-chars`` characters are queued, then another tenant's
+``--tokens`` prompt is priced; its pricing time alone, behind the flood as the gateway runs it (each
+tenant its own key), and behind the flood in one first-in-first-out queue (every request the same
+key: the pool before it was fair), with the flood's own wall time in both.
+
 ``--tiny N`` measures a hostile shape instead: bodies of ``N`` tiny never-seen texts (completions
 prompts, chat content parts, chat messages), priced with ``aprice_*`` as the gateway does, while a
 1 ms ticker runs on the same loop: the body's size, the pricing's wall time and the longest time
@@ -201,6 +207,53 @@ def tiny(n: int, seed: int = 1, max_items: int | None = None) -> list[dict[str, 
         pricer.close()
 
 
+def flood(n: int, chars: int, victim_tokens: int, rounds: int) -> dict[str, float]:
+    """Medians over ``rounds`` in ms: ``alone``, ``fair`` and ``fifo`` (the victim's pricing), and
+    ``flood_fair`` / ``flood_fifo`` (the whole flood's wall time), as the module doc says."""
+    limits: dict[str, Any] = {"default_max_tokens": 1, "max_tokens_limit": None, "context_length": 10**8}
+    seeds = iter(range(10**6))
+
+    def fresh(size: int) -> dict[str, Any]:
+        rng = random.Random(next(seeds))
+        return _body(prompt_text(rng, size // 5 + 1)[:size])
+
+    async def one(fair: bool) -> tuple[float, float]:
+        pricer = Pricer(TokenizerRegistry())
+        try:
+            bodies = [fresh(chars) for _ in range(n)]
+            victim = _body(prompt_text(random.Random(next(seeds)), victim_tokens))
+            t0 = time.perf_counter()
+            hostile = [
+                asyncio.ensure_future(pricer.aprice_chat(b, **limits, fair_key="hostile")) for b in bodies
+            ]
+            await asyncio.sleep(0.02)  # the flood reaches the pool first
+            t1 = time.perf_counter()
+            await pricer.aprice_chat(victim, **limits, fair_key="victim" if fair else "hostile")
+            victim_s = time.perf_counter() - t1
+            await asyncio.gather(*hostile)
+            return victim_s, time.perf_counter() - t0
+        finally:
+            pricer.close()
+
+    async def alone() -> float:
+        pricer = Pricer(TokenizerRegistry())
+        try:
+            t0 = time.perf_counter()
+            await pricer.aprice_chat(_body(prompt_text(random.Random(next(seeds)), victim_tokens)), **limits)
+            return time.perf_counter() - t0
+        finally:
+            pricer.close()
+
+    runs: dict[str, list[float]] = {"alone": [], "fair": [], "fifo": [], "flood_fair": [], "flood_fifo": []}
+    for _ in range(rounds):
+        runs["alone"].append(asyncio.run(alone()))
+        for mode in ("fair", "fifo"):
+            victim_s, flood_s = asyncio.run(one(mode == "fair"))
+            runs[mode].append(victim_s)
+            runs[f"flood_{mode}"].append(flood_s)
+    return {k: statistics.median(v) * 1e3 for k, v in runs.items()}
+
+
 def media(n: int, rounds: int) -> dict[str, float]:
     """Microseconds per part of pricing a chat of ``n`` remote-image parts and of ``n`` inline ones."""
     pricer = Pricer(TokenizerRegistry(), PricingSettings(encode_threads=0))
@@ -235,6 +288,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--media", type=int, metavar="N", help="time the media-URL check on N parts instead")
     parser.add_argument(
+        "--flood", type=int, metavar="N", help="time a --tokens prompt behind another tenant's N huge prompts"
+    )
+    parser.add_argument(
+        "--flood-chars", type=int, default=3_500_000, help="--flood: characters per flood prompt"
+    )
+    parser.add_argument(
         "--max-items",
         type=int,
         metavar="N",
@@ -250,6 +309,18 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"price_chat, {args.media:,} image parts: {m['remote_us']:.2f} us per remote-URL part "
             f"(its URL checked), {m['inline_us']:.2f} us per data: URL part (median of {args.rounds})"
+        )
+        return
+    if args.flood is not None:
+        if args.flood < 1 or args.flood_chars < 1:
+            parser.error("--flood and --flood-chars must be at least 1")
+        rounds = min(args.rounds, 5)
+        f = flood(args.flood, args.flood_chars, args.tokens, rounds)
+        print(
+            f"a {args.tokens:,}-token prompt priced alone: {f['alone']:.1f} ms; behind another tenant's "
+            f"{args.flood} prompts of {args.flood_chars:,} chars: {f['fair']:.1f} ms fair (tenants apart), "
+            f"{f['fifo']:,.1f} ms in one FIFO queue; the flood itself {f['flood_fair']:,.0f} ms fair, "
+            f"{f['flood_fifo']:,.0f} ms FIFO (median of {rounds})"
         )
         return
     if args.tiny is not None:

@@ -54,3 +54,16 @@ def test_the_media_run_prices_remote_and_inline_parts_and_refuses_zero(
     with pytest.raises(SystemExit) as exc:
         pricing.main(["--media", "0"])
     assert exc.value.code == 2 and "--media" in capsys.readouterr().err
+
+
+def test_the_flood_run_reports_the_victim_alone_fair_and_fifo_and_refuses_zero(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    f = pricing.flood(2, 40_000, 2_000, 1)
+    assert set(f) == {"alone", "fair", "fifo", "flood_fair", "flood_fifo"} and all(v > 0 for v in f.values())
+    pricing.main(["--flood", "2", "--flood-chars", "40000", "--tokens", "2000", "--rounds", "1"])
+    out = capsys.readouterr().out
+    assert "fair (tenants apart)" in out and "in one FIFO queue" in out
+    with pytest.raises(SystemExit) as exc:
+        pricing.main(["--flood", "0"])
+    assert exc.value.code == 2 and "--flood" in capsys.readouterr().err
