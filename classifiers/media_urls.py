@@ -84,6 +84,9 @@ class MediaUrls:
     fetch: bool = False
     fetch_max_bytes: int = 10 * 1024 * 1024
     fetch_timeout_s: float = 10.0
+    # Fetches one tenant may have running at once per process; its others wait (within their
+    # timeout) for one of its own, never for another tenant's.
+    fetch_per_tenant: int = 16
 
     def __post_init__(self) -> None:
         for scheme in self.schemes:

@@ -616,7 +616,17 @@ def _private_headers(m: Mapping[str, Any], default: tuple[str, ...]) -> tuple[st
 def _media_urls(v: Any) -> MediaUrls:
     where = "pricing.media_urls"
     m = section(
-        v, where, ("schemes", "hosts", "private_hosts", "fetch", "fetch_max_bytes", "fetch_timeout_s")
+        v,
+        where,
+        (
+            "schemes",
+            "hosts",
+            "private_hosts",
+            "fetch",
+            "fetch_max_bytes",
+            "fetch_timeout_s",
+            "fetch_per_tenant",
+        ),
     )
     d = MediaUrls()
     schemes = d.schemes if m.get("schemes") is None else string_list(m, "schemes", where)
@@ -643,6 +653,7 @@ def _media_urls(v: Any) -> MediaUrls:
         fetch=boolean(m, "fetch", where, d.fetch),
         fetch_max_bytes=integer(m, "fetch_max_bytes", where, d.fetch_max_bytes, minimum=1),
         fetch_timeout_s=positive_number(m, "fetch_timeout_s", where, d.fetch_timeout_s),
+        fetch_per_tenant=integer(m, "fetch_per_tenant", where, d.fetch_per_tenant, minimum=1),
     )
 
 

@@ -13,6 +13,11 @@ as a ``data:`` URL instead:
   same resolver; cookies are neither sent nor kept;
 * at most ``fetch_max_bytes`` per URL, within ``fetch_timeout_s``; the fetched bytes count against
   the request's held body bytes (gateway/held_bodies.py);
+* a tenant runs at most ``fetch_per_tenant`` fetches at once; its others wait for one of its own.
+  The connection pool is shared (``_CONNECTIONS``), and its queue is first come, first served: a
+  tenant whose media server is a tar pit (slow to answer, or never) filled it, and every other
+  tenant's fetch then waited behind its fetches until it timed out. Now filling the pool takes
+  ``_CONNECTIONS / fetch_per_tenant`` tenants doing so at once;
 * a failure is a 400 ``media_fetch_failed`` naming the part and, in a few words, why (the status,
   a timeout, a private address), never the exception's text.
 
@@ -36,6 +41,8 @@ from classifiers.media_urls import MediaUrls, TooManyElements, is_public, media_
 from gateway.errors import ApiError
 
 _MOST_REDIRECTS = 3
+# Connections the fetcher opens at most (all tenants): sixteen tenants' default share.
+_CONNECTIONS = 256
 _REDIRECTS = frozenset((301, 302, 303, 307, 308))
 
 
@@ -79,11 +86,14 @@ class MediaFetcher:
         self._policy = policy
         self._resolver = resolver
         self._session: aiohttp.ClientSession | None = None
+        self._slots: dict[str, _Slots] = {}  # per tenant with fetches running or waiting
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             connector = aiohttp.TCPConnector(
-                limit=64, resolver=CheckedResolver(self._policy, self._resolver), use_dns_cache=False
+                limit=_CONNECTIONS,
+                resolver=CheckedResolver(self._policy, self._resolver),
+                use_dns_cache=False,
             )
             self._session = aiohttp.ClientSession(
                 connector=connector,
@@ -97,9 +107,12 @@ class MediaFetcher:
         if self._session is not None:
             await self._session.close()
 
-    async def inline(self, body: dict[str, Any], limit: int, hold: Callable[[int], None] = _no_hold) -> int:
+    async def inline(
+        self, body: dict[str, Any], limit: int, hold: Callable[[int], None] = _no_hold, tenant: str = ""
+    ) -> int:
         """Replace each fetchable http(s) media URL in ``body`` by a data: URL of its bytes; the
         number of bytes sent inline. Media the policy refuses is left for pricing to refuse.
+        ``tenant``: whose share of fetches (``fetch_per_tenant``) these take.
         ``limit``: the most elements looked at (pricing.max_items). ``hold(n)``: called with the most
         the fetches can bring (``fetch_max_bytes`` each, as base64) before any starts, and may
         refuse; the caller gives back what that is above the number returned."""
@@ -120,19 +133,31 @@ class MediaFetcher:
         if not targets:
             return 0
         hold(most_inline(len(targets), policy.fetch_max_bytes))
+        slots = self._slots.get(tenant)
+        if slots is None:
+            slots = self._slots[tenant] = _Slots(policy.fetch_per_tenant)
+        slots.users += 1
         try:  # (the first failure cancels the other fetches)
             async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(self._fetch(h[k], where, policy)) for where, h, k in targets]
+                tasks = [
+                    group.create_task(self._fetch(h[k], where, policy, slots)) for where, h, k in targets
+                ]
         except* ApiError as failed:
             raise failed.exceptions[0] from None
+        finally:
+            slots.users -= 1
+            if not slots.users:
+                del self._slots[tenant]
         fetched = [t.result() for t in tasks]
         for (_, holder, key), data_url in zip(targets, fetched, strict=True):
             holder[key] = data_url
         return sum(len(v) for v in fetched)
 
-    async def _fetch(self, url: str, where: str, policy: MediaUrls) -> str:
+    async def _fetch(self, url: str, where: str, policy: MediaUrls, slots: _Slots) -> str:
+        started = False
         try:
-            async with asyncio.timeout(policy.fetch_timeout_s):
+            async with asyncio.timeout(policy.fetch_timeout_s), slots.running:
+                started = True
                 for _ in range(_MOST_REDIRECTS + 1):
                     async with self._client().get(url, allow_redirects=False) as resp:
                         if resp.status in _REDIRECTS and "location" in resp.headers:
@@ -157,6 +182,13 @@ class MediaFetcher:
         except ApiError:
             raise
         except TimeoutError:
+            if not started:
+                raise _failed(
+                    where,
+                    f"it waited {policy.fetch_timeout_s:g} s for one of this tenant's "
+                    f"{slots.size} concurrent fetches (pricing.media_urls.fetch_per_tenant), "
+                    "all taken by its other fetches",
+                ) from None
             raise _failed(where, f"it did not arrive within {policy.fetch_timeout_s:g} s") from None
         except (aiohttp.ClientError, OSError, ValueError) as exc:
             # (aiohttp wraps what the resolver raised in its connector error)
@@ -164,6 +196,18 @@ class MediaFetcher:
             if isinstance(exc, PrivateAddress) or isinstance(inner, PrivateAddress):
                 raise _failed(where, "its host resolves to a private address") from None
             raise _failed(where, "its host could not be reached") from None
+
+
+class _Slots:
+    """One tenant's share of the fetcher: at most ``size`` fetches running, and how many requests
+    use it (the entry goes when none does). Its size is the policy's when the first of them came."""
+
+    __slots__ = ("running", "size", "users")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.running = asyncio.Semaphore(size)
+        self.users = 0
 
 
 def most_inline(urls: int, max_bytes: int) -> int:

@@ -504,7 +504,7 @@ class Proxy:
             self.held.take(tenant.name, n, open_mode=self.open_mode)
             x.held_body += n
 
-        inline = await self.media.inline(body, self.pricer.settings.max_items, hold)
+        inline = await self.media.inline(body, self.pricer.settings.max_items, hold, tenant.name)
         held_for_media = x.held_body - before
         if held_for_media > inline:
             self.held.give_back(tenant.name, held_for_media - inline)

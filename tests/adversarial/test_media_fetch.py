@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import io
 import socket
 from collections.abc import AsyncIterator
@@ -23,7 +24,16 @@ from classifiers.media_urls import MediaUrls
 from gateway.errors import ApiError
 from gateway.media_fetch import CheckedResolver, MediaFetcher, PrivateAddress
 from tests.adversarial.backends import lifespan
-from tests.conftest import GatewayFactory, Receive, Scope, Send, StubBackend, serve_asgi, stub_pools
+from tests.conftest import (
+    GatewayFactory,
+    Receive,
+    Scope,
+    Send,
+    StubBackend,
+    eventually,
+    serve_asgi,
+    stub_pools,
+)
 
 
 def png(side: int) -> bytes:
@@ -37,6 +47,7 @@ class Images:
 
     def __init__(self) -> None:
         self.hits: list[str] = []
+        self.done: list[str] = []  # paths whose answer was sent, in order
         self.port = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -56,6 +67,7 @@ class Images:
             status, data = 404, b"no"
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": data})
+        self.done.append(path)
 
 
 @pytest.fixture
@@ -223,3 +235,62 @@ async def test_what_fetches_may_bring_is_held_before_they_start(
     assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_body_bytes", r.text
     assert images.hits == [] and stub.requests == []
     assert gw.app._proxy.held.total == 0
+
+
+async def test_a_tenant_whose_media_server_is_a_tar_pit_holds_only_its_own_share_of_fetches(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory, images: Images
+) -> None:
+    # The fetcher's connection pool is shared and first come, first served: one request with
+    # hundreds of URLs on a slow server filled it, and another tenant's image then waited until
+    # those were answered or timed out. Now a tenant runs at most fetch_per_tenant fetches.
+    stub, url = stub_backend
+    cfg = config(url, fetch_timeout_s=5, fetch_per_tenant=4)
+    cfg["tenants"] = {"hostile": {"keys": ["kh"]}, "victim": {"keys": ["kv"]}}
+    gw = await gateway_factory(cfg)
+    slow = f"http://127.0.0.1:{images.port}/slow"
+    pit = {
+        "model": "stub-model",
+        "max_tokens": 5,
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": slow}}] * 300}],
+    }
+    async with httpx.AsyncClient(base_url=gw.url, timeout=30) as c:
+        hostile = asyncio.create_task(
+            c.post("/v1/chat/completions", json=pit, headers={"authorization": "Bearer kh"})
+        )
+        await eventually(lambda: images.hits.count("/slow") >= 4, timeout_s=10, message="no tar-pit fetch")
+        victim = await c.post(
+            "/v1/chat/completions",
+            json=chat(f"http://127.0.0.1:{images.port}/cat.png"),
+            headers={"authorization": "Bearer kv"},
+        )
+        assert victim.status_code == 200, victim.text
+        # fetched while the tar pit's first fetches were still waiting for their answers
+        assert images.done[0] == "/cat.png", images.done
+        assert images.hits.count("/slow") == 4
+        refused = await hostile
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "media_fetch_failed"
+    assert images.hits.count("/slow") <= 8  # two waves of four within its 5 s, never 300
+    assert [r.body["model"] for r in stub.requests] == ["stub-model"]  # the victim's only
+    assert gw.app._proxy.held.total == 0 and gw.app._proxy.media._slots == {}
+
+
+async def test_a_fetch_waiting_for_its_tenants_share_says_so_when_it_times_out(images: Images) -> None:
+    # The policy is read per request: the tar-pit fetch runs under 5 s (its answer takes 3), the
+    # one behind it under 1 s, so that one times out while waiting for the tenant's only slot.
+    policy = [MediaUrls(fetch=True, hosts=("127.0.0.1",), fetch_timeout_s=5, fetch_per_tenant=1)]
+    fetcher = MediaFetcher(lambda: policy[0])
+    slow, cat = (f"http://127.0.0.1:{images.port}{p}" for p in ("/slow", "/cat.png"))
+    try:
+        holding = asyncio.create_task(fetcher.inline(chat(slow), 1000, tenant="t"))
+        await eventually(lambda: "/slow" in images.hits, timeout_s=10, message="no fetch")
+        policy[0] = dataclasses.replace(policy[0], fetch_timeout_s=1)
+        assert await fetcher.inline(chat(cat), 1000, tenant="u") > 0  # another tenant: at once
+        with pytest.raises(ApiError) as err:
+            await fetcher.inline(chat(cat), 1000, tenant="t")
+        assert "waited 1 s for one of this tenant's 1 concurrent fetches" in err.value.message
+        assert "pricing.media_urls.fetch_per_tenant" in err.value.message
+        assert await holding > 0
+        assert images.hits == ["/slow", "/cat.png"]
+        assert fetcher._slots == {}
+    finally:
+        await fetcher.close()

@@ -269,6 +269,10 @@ def test_example_configs_load() -> None:
             {"pricing": {"media_urls": {"fetch_timeout_s": -1}}},
             "pricing.media_urls.fetch_timeout_s: expected",
         ),
+        (
+            {"pricing": {"media_urls": {"fetch_per_tenant": 0}}},
+            "pricing.media_urls.fetch_per_tenant: expected",
+        ),
     ],
 )
 def test_errors_name_the_field(data: object, message: str) -> None:
