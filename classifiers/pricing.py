@@ -493,6 +493,17 @@ class _Scrubbing:
             return off.count_nogil(_scrub(text))
 
 
+def _scoped(tok: Tokenizer, scope: str) -> Tokenizer:
+    """``tok`` with its memo partitioned to ``scope``, where it has a memo; "" is the shared one."""
+    if not scope:
+        return tok
+    if type(tok) is _Scrubbing:
+        inner = getattr(tok._tok, "scoped", None)
+        return _Scrubbing(inner(scope)) if inner is not None else tok
+    scoped = getattr(tok, "scoped", None)
+    return tok if scoped is None else scoped(scope)  # type: ignore[no-any-return]
+
+
 def _lower_priority(nice: int, idle: bool) -> None:
     """Run in each encode thread as it starts: lower that thread's CPU priority alone."""
     if not sys.platform.startswith("linux"):
@@ -787,7 +798,11 @@ class Pricer:
     async def _off_loop(
         self, walk: Callable[..., Cost], tok: Tokenizer, args: tuple[Any, ...], fair_key: str
     ) -> Cost:
-        """Price inline when nothing large and new is left after a first pass, else finish off the loop."""
+        """Price inline when nothing large and new is left after a first pass, else finish off the loop.
+
+        ``fair_key`` (the tenant) is also the scope of the tokenizer's memo: a tenant's prices
+        never come faster for texts another tenant sent (classifiers.tokenizers)."""
+        tok = _scoped(tok, fair_key)
         first = self._first_pass(walk, tok, args)
         if isinstance(first, Cost):
             return first

@@ -15,6 +15,12 @@ pre-token spans such a space's left edge and none looks behind it, so the chunk 
 the whole count exactly. Chunk counts are memoised in a bounded LRU, which makes re-pricing
 repeated content (system prompts, chat history, tool schemas) nearly free.
 
+The memo is partitioned by *scope*: ``tok.scoped(name)`` is the same tokenizer whose memo entries
+are that name's own (pricing passes the tenant). A memo hit prices a long text in microseconds and
+a miss in milliseconds, so a memo shared by tenants told one tenant, by its own requests' timing,
+whether another had sent a guessed text (a document, a filled-in template) lately — the gateway's
+own version of the engine prefix-cache leak that ``cache_salt: tenant`` closes.
+
 Off the event loop: the first two also implement `OffLoopCounting` — ``cached_count`` (the count
 from the memo alone, or None; never encodes) and ``count_nogil`` (the same count as ``count``,
 with the GIL released while encoding, so a thread can run it while the loop serves others).
@@ -27,6 +33,7 @@ the loop; it runs inline.
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import os
@@ -38,7 +45,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from fnmatch import fnmatchcase
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import tiktoken
 import tiktoken.registry
@@ -78,32 +85,60 @@ class OffLoopCounting(Protocol):
 
 
 class _CountCache:
-    """Bounded, thread-safe LRU of text -> token count, bounded by the characters it keeps."""
+    """Bounded, thread-safe LRU of (scope, text) -> token count, bounded by the characters it keeps.
+
+    A scope sees only its own entries (module docstring); all scopes share the bound."""
 
     def __init__(self, max_chars: int) -> None:
         self._max_chars = max_chars
         self._chars = 0
-        self._data: OrderedDict[str, int] = OrderedDict()
+        self._data: OrderedDict[tuple[str, str], int] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, text: str) -> int | None:
+    def get(self, scope: str, text: str) -> int | None:
+        key = (scope, text)
         with self._lock:
-            n = self._data.get(text)
+            n = self._data.get(key)
             if n is not None:
-                self._data.move_to_end(text)
+                self._data.move_to_end(key)
             return n
 
-    def put(self, text: str, n: int) -> None:
+    def put(self, scope: str, text: str, n: int) -> None:
         if len(text) > self._max_chars:
             return
+        key = (scope, text)
         with self._lock:
-            if text in self._data:
+            if key in self._data:
                 return
-            self._data[text] = n
+            self._data[key] = n
             self._chars += len(text)
             while self._chars > self._max_chars:
-                old, _ = self._data.popitem(last=False)
+                (_, old), _ = self._data.popitem(last=False)
                 self._chars -= len(old)
+
+
+# Scoped views a tokenizer keeps for reuse (one per tenant); beyond, views are made per call.
+_MOST_VIEWS = 100_000
+_Self = TypeVar("_Self", bound="_Scoped")
+
+
+class _Scoped:
+    """A tokenizer whose memo is partitioned by scope (module docstring)."""
+
+    _scope: str = ""
+    _views: dict[str, Any]
+
+    def scoped(self: _Self, scope: str) -> _Self:
+        """This tokenizer, counting the same, whose memo entries are ``scope``'s own."""
+        if scope == self._scope:
+            return self
+        view: _Self | None = self._views.get(scope)
+        if view is None:
+            view = copy.copy(self)  # (shares the encoding, the memo and this table of views)
+            view._scope = scope
+            if len(self._views) < _MOST_VIEWS:
+                self._views[scope] = view
+        return view
 
 
 # A space with an ASCII letter on both sides: a pre-token boundary for every OpenAI pattern.
@@ -119,7 +154,7 @@ _CHUNK_CHARS = 16_384
 _CACHE_CHARS = 16_000_000
 
 
-class TiktokenTokenizer:
+class TiktokenTokenizer(_Scoped):
     """A tiktoken encoding; `count` is exactly ``len(encoding.encode_ordinary(text))``."""
 
     def __init__(
@@ -131,6 +166,7 @@ class TiktokenTokenizer:
         self._chunk = base in _CHUNKABLE
         self._chunk_chars = chunk_chars
         self._cache = _CountCache(_CACHE_CHARS)
+        self._views = {}
 
     @property
     def encoding(self) -> tiktoken.Encoding:
@@ -151,10 +187,10 @@ class TiktokenTokenizer:
         Stops at the first chunk it does not know, so probing a never-seen text costs one chunk.
         """
         if len(text) <= self._chunk_chars or not self._chunk:
-            return self._cache.get(text)
+            return self._cache.get(self._scope, text)
         total = 0
         for piece in _pieces(text, self._chunk_chars):
-            n = self._cache.get(piece)
+            n = self._cache.get(self._scope, piece)
             if n is None:
                 return None
             total += n
@@ -173,10 +209,10 @@ class TiktokenTokenizer:
         return list(_cuts(text, self._chunk_chars))
 
     def _count_piece(self, text: str) -> int:
-        n = self._cache.get(text)
+        n = self._cache.get(self._scope, text)
         if n is None:
             n = len(self._encoding.encode_ordinary(text))
-            self._cache.put(text, n)
+            self._cache.put(self._scope, text, n)
         return n
 
 
@@ -198,7 +234,7 @@ def _cuts(text: str, size: int) -> Iterator[int]:
         yield start
 
 
-class HFTokenizer:
+class HFTokenizer(_Scoped):
     """A Hugging Face ``tokenizer.json``; counts exclude special tokens the template would add."""
 
     def __init__(self, path: str | os.PathLike[str], name: str | None = None) -> None:
@@ -211,26 +247,27 @@ class HFTokenizer:
             raise ValueError(f"cannot load Hugging Face tokenizer {str(p)!r}: {exc}") from exc
         self.name = name or f"hf:{p}"
         self._cache = _CountCache(_CACHE_CHARS)
+        self._views = {}
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
     def count(self, text: str) -> int:
-        n = self._cache.get(text)
+        n = self._cache.get(self._scope, text)
         if n is None:
             n = len(self._tok.encode(text, add_special_tokens=False).ids)
-            self._cache.put(text, n)
+            self._cache.put(self._scope, text, n)
         return n
 
     def cached_count(self, text: str) -> int | None:
-        return self._cache.get(text)
+        return self._cache.get(self._scope, text)
 
     def count_nogil(self, text: str) -> int:
-        n = self._cache.get(text)
+        n = self._cache.get(self._scope, text)
         if n is None:
             # `encode` holds the GIL for the whole encode; `encode_batch` releases it (same ids).
             n = len(self._tok.encode_batch([text], add_special_tokens=False)[0].ids)
-            self._cache.put(text, n)
+            self._cache.put(self._scope, text, n)
         return n
 
 

@@ -16,6 +16,10 @@ tenant's ``N`` never-seen prompts of ``--flood-chars`` characters are queued, th
 tenant its own key), and behind the flood in one first-in-first-out queue (every request the same
 key: the pool before it was fair), with the flood's own wall time in both.
 
+``--memo`` measures what the tokenizer memo would tell one tenant about another's texts: a
+document's pricing time never sent, sent before by the same tenant (what a memo shared by all
+tenants gave anyone), and sent before by another tenant (the memo is scoped by tenant).
+
 ``--tiny N`` measures a hostile shape instead: bodies of ``N`` tiny never-seen texts (completions
 prompts, chat content parts, chat messages), priced with ``aprice_*`` as the gateway does, while a
 1 ms ticker runs on the same loop: the body's size, the pricing's wall time and the longest time
@@ -254,6 +258,32 @@ def flood(n: int, chars: int, victim_tokens: int, rounds: int) -> dict[str, floa
     return {k: statistics.median(v) * 1e3 for k, v in runs.items()}
 
 
+def memo(sizes: tuple[int, ...], rounds: int) -> list[dict[str, float]]:
+    """Per document size (characters): medians in ms of ``never`` sent, ``same`` tenant's repeat
+    and ``other`` tenant's (module doc), each a fresh document per round."""
+    limits: dict[str, Any] = {"default_max_tokens": 1, "max_tokens_limit": None, "context_length": 10**8}
+
+    async def run() -> list[dict[str, float]]:
+        pricer = Pricer(TokenizerRegistry())
+        rows = []
+        try:
+            for size in sizes:
+                times: dict[str, list[float]] = {"never": [], "same": [], "other": []}
+                for i in range(rounds):
+                    doc = prompt_text(random.Random(size * 1000 + i), size // 4 + 1)[:size]
+                    body = _body(doc)
+                    for name, key in (("never", "victim"), ("same", "victim"), ("other", "prober")):
+                        t0 = time.perf_counter()
+                        await pricer.aprice_chat(body, **limits, fair_key=key)
+                        times[name].append(time.perf_counter() - t0)
+                rows.append({"chars": size, **{k: statistics.median(v) * 1e3 for k, v in times.items()}})
+        finally:
+            pricer.close()
+        return rows
+
+    return asyncio.run(run())
+
+
 def media(n: int, rounds: int) -> dict[str, float]:
     """Microseconds per part of pricing a chat of ``n`` remote-image parts and of ``n`` inline ones."""
     pricer = Pricer(TokenizerRegistry(), PricingSettings(encode_threads=0))
@@ -291,6 +321,9 @@ def main(argv: list[str] | None = None) -> None:
         "--flood", type=int, metavar="N", help="time a --tokens prompt behind another tenant's N huge prompts"
     )
     parser.add_argument(
+        "--memo", action="store_true", help="time a document never sent / re-sent / sent by another"
+    )
+    parser.add_argument(
         "--flood-chars", type=int, default=3_500_000, help="--flood: characters per flood prompt"
     )
     parser.add_argument(
@@ -310,6 +343,14 @@ def main(argv: list[str] | None = None) -> None:
             f"price_chat, {args.media:,} image parts: {m['remote_us']:.2f} us per remote-URL part "
             f"(its URL checked), {m['inline_us']:.2f} us per data: URL part (median of {args.rounds})"
         )
+        return
+    if args.memo:
+        for row in memo((16_000, 70_000), args.rounds):
+            print(
+                f"a {row['chars']:,}-character document priced: never sent {row['never']:.2f} ms, "
+                f"sent before by the same tenant {row['same']:.3f} ms (what a shared memo gave anyone), "
+                f"sent before by another tenant {row['other']:.2f} ms (median of {args.rounds})"
+            )
         return
     if args.flood is not None:
         if args.flood < 1 or args.flood_chars < 1:

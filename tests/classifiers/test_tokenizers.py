@@ -192,13 +192,43 @@ def test_the_byte_estimate_finds_dense_runs_exactly_as_the_regex_does(pieces: li
 
 def test_count_cache_is_bounded() -> None:
     cache = _CountCache(max_chars=10)
-    cache.put("aaaa", 1)
-    cache.put("bbbb", 2)
-    assert cache.get("aaaa") == 1  # now most recently used
-    cache.put("cccc", 3)  # 12 chars > 10: evicts the least recently used, "bbbb"
-    assert (cache.get("aaaa"), cache.get("bbbb"), cache.get("cccc")) == (1, None, 3)
-    cache.put("x" * 11, 9)  # larger than the whole cache: not kept
-    assert cache.get("x" * 11) is None
+    cache.put("", "aaaa", 1)
+    cache.put("", "bbbb", 2)
+    assert cache.get("", "aaaa") == 1  # now most recently used
+    cache.put("", "cccc", 3)  # 12 chars > 10: evicts the least recently used, "bbbb"
+    assert (cache.get("", "aaaa"), cache.get("", "bbbb"), cache.get("", "cccc")) == (1, None, 3)
+    cache.put("", "x" * 11, 9)  # larger than the whole cache: not kept
+    assert cache.get("", "x" * 11) is None
+
+
+def test_a_scope_sees_only_its_own_memo_entries_under_one_bound() -> None:
+    cache = _CountCache(max_chars=10)
+    cache.put("a", "text", 1)
+    assert (cache.get("a", "text"), cache.get("b", "text"), cache.get("", "text")) == (1, None, None)
+    cache.put("b", "text", 1)
+    cache.put("c", "text", 1)  # 12 chars: the oldest entry goes, whoever's it was
+    assert (cache.get("a", "text"), cache.get("b", "text"), cache.get("c", "text")) == (None, 1, 1)
+
+
+def test_a_scoped_tokenizer_counts_the_same_and_memoises_apart(enc: tiktoken.Encoding) -> None:
+    # Pricing scopes the memo by tenant: a hit is microseconds and a miss milliseconds, so a shared
+    # memo told a tenant by timing whether another had sent a guessed text lately.
+    tok = TiktokenTokenizer(enc)
+    text = _long_text(["word", "other", "thing"], 40_000)
+    a, b = tok.scoped("tenant-a"), tok.scoped("tenant-b")
+    assert tok.scoped("tenant-a") is a and a.scoped("tenant-a") is a and a.scoped("") is not a
+    assert a.count_nogil(text) == len(enc.encode_ordinary(text))
+    assert a.cached_count(text) == len(enc.encode_ordinary(text))
+    assert b.cached_count(text) is None and tok.cached_count(text) is None
+    assert b.count(text) == a.count(text)
+    assert a.name == b.name == tok.name and a.encoding is tok.encoding
+
+
+def test_a_scoped_hugging_face_tokenizer_memoises_apart(tiny_hf: Path) -> None:
+    tok = HFTokenizer(tiny_hf)
+    a, b = tok.scoped("a"), tok.scoped("b")
+    assert a.count_nogil("hello world") == 2
+    assert a.cached_count("hello world") == 2 and b.cached_count("hello world") is None
 
 
 @pytest.fixture

@@ -67,3 +67,10 @@ def test_the_flood_run_reports_the_victim_alone_fair_and_fifo_and_refuses_zero(
     with pytest.raises(SystemExit) as exc:
         pricing.main(["--flood", "0"])
     assert exc.value.code == 2 and "--flood" in capsys.readouterr().err
+
+
+def test_the_memo_run_reports_never_same_and_other_tenant(capsys: pytest.CaptureFixture[str]) -> None:
+    [row] = pricing.memo((20_000,), 2)
+    assert row["chars"] == 20_000 and row["same"] < row["never"]
+    pricing.main(["--memo", "--rounds", "1"])
+    assert "sent before by another tenant" in capsys.readouterr().out
