@@ -33,6 +33,9 @@ class CountingEncoding:
         self.encoded.append(len(text))
         return self.enc.encode_ordinary(text)
 
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.enc, name)
+
 
 def chat(text: str) -> dict[str, Any]:
     return {"model": "stub-model", "max_tokens": 1, "messages": [{"role": "user", "content": text}]}
@@ -45,12 +48,26 @@ async def test_another_tenants_same_document_is_encoded_afresh_not_served_from_i
     gw = await gateway_factory(
         {
             "pools": stub_pools(url, capacity=1_000_000),
-            "tenants": {"victim": {"keys": ["kv"]}, "prober": {"keys": ["kp"]}},
+            "tenants": {
+                "memo-victim": {"keys": ["kv"]},
+                "memo-prober": {"keys": ["kp"]},
+            },  # views of their own
         }
     )
+    # (the process's shared cl100k tokenizer: put back as it was afterwards, views included)
     tok = gw.app.pricer._tokenizers.for_model("stub-model")
     counting = CountingEncoding(tok.encoding)
+    views = dict(tok._views)
     tok._encoding = counting  # before any request, so every tenant's view shares it
+    try:
+        await probe(gw, counting)
+    finally:
+        tok._encoding = counting.enc
+        tok._views.clear()
+        tok._views.update(views)
+
+
+async def probe(gw: Any, counting: CountingEncoding) -> None:
     rng = random.Random(7)
     document = " ".join(rng.choice(_WORDS) for _ in range(12_000))  # ~70,000 characters
 
