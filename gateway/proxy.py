@@ -444,11 +444,17 @@ class Proxy:
                 fair_key=tenant.name,
             )
             x.model = model or ""
+            if x.body is not None:
+                x.raw = b""  # (a JSON body goes as x.sent: see below)
             return
         try:
             body = orjson.loads(x.raw)
         except orjson.JSONDecodeError as exc:
             raise ApiError(400, f"Request body is not valid JSON: {exc}", code="invalid_json") from None
+        # The client's bytes are not sent (x.sent is, made from the parsed body) nor read again:
+        # dropped now, a large body is held twice (parsed, and serialized to send) instead of three
+        # times while it waits to be priced and admitted (docs/security.md, section 3).
+        x.raw = b""
         if not isinstance(body, dict):
             raise ApiError(400, "Request body must be a JSON object", code="invalid_json")
         self._refuse_engine_fields(body)

@@ -56,7 +56,8 @@ class StubBackend:
         return f"http://127.0.0.1:{self.port}"
 
     def app(self) -> web.Application:
-        app = web.Application()
+        # (bodies as large as the gateway's limits.max_body_bytes may allow; aiohttp's default is 1 MiB)
+        app = web.Application(client_max_size=256 * 1024 * 1024)
         app.router.add_post("/v1/chat/completions", self._complete)
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_get("/v1/models", self._models)

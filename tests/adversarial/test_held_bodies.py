@@ -138,3 +138,28 @@ async def test_a_chunked_body_holds_the_most_until_its_size_is_known_and_a_dropp
         go_on.set()
         assert (await sending).status_code == 200
     assert held(gw) == (0, {})
+
+
+async def test_a_json_body_in_flight_is_kept_parsed_and_serialized_not_also_as_the_clients_bytes(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
+) -> None:
+    # Held three times (the client's bytes, parsed, serialized to send), 256 MiB of held bodies
+    # took ~990 MiB of a gateway whose Kubernetes limit is 1 GiB (python -m loadtest.bench.held_memory).
+    _, url = stub_backend
+    gw = await gateway_factory(config(url))
+    raw = body()
+    async with httpx.AsyncClient(base_url=gw.url, timeout=30) as c:
+        sending = asyncio.create_task(
+            c.post(
+                "/v1/chat/completions",
+                content=raw,
+                headers={"authorization": "Bearer kt", "x-stub-chunks": "4", "x-stub-interval": "0.3"},
+            )
+        )
+        await eventually(lambda: len(gw.app.exchanges) == 1, message="request not in flight")
+        [x] = gw.app.exchanges
+        await eventually(lambda: x.sent != b"", message="not priced")
+        assert x.raw == b"" and len(x.sent) >= len(raw) - 100
+        assert held(gw)[0] == SIZE  # still counted at its size until it ends
+        assert (await sending).status_code == 200
+    assert held(gw) == (0, {})
