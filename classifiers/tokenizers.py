@@ -87,12 +87,18 @@ class OffLoopCounting(Protocol):
 class _CountCache:
     """Bounded, thread-safe LRU of (scope, text) -> token count, bounded by the characters it keeps.
 
-    A scope sees only its own entries (module docstring); all scopes share the bound."""
+    A scope sees only its own entries (module docstring); all scopes share the bound, and a scope
+    holding more than a quarter of it makes room from its own entries, oldest first: a tenant
+    flooding never-seen texts (refused, at no cost to it) evicts others' entries only until it
+    holds that quarter. A scope alone uses the whole memo."""
 
-    def __init__(self, max_chars: int) -> None:
+    def __init__(self, max_chars: int, scope_share: int = 4) -> None:
         self._max_chars = max_chars
+        self._scope_most = max_chars // scope_share
         self._chars = 0
-        self._data: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self._data: OrderedDict[tuple[str, str], int] = OrderedDict()  # all entries, oldest first
+        self._scopes: dict[str, OrderedDict[str, None]] = {}  # each scope's texts, oldest first
+        self._scope_chars: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def get(self, scope: str, text: str) -> int | None:
@@ -101,6 +107,7 @@ class _CountCache:
             n = self._data.get(key)
             if n is not None:
                 self._data.move_to_end(key)
+                self._scopes[scope].move_to_end(text)
             return n
 
     def put(self, scope: str, text: str, n: int) -> None:
@@ -111,10 +118,25 @@ class _CountCache:
             if key in self._data:
                 return
             self._data[key] = n
+            self._scopes.setdefault(scope, OrderedDict())[text] = None
+            self._scope_chars[scope] = self._scope_chars.get(scope, 0) + len(text)
             self._chars += len(text)
             while self._chars > self._max_chars:
-                (_, old), _ = self._data.popitem(last=False)
-                self._chars -= len(old)
+                if self._scope_chars.get(scope, 0) > self._scope_most:
+                    old = next(iter(self._scopes[scope]))
+                    self._evict(scope, old)
+                else:
+                    (owner, old) = next(iter(self._data))
+                    self._evict(owner, old)
+
+    def _evict(self, scope: str, text: str) -> None:
+        del self._data[(scope, text)]
+        texts = self._scopes[scope]
+        del texts[text]
+        self._chars -= len(text)
+        self._scope_chars[scope] -= len(text)
+        if not texts:
+            del self._scopes[scope], self._scope_chars[scope]
 
 
 # Scoped views a tokenizer keeps for reuse (one per tenant); beyond, views are made per call.

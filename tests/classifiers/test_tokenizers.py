@@ -202,12 +202,35 @@ def test_count_cache_is_bounded() -> None:
 
 
 def test_a_scope_sees_only_its_own_memo_entries_under_one_bound() -> None:
-    cache = _CountCache(max_chars=10)
+    cache = _CountCache(max_chars=10, scope_share=1)  # (no scope makes room from its own first)
     cache.put("a", "text", 1)
     assert (cache.get("a", "text"), cache.get("b", "text"), cache.get("", "text")) == (1, None, None)
     cache.put("b", "text", 1)
     cache.put("c", "text", 1)  # 12 chars: the oldest entry goes, whoever's it was
     assert (cache.get("a", "text"), cache.get("b", "text"), cache.get("c", "text")) == (None, 1, 1)
+
+
+def test_a_scope_flooding_the_memo_evicts_others_only_until_it_holds_a_quarter() -> None:
+    cache = _CountCache(max_chars=100)  # a quarter: 25 characters
+    for i in range(9):
+        cache.put("victim", f"v{i:09d}", i)  # 90 characters, 10 each
+    for i in range(50):  # a flood of never-seen texts from another tenant
+        cache.put("flood", f"f{i:09d}", i)
+    kept = [i for i in range(9) if cache.get("victim", f"v{i:09d}") is not None]
+    assert kept == [1, 2, 3, 4, 5, 6, 7, 8]  # it lost only the room the flood's quarter needed
+    assert [i for i in range(50) if cache.get("flood", f"f{i:09d}") is not None] == [48, 49]
+    # (a shared LRU: the flood's 50 entries had evicted every one of the victim's)
+    shared = _CountCache(max_chars=100, scope_share=1)
+    for i in range(9):
+        shared.put("victim", f"v{i:09d}", i)
+    for i in range(50):
+        shared.put("flood", f"f{i:09d}", i)
+    assert all(shared.get("victim", f"v{i:09d}") is None for i in range(9))
+    # Alone, a scope has the whole memo.
+    alone = _CountCache(max_chars=100)
+    for i in range(10):
+        alone.put("only", f"o{i:09d}", i)
+    assert all(alone.get("only", f"o{i:09d}") == i for i in range(10))
 
 
 def test_a_scoped_tokenizer_counts_the_same_and_memoises_apart(enc: tiktoken.Encoding) -> None:
