@@ -192,6 +192,7 @@ class Gateway:
             held_bodies=self._held_bodies,
             # Through self: a reconfiguration may replace the Pricer.
             encode_backlog=lambda: self.pricer.encode_backlog(),
+            tenant_connections=self._tenant_connections,
         )
         self.draining = False
         self._drained = False
@@ -571,6 +572,10 @@ class Gateway:
         for pool in self.router.pools:
             self.metrics.pool_used.labels(pool).set(used.get(pool, 0))
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    def _tenant_connections(self) -> tuple[dict[str, int], int]:
+        most = self.config.limits.max_connections_per_tenant
+        return ({}, most) if self._proxy is None else (dict(self._proxy.connections.by_tenant), most)
 
     def _held_bodies(self) -> tuple[int, int, dict[str, int]]:
         if self._proxy is None:

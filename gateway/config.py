@@ -147,10 +147,13 @@ class LimitsConfig:
     body_timeout_s: float = 30.0  # the whole body within this of the headers; then 408
     body_idle_timeout_s: float = 5.0  # and no gap longer than this between two body chunks
     max_connections: int = 4096  # open client connections per process; beyond: 503 at once
+    # ...of which one tenant may hold (0: no bound): its request on one more is a 429, and that
+    # connection is closed (gateway/tenant_connections.py). Not in open mode.
+    max_connections_per_tenant: int = 1024
     # Bytes of request bodies one process holds at once (read, queued or forwarded; 0: no bound):
     # beyond the tenant's share a 429, beyond the whole a 503 (gateway/held_bodies.py). Each body
-    # is counted once; the process holds ~3x that (raw, parsed, re-serialized): 256 MiB fits the
-    # 1 GiB container of deploy/k8s beside the process's own ~200 MB.
+    # is counted once; the process holds ~2.5x that (parsed, and serialized to send): 256 MiB fits
+    # the 1 GiB container of deploy/k8s beside the process's own ~100 MiB.
     max_held_body_bytes: int = 256 * 1024 * 1024
     max_held_body_bytes_per_tenant: int = 64 * 1024 * 1024
     # Top-level body fields that only the serving stack may set: a request carrying one is a 400.

@@ -580,6 +580,7 @@ def _limits(v: Any) -> LimitsConfig:
         "body_timeout_s",
         "body_idle_timeout_s",
         "max_connections",
+        "max_connections_per_tenant",
         "max_held_body_bytes",
         "max_held_body_bytes_per_tenant",
         "refused_fields",
@@ -594,6 +595,9 @@ def _limits(v: Any) -> LimitsConfig:
         body_timeout_s=positive_number(m, "body_timeout_s", "limits", d.body_timeout_s),
         body_idle_timeout_s=positive_number(m, "body_idle_timeout_s", "limits", d.body_idle_timeout_s),
         max_connections=integer(m, "max_connections", "limits", d.max_connections, minimum=1),
+        max_connections_per_tenant=integer(
+            m, "max_connections_per_tenant", "limits", d.max_connections_per_tenant, minimum=0
+        ),
         max_held_body_bytes=integer(m, "max_held_body_bytes", "limits", d.max_held_body_bytes, minimum=0),
         max_held_body_bytes_per_tenant=integer(
             m, "max_held_body_bytes_per_tenant", "limits", d.max_held_body_bytes_per_tenant, minimum=0

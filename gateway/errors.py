@@ -52,6 +52,7 @@ class ApiError(Exception):
         param: str | None = None,
         type: str | None = None,
         retry_after_s: float | None = None,
+        close: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -60,6 +61,7 @@ class ApiError(Exception):
         self.param = param
         self.type = type or _TYPES.get(status, "server_error")
         self.retry_after_s = retry_after_s
+        self.close = close  # answer with "connection: close": the server closes it after the answer
 
     def body(self) -> bytes:
         return error_body(self.message, self.type, self.param, self.code)
@@ -68,6 +70,8 @@ class ApiError(Exception):
         h = [(b"content-type", b"application/json")]
         if self.retry_after_s is not None:
             h.append((b"retry-after", str(retry_after_seconds(self.retry_after_s)).encode()))
+        if self.close:
+            h.append((b"connection", b"close"))
         return h
 
 

@@ -35,7 +35,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError, quiet_answer_cuts
-from gateway.signals import SIGNALS, RequestSignals
+from gateway.signals import SIGNALS, Connection, RequestSignals
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +73,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         # One per request parsed and not yet answered, oldest first (more than one only when a
         # client pipelines): a lost connection is every one of them's hang-up.
         self._signals: deque[RequestSignals] = deque()
+        self._connection = Connection()  # which tenant uses it (gateway.tenant_connections)
 
     # ---- connection ----
 
@@ -97,6 +98,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         # would otherwise go on upstream for a client that is gone.
         while self._signals:
             self._signals.popleft().disconnected()
+        self._connection.closed()
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -117,7 +119,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        signals = RequestSignals()
+        signals = RequestSignals(self._connection)
         self._signals.append(signals)
         ext = self.scope.get("extensions")  # (none from uvicorn today; kept if it ever adds some)
         self.scope["extensions"] = {**ext, SIGNALS: signals} if ext else {SIGNALS: signals}  # type: ignore[dict-item]

@@ -42,6 +42,7 @@ from gateway.requestid import from_client, new_id
 from gateway.reservations import with_decode
 from gateway.signals import RequestSignals, request_signals
 from gateway.sse import usage_counts
+from gateway.tenant_connections import TenantConnections
 from gateway.upstream.client import REQUEST_DROP, HeaderNames, classify_error
 from gateway.upstream.pools import Backend, NoBackend
 
@@ -211,6 +212,7 @@ class Proxy:
         self._urls: dict[tuple[int, bytes], URL] = {}
         limits = gw.config.limits  # (a restart-only section: one count for the process's life)
         self.held = HeldBodies(limits.max_held_body_bytes, limits.max_held_body_bytes_per_tenant)
+        self.connections = TenantConnections(limits.max_connections_per_tenant)
         self.media = MediaFetcher(lambda: self.pricer.settings.media_urls)
         self.bind(gw)
 
@@ -294,13 +296,15 @@ class Proxy:
         self._refuse_if_draining()
         tenant = x.tenant
         assert tenant is not None
+        signals = request_signals(x.scope)
+        if signals is not None and signals.connection is not None and not self.open_mode:
+            self.connections.claim(signals.connection, tenant.name)
         # The body's bytes are held from before it is read until the request ends: a 429 or 503 now,
         # while nothing is read or held, rather than a process out of memory.
         n = x.content_length
         expected = n if 0 <= n <= self.max_body else 0 if n > self.max_body else self.max_body  # (>: a 413)
         self.held.take(tenant.name, expected, open_mode=self.open_mode)
         x.held_body = expected
-        signals = request_signals(x.scope)
         await self.read(x, signals)
         self.held.resize(tenant.name, x.held_body, len(x.raw))
         x.held_body = min(x.held_body, len(x.raw))

@@ -10,7 +10,9 @@ the request's ``scope["extensions"]`` under ``SIGNALS``:
 * ``body_complete``: the whole body has been parsed (set before the app runs for a body that
   arrived with its headers), so the first ``receive()`` returns it without waiting;
 * ``on_disconnect``: the app sets a callback; the protocol calls it once when the connection is
-  lost.
+  lost;
+* ``connection``: the `Connection` the request came on, one per client connection, which the app
+  marks with the tenant using it (gateway.tenant_connections) and the protocol closes when it goes.
 
 Under any other ASGI server the key is absent and the app falls back to the timer and the task.
 """
@@ -25,14 +27,31 @@ SIGNALS = "tokengate.request_signals"
 _NO_EXTENSIONS: Mapping[str, Any] = {}
 
 
+class Connection:
+    """One client connection, as the app sees it: which tenant uses it, and what to call once it
+    is closed (set by the app, run by the protocol at most once)."""
+
+    __slots__ = ("on_close", "owner")
+
+    def __init__(self) -> None:
+        self.owner: str | None = None
+        self.on_close: Callable[[Connection], None] | None = None
+
+    def closed(self) -> None:
+        callback, self.on_close = self.on_close, None
+        if callback is not None:
+            callback(self)
+
+
 class RequestSignals:
     """One request's signals; written by the protocol, read (and ``on_disconnect`` set) by the app."""
 
-    __slots__ = ("body_complete", "on_disconnect")
+    __slots__ = ("body_complete", "connection", "on_disconnect")
 
-    def __init__(self) -> None:
+    def __init__(self, connection: Connection | None = None) -> None:
         self.body_complete = False
         self.on_disconnect: Callable[[], None] | None = None
+        self.connection = connection
 
     def disconnected(self) -> None:
         """Called by the protocol when the connection is lost; runs the app's callback at most once."""

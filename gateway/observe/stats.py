@@ -118,6 +118,8 @@ class StatsSources:
     held_bodies: Callable[[], tuple[int, int, Mapping[str, int]]] | None = None
     # Characters of long prompts waiting for a tokenizer thread, per tenant (classifiers.fair_pool)
     encode_backlog: Callable[[], Mapping[str, int]] | None = None
+    # Client connections per tenant, and the most one may hold (gateway/tenant_connections.py)
+    tenant_connections: Callable[[], tuple[Mapping[str, int], int]] | None = None
 
 
 def _held_bodies(src: StatsSources) -> dict[str, Any] | None:
@@ -126,6 +128,18 @@ def _held_bodies(src: StatsSources) -> dict[str, Any] | None:
     total, most, by_tenant = src.held_bodies()
     top = sorted(by_tenant.items(), key=lambda kv: -kv[1])[:5]
     return {"bytes": total, "limit": most, "top_tenants": [{"tenant": t, "bytes": n} for t, n in top]}
+
+
+def _tenant_connections(src: StatsSources) -> dict[str, Any] | None:
+    if src.tenant_connections is None:
+        return None
+    by_tenant, most = src.tenant_connections()
+    top = sorted(by_tenant.items(), key=lambda kv: -kv[1])[:5]
+    return {
+        "total": sum(by_tenant.values()),
+        "limit_per_tenant": most,
+        "top_tenants": [{"tenant": t, "connections": n} for t, n in top],
+    }
 
 
 def _encode_backlog(src: StatsSources) -> dict[str, Any] | None:
@@ -413,6 +427,7 @@ async def build_stats(src: StatsSources) -> dict[str, Any]:
         "reservations": _reservations(src.reservations, snap),
         "held_bodies": _held_bodies(src),
         "encode_backlog": _encode_backlog(src),
+        "tenant_connections": _tenant_connections(src),
     }
     stats["findings"] = [f.as_dict() for f in diagnose(stats)]
     return stats

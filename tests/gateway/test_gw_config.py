@@ -273,6 +273,7 @@ def test_example_configs_load() -> None:
             {"pricing": {"media_urls": {"fetch_per_tenant": 0}}},
             "pricing.media_urls.fetch_per_tenant: expected",
         ),
+        ({"limits": {"max_connections_per_tenant": -1}}, "limits.max_connections_per_tenant: expected"),
     ],
 )
 def test_errors_name_the_field(data: object, message: str) -> None:
