@@ -90,7 +90,9 @@ class Exchange:
     # read, price
     raw: bytes = b""
     body: dict[str, Any] | None = None  # parsed JSON object (priced routes; pass-through if JSON)
-    sent: bytes = b""  # ``body`` serialized: what the backend reads unless a field must change
+    sent: bytes = (
+        b""  # ``body`` serialized: what the backend reads unless a field must change (b"": made at the send)
+    )
     model: str = ""  # "" only for a pass-through request that names no served model
     cost: Cost | None = None
     # classify, admit

@@ -172,6 +172,16 @@ def _serialized(body: dict[str, Any]) -> bytes:
         ) from None
 
 
+# A serialized body up to this size is kept to send as is; a larger one is made again at the send
+# (~1 ms per MB), so that while it waits to be admitted a large body is held once (parsed), not twice.
+_KEEP_SENT_BYTES = 64 * 1024
+
+
+def _kept(sent: bytes) -> bytes:
+    """``sent`` if it is worth keeping until the send, else b"" (``Proxy._payload`` makes it again)."""
+    return sent if len(sent) <= _KEEP_SENT_BYTES else b""
+
+
 def _too_large(limit: int) -> ApiError:
     return ApiError(
         413,
@@ -438,7 +448,7 @@ class Proxy:
                 except InvalidRequest as exc:
                     raise ApiError(400, exc.message, param=exc.param, code=exc.code) from None
                 await self._inline_media(x, x.body)
-                x.sent = _serialized(x.body)
+                x.sent = _kept(_serialized(x.body))
             x.cost = await self.pricer.aprice_passthrough(
                 x.raw,
                 model=model,
@@ -500,7 +510,7 @@ class Proxy:
         except InvalidRequest as exc:
             raise ApiError(400, exc.message, param=exc.param, code=exc.code) from None
         # (after pricing: a priced field nested too deep gets pricing's 400, which names the field)
-        x.sent = _serialized(body)
+        x.sent = _kept(_serialized(body))
 
     async def _inline_media(self, x: Exchange, body: dict[str, Any]) -> None:
         """With ``pricing.media_urls.fetch``, the body's http(s) media fetched by the gateway and sent
@@ -823,7 +833,7 @@ class Proxy:
             x.client_wants_usage = False
             reprioritize = "priority" in body and x.tier is not None
             if not reprioritize and salt is None:
-                return x.sent
+                return x.sent or orjson.dumps(body)
             out = dict(body)
             if reprioritize and x.tier is not None:
                 # A client's own priority never reaches the engine: the tier's where the backend
@@ -871,7 +881,7 @@ class Proxy:
                 changes["max_tokens"] = max(x.cost.per_choice, 1)
         x.client_wants_usage = wants_usage
         if not changes and not drop_priority:
-            return x.sent
+            return x.sent or orjson.dumps(body)
         out = {**body, **changes}
         if drop_priority:
             del out["priority"]

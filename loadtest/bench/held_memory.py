@@ -6,6 +6,8 @@ serialized again to send). This spawns ``tokengate serve`` in front of a stub ba
 after ``--hold-s`` seconds, sends ``--tenants`` × ``--per-tenant`` chat bodies of ``--body-bytes``
 never-seen prose at once, and reports the gateway's resident memory (``VmRSS``) before and at its
 peak against the bytes ``/stats`` says it holds: the factor to size a container by.
+``--capacity`` sets the pool's tokens (default: all the bodies fit, so all are forwarded at once);
+about one body's tokens makes the rest wait in the admission queue, held there instead.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ def chat_body(rng: random.Random, size: int) -> bytes:
     return orjson.dumps({**empty, "messages": [{"role": "user", "content": text}]})
 
 
-async def measure(tenants: int, per_tenant: int, body_bytes: int, hold_s: float) -> dict[str, Any]:
+async def measure(
+    tenants: int, per_tenant: int, body_bytes: int, hold_s: float, capacity: int = 10**9
+) -> dict[str, Any]:
     stub = await StubBackend(StubConfig(first_token_delay_s=hold_s, model=MODEL)).start()
     with tempfile.TemporaryDirectory() as tmp:
         names = [f"t{i}" for i in range(tenants)]
@@ -52,12 +56,13 @@ async def measure(tenants: int, per_tenant: int, body_bytes: int, hold_s: float)
                     "ops": {"port": free_port()},
                     "pools": {
                         "default": {
-                            "backends": [{"url": stub.url, "capacity_tokens": 10**9, "models": [MODEL]}]
+                            "backends": [{"url": stub.url, "capacity_tokens": capacity, "models": [MODEL]}]
                         }
                     },
                     "models": {MODEL: {"context_length": 10**8}},
                     "tenants": {n: {"keys": [f"key-{n}"]} for n in names},
                     "limits": {"max_held_body_bytes": 2**40, "max_held_body_bytes_per_tenant": 2**40},
+                    "drain_timeout_s": 1,  # (at the end, queued requests are dropped, not waited for)
                 }
             ).decode()
         )
@@ -87,7 +92,10 @@ async def measure(tenants: int, per_tenant: int, body_bytes: int, hold_s: float)
                     await asyncio.sleep(0.2)
                     peak = max(peak, rss_mib(gw.pid))
                     held = max(held, (await c.get(ops + "/stats")).json()["held_bodies"]["bytes"])
-                statuses = sorted({r.status_code for r in await asyncio.gather(*sends)})
+                finished, waiting = await asyncio.wait(sends, timeout=hold_s + 10)
+                for s in waiting:
+                    s.cancel()  # (still queued behind the others: not part of the measurement)
+                statuses = sorted({s.result().status_code for s in finished if s.exception() is None})
         finally:
             gw.terminate()
             gw.wait(10)
@@ -110,14 +118,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--per-tenant", type=int, default=15)
     parser.add_argument("--body-bytes", type=int, default=4_000_000)
     parser.add_argument("--hold-s", type=float, default=20.0, help="how long the backend takes to answer")
+    parser.add_argument("--capacity", type=int, default=10**9, help="the pool's capacity_tokens")
     args = parser.parse_args(argv)
     if min(args.tenants, args.per_tenant, args.body_bytes) < 1 or args.hold_s <= 0:
         parser.error("--tenants, --per-tenant, --body-bytes and --hold-s must be positive")
-    r = asyncio.run(measure(args.tenants, args.per_tenant, args.body_bytes, args.hold_s))
+    r = asyncio.run(measure(args.tenants, args.per_tenant, args.body_bytes, args.hold_s, args.capacity))
     print(
         f"{r['bodies']} bodies of {r['body_bytes']:,} bytes: {r['held_mib']:.0f} MiB held at most; gateway RSS "
         f"{r['rss_before_mib']:.0f} MiB before, {r['rss_peak_mib']:.0f} MiB at its peak: "
-        f"{r['factor']:.2f}x the bytes held (answers {r['statuses']})"
+        f"{r['factor']:.2f}x the bytes held (answered so far: {r['statuses'] or 'none'})"
     )
 
 
