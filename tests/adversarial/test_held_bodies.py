@@ -163,3 +163,18 @@ async def test_a_json_body_in_flight_is_kept_parsed_and_serialized_not_also_as_t
         assert held(gw)[0] == SIZE  # still counted at its size until it ends
         assert (await sending).status_code == 200
     assert held(gw) == (0, {})
+
+
+async def test_a_large_body_is_serialized_again_at_the_send_and_arrives_whole(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
+) -> None:
+    # Above 64 KB the serialized body is not kept while the request waits (it is made again at
+    # the send): what the backend reads is still exactly the body that was priced.
+    stub, url = stub_backend
+    gw = await gateway_factory(config(url))
+    raw = body(90_000)
+    async with httpx.AsyncClient(base_url=gw.url, timeout=30) as c:
+        r = await c.post("/v1/chat/completions", content=raw, headers={"authorization": "Bearer kt"})
+    assert r.status_code == 200, r.text
+    sent = stub.requests[-1].body
+    assert sent["messages"] == orjson.loads(raw)["messages"] and sent["max_tokens"] == 1
