@@ -108,11 +108,16 @@ class MediaFetcher:
             await self._session.close()
 
     async def inline(
-        self, body: dict[str, Any], limit: int, hold: Callable[[int], None] = _no_hold, tenant: str = ""
+        self,
+        body: dict[str, Any],
+        limit: int,
+        hold: Callable[[int], None] = _no_hold,
+        tenant: str | None = None,
     ) -> int:
         """Replace each fetchable http(s) media URL in ``body`` by a data: URL of its bytes; the
         number of bytes sent inline. Media the policy refuses is left for pricing to refuse.
-        ``tenant``: whose share of fetches (``fetch_per_tenant``) these take.
+        ``tenant``: whose share of fetches (``fetch_per_tenant``) these take; None (open mode, one
+        tenant for everyone): no share, only the fetcher's connections bound them.
         ``limit``: the most elements looked at (pricing.max_items). ``hold(n)``: called with the most
         the fetches can bring (``fetch_max_bytes`` each, as base64) before any starts, and may
         refuse; the caller gives back what that is above the number returned."""
@@ -133,9 +138,10 @@ class MediaFetcher:
         if not targets:
             return 0
         hold(most_inline(len(targets), policy.fetch_max_bytes))
-        slots = self._slots.get(tenant)
-        if slots is None:
-            slots = self._slots[tenant] = _Slots(policy.fetch_per_tenant)
+        if tenant is None:
+            slots = _Slots(len(targets))  # (never waited for)
+        else:
+            slots = self._slots.get(tenant) or self._slots.setdefault(tenant, _Slots(policy.fetch_per_tenant))
         slots.users += 1
         try:  # (the first failure cancels the other fetches)
             async with asyncio.TaskGroup() as group:
@@ -146,7 +152,7 @@ class MediaFetcher:
             raise failed.exceptions[0] from None
         finally:
             slots.users -= 1
-            if not slots.users:
+            if not slots.users and tenant is not None:
                 del self._slots[tenant]
         fetched = [t.result() for t in tasks]
         for (_, holder, key), data_url in zip(targets, fetched, strict=True):

@@ -524,7 +524,9 @@ class Proxy:
             self.held.take(tenant.name, n, open_mode=self.open_mode)
             x.held_body += n
 
-        inline = await self.media.inline(body, self.pricer.settings.max_items, hold, tenant.name)
+        inline = await self.media.inline(
+            body, self.pricer.settings.max_items, hold, None if self.open_mode else tenant.name
+        )
         held_for_media = x.held_body - before
         if held_for_media > inline:
             self.held.give_back(tenant.name, held_for_media - inline)

@@ -295,3 +295,19 @@ async def test_a_fetch_waiting_for_its_tenants_share_says_so_when_it_times_out(i
         assert fetcher._slots == {}
     finally:
         await fetcher.close()
+
+
+async def test_in_open_mode_there_is_no_tenant_share_only_the_fetchers_connections(images: Images) -> None:
+    # One tenant is everyone in open mode: a share would cap every client's fetches together.
+    policy = MediaUrls(fetch=True, hosts=("127.0.0.1",), fetch_timeout_s=5, fetch_per_tenant=1)
+    fetcher = MediaFetcher(lambda: policy)
+    slow = f"http://127.0.0.1:{images.port}/slow"
+    body = chat(slow)
+    body["messages"][0]["content"].append({"type": "image_url", "image_url": {"url": slow}})
+    try:
+        fetching = asyncio.create_task(fetcher.inline(body, 1000, tenant=None))
+        await eventually(lambda: images.hits.count("/slow") == 2, timeout_s=2, message="not fetched at once")
+        assert images.done == []  # both running, neither answered yet
+        assert await fetching > 0 and fetcher._slots == {}
+    finally:
+        await fetcher.close()
