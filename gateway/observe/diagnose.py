@@ -16,7 +16,7 @@ LEVELS = ("ok", "info", "warn", "crit")
 @dataclass(frozen=True, slots=True)
 class Finding:
     level: str  # ok | info | warn | crit
-    topic: str  # slo | hol | backend | one_server | kv | slots | split | queue | store | bodies
+    topic: str  # slo | hol | backend | one_server | kv | slots | split | queue | store | bodies | connections | encode
     text: str
 
     def as_dict(self) -> dict[str, str]:
@@ -41,6 +41,8 @@ def diagnose(stats: Mapping[str, Any]) -> list[Finding]:
     out += _pools(stats)
     out += _split(stats)
     out += _bodies(stats)
+    out += _connections(stats)
+    out += _encode(stats)
     out.sort(key=lambda f: -LEVELS.index(f.level))
     return out
 
@@ -73,7 +75,52 @@ def _bodies(stats: Mapping[str, Any]) -> list[Finding]:
             f"request bodies held in this process: {held['bytes']:,} of {held['limit']:,} bytes "
             f"(limits.max_held_body_bytes){who}. At the limit new requests get 503 overloaded; a "
             "tenant at its share (limits.max_held_body_bytes_per_tenant) gets 429. Large or slow "
-            "uploads are held: raise the limits only with the process's memory (~3x the bodies).",
+            "uploads are held: raise the limits only with the process's memory (~2.5x the bodies).",
+        )
+    ]
+
+
+def _connections(stats: Mapping[str, Any]) -> list[Finding]:
+    conns = stats.get("tenant_connections")
+    most = conns.get("limit_per_tenant") if conns else None
+    if not conns or not most:
+        return []
+    full = [t for t in conns.get("top_tenants") or [] if t["connections"] >= 0.8 * most]
+    if not full:
+        return []
+    names = ", ".join(f"{t['tenant']} ({t['connections']:,})" for t in full)
+    level = "crit" if full[0]["connections"] >= most else "warn"
+    return [
+        Finding(
+            level,
+            "connections",
+            f"tenants near their share of this process's client connections ({most:,}, "
+            f"limits.max_connections_per_tenant): {names}. At it, a request on one more connection "
+            "gets 429 too_many_connections and that connection is closed: have such clients reuse "
+            "connections (HTTP keep-alive, a bounded pool), or raise the share.",
+        )
+    ]
+
+
+# Characters of long prompts waiting for a tokenizer thread worth a word: about a second of work
+# for the default two threads.
+_ENCODE_BACKLOG_WARN = 8_000_000
+
+
+def _encode(stats: Mapping[str, Any]) -> list[Finding]:
+    backlog = stats.get("encode_backlog")
+    if not backlog or backlog.get("chars", 0) < _ENCODE_BACKLOG_WARN:
+        return []
+    top = backlog.get("top_tenants") or []
+    who = f"; most of it {top[0]['tenant']}'s ({top[0]['chars']:,})" if top else ""
+    return [
+        Finding(
+            "warn",
+            "encode",
+            f"{backlog['chars']:,} characters of long prompts wait for a tokenizer thread{who}. The "
+            "threads are shared fairly among tenants, so a flood delays its own tenant's prompts "
+            "first; if every tenant's long prompts wait, raise pricing.encode_threads (CPU cores "
+            "permitting) or lower limits.max_body_bytes.",
         )
     ]
 

@@ -348,3 +348,28 @@ def test_a_backend_that_never_answered_is_named_so() -> None:
     }
     (f,) = [f for f in diagnose(st) if f.topic == "backend"]
     assert f.level == "crit" and "has never answered" in f.text
+
+
+def test_a_tenant_near_its_share_of_connections_is_a_finding_naming_it() -> None:
+    def stats(n: int) -> dict[str, object]:
+        top = [{"tenant": "chatty", "connections": n}, {"tenant": "quiet", "connections": 3}]
+        return {"tenant_connections": {"total": n + 3, "limit_per_tenant": 100, "top_tenants": top}}
+
+    assert [f for f in diagnose(stats(79)) if f.topic == "connections"] == []
+    (f,) = [f for f in diagnose(stats(85)) if f.topic == "connections"]
+    assert f.level == "warn" and "chatty (85)" in f.text and "quiet" not in f.text
+    assert "limits.max_connections_per_tenant" in f.text
+    (f,) = [f for f in diagnose(stats(100)) if f.topic == "connections"]
+    assert f.level == "crit"
+    no_bound = {"tenant_connections": {"total": 500, "limit_per_tenant": 0, "top_tenants": []}}
+    assert [f for f in diagnose(no_bound) if f.topic == "connections"] == []
+
+
+def test_a_long_encode_backlog_is_a_finding_naming_who_holds_most_of_it() -> None:
+    quiet = {"encode_backlog": {"chars": 1_000_000, "top_tenants": [{"tenant": "a", "chars": 1_000_000}]}}
+    assert [f for f in diagnose(quiet) if f.topic == "encode"] == []
+    busy = {
+        "encode_backlog": {"chars": 20_000_000, "top_tenants": [{"tenant": "flood", "chars": 19_000_000}]}
+    }
+    (f,) = [f for f in diagnose(busy) if f.topic == "encode"]
+    assert f.level == "warn" and "flood's (19,000,000)" in f.text and "pricing.encode_threads" in f.text
