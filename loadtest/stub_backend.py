@@ -122,7 +122,14 @@ class StubBackend:
 
     async def start(self, port: int = 0) -> StubBackend:
         self._runner = web.AppRunner(
-            self.app(), access_log=None, handler_cancellation=True, shutdown_timeout=1.0
+            self.app(),
+            access_log=None,
+            handler_cancellation=True,
+            shutdown_timeout=1.0,
+            # Header lines as long as the gateway forwards (limits.max_header_bytes), as uvicorn-served
+            # engines take them; aiohttp's own 8 KB limit refused them with a traceback per request.
+            max_line_size=64 * 1024,
+            max_field_size=64 * 1024,
         )
         await self._runner.setup()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
