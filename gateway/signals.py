@@ -31,13 +31,15 @@ class Connection:
     """One client connection, as the app sees it: which tenant uses it, and what to call once it
     is closed (set by the app, run by the protocol at most once)."""
 
-    __slots__ = ("on_close", "owner")
+    __slots__ = ("gone", "on_close", "owner")
 
     def __init__(self) -> None:
         self.owner: str | None = None
         self.on_close: Callable[[Connection], None] | None = None
+        self.gone = False  # closed already: a request still running on it claims nothing
 
     def closed(self) -> None:
+        self.gone = True
         callback, self.on_close = self.on_close, None
         if callback is not None:
             callback(self)

@@ -29,7 +29,7 @@ class TenantConnections:
     def claim(self, conn: Connection, tenant: str) -> None:
         """Mark ``conn`` as ``tenant``'s; ApiError 429 (closing it) when that is one too many."""
         owner = conn.owner
-        if owner == tenant:
+        if owner == tenant or conn.gone:  # (a client gone before its request got here holds nothing)
             return
         held = self.by_tenant.get(tenant, 0)
         if self.most and held >= self.most:
