@@ -465,9 +465,9 @@ class Proxy:
             body = orjson.loads(x.raw)
         except orjson.JSONDecodeError as exc:
             raise ApiError(400, f"Request body is not valid JSON: {exc}", code="invalid_json") from None
-        # The client's bytes are not sent (x.sent is, made from the parsed body) nor read again:
-        # dropped now, a large body is held twice (parsed, and serialized to send) instead of three
-        # times while it waits to be priced and admitted (docs/security.md, section 3).
+        # The client's bytes are not sent (the parsed body is, serialized again) nor read again:
+        # dropped now, a large body waiting to be priced and admitted is held once, as parsed (with
+        # _kept below), not three times (docs/security.md, section 3).
         x.raw = b""
         if not isinstance(body, dict):
             raise ApiError(400, "Request body must be a JSON object", code="invalid_json")
