@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -183,3 +184,34 @@ def test_an_empty_batch_is_done_at_once_and_weights_must_match_jobs(pool: FairPo
         pool.submit("a", str, [1, 2], [1])
     with pytest.raises(ValueError, match="at least 1"):
         FairPool(0)
+
+
+def test_under_many_keys_and_cancellations_every_kept_batch_completes_and_nothing_is_left() -> None:
+    import random
+
+    rng = random.Random(5)
+    pool = FairPool(4, name="test-fair-stress")
+    try:
+        batches: list[tuple[list[int], concurrent.futures.Future[list[int]]]] = []
+        for _ in range(400):
+            jobs = [rng.randrange(1000) for _ in range(rng.randrange(1, 6))]
+            future = pool.submit(
+                f"k{rng.randrange(50)}", lambda n: n * 2, jobs, [rng.randrange(1, 100) for _ in jobs]
+            )
+            batches.append((jobs, future))
+            if rng.random() < 0.2:
+                future.cancel()
+        for jobs, future in batches:
+            if future.cancelled():
+                continue
+            assert future.result(WAIT) == [n * 2 for n in jobs]
+        assert pool.backlog() == {}
+        # Every key's entry goes once it has nothing waiting or running (a thread settles a batch's
+        # future a moment before it marks the job done).
+        deadline = time.monotonic() + WAIT
+        while pool._keys and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pool._cond:
+            assert pool._keys == {} and pool._ready == []
+    finally:
+        pool.shutdown()
