@@ -122,11 +122,16 @@ class StatsSources:
     tenant_connections: Callable[[], tuple[Mapping[str, int], int]] | None = None
 
 
+def _top(counts: Mapping[str, int], n: int = 5) -> list[tuple[str, int]]:
+    """The ``n`` largest counts, largest first: who holds most of a shared resource."""
+    return sorted(counts.items(), key=lambda kv: -kv[1])[:n]
+
+
 def _held_bodies(src: StatsSources) -> dict[str, Any] | None:
     if src.held_bodies is None:
         return None
     total, most, by_tenant = src.held_bodies()
-    top = sorted(by_tenant.items(), key=lambda kv: -kv[1])[:5]
+    top = _top(by_tenant)
     return {"bytes": total, "limit": most, "top_tenants": [{"tenant": t, "bytes": n} for t, n in top]}
 
 
@@ -134,7 +139,7 @@ def _tenant_connections(src: StatsSources) -> dict[str, Any] | None:
     if src.tenant_connections is None:
         return None
     by_tenant, most = src.tenant_connections()
-    top = sorted(by_tenant.items(), key=lambda kv: -kv[1])[:5]
+    top = _top(by_tenant)
     return {
         "total": sum(by_tenant.values()),
         "limit_per_tenant": most,
@@ -146,7 +151,7 @@ def _encode_backlog(src: StatsSources) -> dict[str, Any] | None:
     if src.encode_backlog is None:
         return None
     waiting = src.encode_backlog()
-    top = sorted(waiting.items(), key=lambda kv: -kv[1])[:5]
+    top = _top(waiting)
     return {"chars": sum(waiting.values()), "top_tenants": [{"tenant": t, "chars": n} for t, n in top]}
 
 
