@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 CONFIG ?=
 
-.PHONY: setup run test lint typecheck unit demo bench clean deploy-tools compose-test
+.PHONY: setup run test test-long lint typecheck unit demo bench clean deploy-tools compose-test
 
 setup:
 	bash scripts/bootstrap.sh
@@ -25,6 +25,11 @@ unit: lint typecheck
 
 test: lint typecheck deploy-tools
 	$(BIN)/pytest -q
+
+# The exploration: property tests with fresh random seeds and ten times the examples, exhaustive
+# tests over a wider scope (tests/support.py, LONG). `make test` runs the same examples every time.
+test-long: lint typecheck deploy-tools
+	TOKENGATE_TEST_LONG=1 $(BIN)/pytest -q
 
 # podman (or docker) + podman-compose for `compose config`, kubectl for `kubectl kustomize`.
 deploy-tools: setup

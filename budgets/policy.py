@@ -183,11 +183,16 @@ pass looks at unsettles the state: a release, an extension, a grant, a counter s
 layout change, forgetting idle tenants, and an enqueue that makes a new head that fits. An enqueue
 behind an existing head does not (it changes no head, rank, room or hold), and neither does time,
 except through promotions. Nor does a new head that does not fit (a private pool blocks it, or its
-cost is more than its group's room): the heads that were there are as they were, and a head that
-cannot be granted can only add holds and use up ``max_scan``, which only ever prevent grants. (At
-100,000 tenants with one ticket each, every acquire on a full pool makes such a head.) So a pass
-on a settled state that promotes nothing returns at once, with exactly the decision a full pass
-would make. This is the common case under load: on a saturated pool every acquire queues behind its
+cost is more than its group's room), as long as no other group names one of its shared pools and a
+shared pool it does not name: the heads that were there are as they were, and a head that cannot be
+granted can then only add holds and use up ``max_scan``, which only ever prevent grants. Where such
+a group exists, a new hold can *free* a pool: a head naming a held pool holds nothing (rule 1
+above), so a head of that group that held its other pools stops holding them, and a head waiting
+only on those may now be granted (a batch head on a class pool, freed when a new critical head
+holds the backend pool of a standard head that named both). Such a new head unsettles the state.
+(At 100,000 tenants with one ticket each on one pool, every acquire on a full pool makes a head
+that leaves the state settled.) So a pass on a settled state that promotes nothing returns at once,
+with exactly the decision a full pass would make. This is the common case under load: on a saturated pool every acquire queues behind its
 tenant's own head or makes a head that does not fit, and its pass used to cost as much as the pass
 after a release. (tests/budgets/test_policy_properties.py checks every such pass against a full one.)
 
@@ -607,8 +612,8 @@ def enqueue(state: PolicyState, demand: Demand, now: float) -> Ticket:
         head = state.index.add(
             key, ticket, state.layout, state.counters[tenant], state.in_flight, state.clock
         )
-        if state.settled and _may_fit(state, head):
-            state.settled = False  # a new head that a pass may grant
+        if state.settled and (_may_fit(state, head) or _may_lift_holds(state, head)):
+            state.settled = False  # a new head that a pass may grant, or that may free another
     else:
         fifo.append(ticket)
         if pol.tenant_queue_order != "fifo":
@@ -798,6 +803,21 @@ def _may_fit(state: PolicyState, head: Head) -> bool:
         return False
     layout = state.layout
     return head.ticket.demand.cost <= _room(group, layout.tiers[head.tier], layout, state.in_flight)
+
+
+def _may_lift_holds(state: PolicyState, head: Head) -> bool:
+    """Whether ``head``'s holds could take another head's holds away (rule 1 of the pass: a head
+    naming a held pool holds nothing): some active group of another pool set names one of its
+    shared pools and a shared pool it does not name. Then the new hold can free that other pool,
+    and a head waiting only on it may be granted ("Settled" in the module docstring)."""
+    mine = head.shared
+    if head.group is None or not mine:
+        return False  # parked or naming no shared pool: it holds nothing
+    for by_pools in state.index.groups.values():
+        for pools, group in by_pools.items():
+            if group and pools != mine and not set(pools).isdisjoint(mine) and not set(pools) <= set(mine):
+                return True
+    return False
 
 
 def _tier_order(state: PolicyState) -> tuple[str, ...]:

@@ -27,9 +27,17 @@ from typing import Any
 import orjson
 import pytest
 import uvicorn
+from hypothesis import settings
 
 from loadtest.processes import free_port
-from tests.support import eventually
+from tests.support import LONG, eventually
+
+# ``make test`` runs the same examples every time (a property test never turns a run red by the
+# luck of its seed); ``make test-long`` explores with fresh seeds and keeps what fails in
+# .hypothesis/ to replay first next time.
+settings.register_profile("deterministic", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", print_blob=True)
+settings.load_profile("explore" if LONG else "deterministic")
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]

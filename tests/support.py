@@ -3,7 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Awaitable, Callable
+
+# ``make test-long`` (TOKENGATE_TEST_LONG=1): property tests explore with random seeds and ten
+# times the examples, and exhaustive tests widen their scope. ``make test`` is deterministic
+# (tests/conftest.py loads a derandomized Hypothesis profile): the same examples every run.
+LONG = os.environ.get("TOKENGATE_TEST_LONG") == "1"
+
+
+def examples(n: int) -> int:
+    """A property test's ``max_examples``: ``n`` under ``make test``, ``10 * n`` under ``make test-long``."""
+    return 10 * n if LONG else n
 
 
 async def eventually(

@@ -13,6 +13,7 @@ from backends.engine.request import EngineRequest, RequestStatus
 from backends.engine.scheduler import Scheduler, SchedulerConfig
 from backends.engine.types import SamplingParams
 from tests.backends.conftest import SimRig, make_sim_rig, prompt
+from tests.support import examples
 
 RigFactory = Callable[..., SimRig]
 
@@ -274,7 +275,7 @@ _request = st.tuples(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     requests=st.lists(_request, min_size=1, max_size=16),
     budget=st.integers(16, 200),

@@ -3,8 +3,10 @@ on a free port in a temp dir, with kill/restart helpers.
 
 Import the fixtures into a test module or conftest: ``from tests.budgets.redis_fixtures import
 redis_server, fresh_redis``. ``redis_server`` is one server per test session (tests isolate
-themselves with a unique key prefix); ``fresh_redis`` is a private server per test, for tests that
-kill or restart it. ``make_store`` builds RedisStore replicas with short timeouts on either, and
+themselves with a unique key prefix, and never change what the whole server holds or runs: no
+FLUSH of data, functions or scripts, no ACL or CONFIG change); ``scratch_redis`` is one server per
+module for tests that do change the whole server; ``fresh_redis`` is a private server per test, for
+tests that kill or restart it. ``make_store`` builds RedisStore replicas with short timeouts on either, and
 ``crash`` stops one the way SIGKILL would.
 """
 
@@ -86,6 +88,18 @@ def _contract_store(layout: BudgetLayout, clock: Callable[[], float], lua: str) 
 @pytest.fixture(scope="session")
 def redis_server() -> RedisServer:
     return session_redis()
+
+
+@pytest.fixture(scope="module")
+def scratch_redis() -> Iterator[RedisServer]:
+    """A server of the module's own: its tests may flush it, add ACL users or change its config
+    without reaching another module's stores on the session server."""
+    server = RedisServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture

@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 from budgets.types import BudgetStore, Demand, Lease, TenantSpec
 from tests.budgets.conftest import FACTORIES, STORE_KINDS
 from tests.budgets.support import FLAT, FakeClock, assert_idle, eventually, layout, shared
+from tests.support import examples
 
 P = "backend:p"
 M = 100  # tokens the pool holds
@@ -199,7 +200,7 @@ plans_st = st.fixed_dictionaries({t: st.lists(request, min_size=1, max_size=6) f
 @pytest.mark.slow  # hypothesis, both stores (the Lua code as functions; the contract suite runs it as scripts too)
 @pytest.mark.parametrize("kind", [k for k in STORE_KINDS if k != "redis-scripts"])
 @settings(
-    max_examples=60,
+    max_examples=examples(60),
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
     # Every example drives a real store: shrink one failure, do not hunt for more.

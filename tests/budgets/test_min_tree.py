@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from budgets.min_tree import MinMap, MinTree, MostlyInOrder
+from tests.support import examples
 
 NAMES = [f"t{i}" for i in range(40)]  # enough to grow the tree past a few powers of two
 
@@ -19,7 +20,7 @@ op = st.one_of(
 
 
 @given(st.lists(op, max_size=300))
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 def test_the_lowest_key_and_the_lowest_of_the_others_are_always_exact(
     ops: list[tuple[str, str, int]],
 ) -> None:
@@ -46,7 +47,7 @@ def test_the_lowest_key_and_the_lowest_of_the_others_are_always_exact(
 
 
 @given(st.lists(st.integers(0, 1000), min_size=1, max_size=200), st.data())
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 def test_slots_are_reused_and_tuple_keys_order_like_tuples(values: list[int], data: st.DataObject) -> None:
     tree: MinTree[tuple[float, int, str]] = MinTree((math.inf, 0, ""))
     live: dict[int, tuple[float, int, str]] = {}
@@ -77,7 +78,7 @@ def test_keys_that_rise_in_turn_keep_the_lowest_exact_at_every_step() -> None:
 
 
 @given(st.lists(st.tuples(st.booleans(), st.integers(-3, 10), st.integers(0, 30)), max_size=300))
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 def test_mostly_in_order_keys_come_out_lowest_first_wherever_they_were_kept(
     ops: list[tuple[bool, int, int]],
 ) -> None:

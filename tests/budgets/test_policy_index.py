@@ -29,6 +29,7 @@ from budgets.policy import PolicyState
 from budgets.queue_index import Group
 from budgets.types import Demand, NeverFits, TenantSpec
 from tests.budgets.support import layout, private, shared
+from tests.support import examples
 
 TENANTS = ("a", "b", "c", "d")
 TIER_NAMES = ("critical", "standard", "batch")
@@ -290,7 +291,7 @@ def ops(one_shared: bool) -> st.SearchStrategy[list[tuple[Any, ...]]]:
 
 
 @pytest.mark.slow  # hypothesis, a few hundred sequences
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(steps=ops(one_shared=False), max_scan=st.sampled_from([1, 2, 3, 5, 256]))
 def test_indexed_pass_follows_its_spec_for_any_state(steps: list[tuple[Any, ...]], max_scan: int) -> None:
     driver = Driver(max_scan, MANY_SHARED)
@@ -298,7 +299,7 @@ def test_indexed_pass_follows_its_spec_for_any_state(steps: list[tuple[Any, ...]
         driver.step(op, compare_rescanning=False)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(steps=ops(one_shared=True))
 def test_indexed_pass_decides_what_the_rescanning_pass_did(steps: list[tuple[Any, ...]]) -> None:
     driver = Driver(10_000, ONE_SHARED)

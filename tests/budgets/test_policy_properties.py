@@ -15,6 +15,7 @@ from budgets import policy
 from budgets.policy import PolicyState
 from budgets.types import QUEUE_ORDERS, Demand, NeverFits, QueueOrder, TenantSpec
 from tests.budgets.support import layout, private, shared
+from tests.support import examples
 
 TENANTS = ("a", "b", "c")
 TIER_NAMES = ("critical", "standard", "batch")
@@ -257,7 +258,7 @@ class Model:
 
 
 @pytest.mark.slow  # hypothesis, 250 operation sequences
-@settings(max_examples=250, deadline=None)
+@settings(max_examples=examples(250), deadline=None)
 @given(ops=ops_strategy, max_scan=st.sampled_from([1, 2, 5, 256]), order=st.sampled_from(QUEUE_ORDERS))
 # A lease grows on its tenant's budget while that tenant's next request waits only for a shared
 # pool: the grown budget must hold the request back when the shared pool frees.
@@ -284,7 +285,7 @@ def test_invariants_hold_for_any_operation_sequence(
 
 
 @pytest.mark.slow  # hypothesis, 250 operation sequences
-@settings(max_examples=250, deadline=None)
+@settings(max_examples=examples(250), deadline=None)
 @given(ops=ordered_ops_strategy, max_scan=st.sampled_from([1, 2, 256]))
 def test_invariants_hold_with_deep_shortest_first_queues(ops: list[tuple], max_scan: int) -> None:  # type: ignore[type-arg]
     model = Model(max_scan, "shortest_first")
@@ -293,7 +294,7 @@ def test_invariants_hold_with_deep_shortest_first_queues(ops: list[tuple], max_s
     model.drain()
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(ops=ops_strategy, order=st.sampled_from(QUEUE_ORDERS))
 def test_grant_pass_is_deterministic(ops: list[tuple], order: QueueOrder) -> None:  # type: ignore[type-arg]
     model = Model(256, order)

@@ -17,10 +17,17 @@ from budgets.redis.keys import pack_demand
 from budgets.redis.scripts import ENTRY_SCRIPTS, ScriptRunner, load_library, load_scripts
 from budgets.types import BudgetLayout
 from loadtest.redis_server import RedisServer
-from tests.budgets.redis_fixtures import StoreMaker, fresh_redis, make_store, redis_server, unique_prefix
+from tests.budgets.redis_fixtures import (
+    StoreMaker,
+    fresh_redis,
+    make_store,
+    redis_server,
+    scratch_redis,
+    unique_prefix,
+)
 from tests.budgets.support import assert_idle, demand, in_flight, layout, private, shared
 
-__all__ = ["fresh_redis", "make_store", "redis_server"]  # fixtures used below
+__all__ = ["fresh_redis", "make_store", "redis_server", "scratch_redis"]  # fixtures used below
 
 P = "backend:p"
 
@@ -97,11 +104,11 @@ async def test_the_store_runs_the_function_library_on_redis_7(
 
 @pytest.mark.parametrize(("lua", "flush"), [("functions", "FUNCTION"), ("scripts", "SCRIPT")])
 async def test_code_redis_lost_is_loaded_again_and_the_call_runs_once(
-    redis_server: RedisServer, make_store: StoreMaker, lua: str, flush: str
+    scratch_redis: RedisServer, make_store: StoreMaker, lua: str, flush: str
 ) -> None:
-    store = make_store(redis_server, small_layout(), lua=lua)
+    store = make_store(scratch_redis, small_layout(), lua=lua)
     await store.start()
-    client = Redis.from_url(redis_server.url)
+    client = Redis.from_url(scratch_redis.url)
     try:
         await client.execute_command(flush, "FLUSH")
     finally:
@@ -156,20 +163,20 @@ async def user_without_functions(server: RedisServer) -> str:
 
 
 async def test_a_user_whose_acl_allows_scripts_but_not_functions_gets_scripts(
-    redis_server: RedisServer, make_store: StoreMaker
+    scratch_redis: RedisServer, make_store: StoreMaker
 ) -> None:
-    url = await user_without_functions(redis_server)
-    store = make_store(redis_server, small_layout(), url=url)
+    url = await user_without_functions(scratch_redis)
+    store = make_store(scratch_redis, small_layout(), url=url)
     await store.start()
     await serves_one_request(store, "scripts")
 
 
 async def test_replicas_loading_the_library_at_once_all_succeed(
-    redis_server: RedisServer, make_store: StoreMaker
+    scratch_redis: RedisServer, make_store: StoreMaker
 ) -> None:
-    await flush_functions(redis_server)
+    await flush_functions(scratch_redis)
     prefix = unique_prefix()
-    replicas = [make_store(redis_server, small_layout(), prefix=prefix) for _ in range(4)]
+    replicas = [make_store(scratch_redis, small_layout(), prefix=prefix) for _ in range(4)]
     await asyncio.gather(*(r.start() for r in replicas))
     leases = await asyncio.gather(*(r.acquire(demand("a", 10, P), 1) for r in replicas))
     assert await in_flight(replicas[0], P) == 40
@@ -188,19 +195,19 @@ async def _status_via_redis_py(url: str, runner: ScriptRunner) -> object:
 
 
 async def test_redis_py_calls_load_lost_code_and_fall_back_like_the_lean_connection(
-    redis_server: RedisServer, redis_without_fcall: RedisServer
+    scratch_redis: RedisServer, redis_without_fcall: RedisServer
 ) -> None:
-    await flush_functions(redis_server)
+    await flush_functions(scratch_redis)
     runner = ScriptRunner()
-    first = await _status_via_redis_py(redis_server.url, runner)
+    first = await _status_via_redis_py(scratch_redis.url, runner)
     assert (runner.mode, runner.reloads) == ("functions", 1)
-    assert await _status_via_redis_py(redis_server.url, runner) == first  # loaded: no reload
+    assert await _status_via_redis_py(scratch_redis.url, runner) == first  # loaded: no reload
     assert runner.reloads == 1
     old = ScriptRunner()
     assert await _status_via_redis_py(redis_without_fcall.url, old) == first
     assert old.mode == "scripts"
     denied = ScriptRunner()
-    assert await _status_via_redis_py(await user_without_functions(redis_server), denied) == first
+    assert await _status_via_redis_py(await user_without_functions(scratch_redis), denied) == first
     assert denied.mode == "scripts"
 
 

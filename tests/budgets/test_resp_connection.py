@@ -26,9 +26,9 @@ from budgets.redis.resp import (
 )
 from budgets.redis.scripts import Script, ScriptRunner
 from loadtest.processes import free_port
-from tests.budgets.redis_fixtures import RedisServer, fresh_redis, redis_server, unique_prefix
+from tests.budgets.redis_fixtures import RedisServer, fresh_redis, redis_server, scratch_redis, unique_prefix
 
-__all__ = ["fresh_redis", "redis_server"]  # fixtures used below
+__all__ = ["fresh_redis", "redis_server", "scratch_redis"]  # fixtures used below
 
 # Busy-waits inside Redis for ARGV[1] microseconds, then returns ARGV[2]: a slow reply on demand.
 SLOW = (
@@ -201,9 +201,9 @@ async def test_refused_connection_is_an_os_error(connect: Maker) -> None:
 
 
 async def test_noscript_after_script_flush_reloads_and_retries(
-    redis_server: RedisServer, connect: Maker
+    scratch_redis: RedisServer, connect: Maker
 ) -> None:
-    conn = connect(redis_server)
+    conn = connect(scratch_redis)
     source = "return {ARGV[1], KEYS[1]}"
     runner = ScriptRunner({"echo": Script("echo", source, hashlib.sha1(source.encode()).hexdigest())})
     with pytest.raises(NoScriptError):  # a raw EVALSHA of an unknown script

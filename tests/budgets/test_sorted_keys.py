@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from budgets.sorted_keys import SortedKeys
+from tests.support import examples
 
 Key = tuple[float, int, str]
 
@@ -32,7 +33,7 @@ def check_shape(keys: SortedKeys[Key]) -> None:
 
 
 @given(st.lists(op, max_size=400), st.sampled_from([1, 2, 4, 64]))
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 def test_keys_stay_in_order_and_after_finds_the_next_one(ops: list[tuple[str, int, int]], load: int) -> None:
     keys: SortedKeys[Key] = SortedKeys(load)
     model: list[Key] = []

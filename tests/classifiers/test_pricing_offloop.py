@@ -31,6 +31,7 @@ from classifiers import (
     default_tokenizer,
 )
 from tests.budgets.support import eventually
+from tests.support import examples
 
 LIMITS: dict[str, Any] = {"default_max_tokens": 64, "max_tokens_limit": None, "context_length": 1_000_000}
 _WORDS = "the model token budget queue tenant prefill decode cache batch stream gateway latency".split()
@@ -573,7 +574,7 @@ def both() -> Iterator[Both]:
 
 
 _examples = settings(
-    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=examples(120), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 _ctx = st.integers(1, 3000)
 _default = st.integers(0, 500)

@@ -25,6 +25,7 @@ from classifiers import (
     load_tokenizer,
 )
 from classifiers.tokenizers import _CountCache, _dense_runs, _require_cached
+from tests.support import examples
 
 CL100K_URL = "https://openaipublic.blob.core.windows.net/encodings/cl100k_base.tiktoken"
 
@@ -120,7 +121,7 @@ _pieces = st.sampled_from(
 _chunk_sizes = st.sampled_from([32, 300, 2048, 16_384])
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(_pieces, min_size=1, max_size=400), st.integers(min_value=1, max_value=30), _chunk_sizes)
 def test_chunking_never_changes_the_count(
     enc: tiktoken.Encoding, pieces: list[str], repeat: int, chunk: int
@@ -131,7 +132,7 @@ def test_chunking_never_changes_the_count(
     assert tok.count(text) == len(enc.encode_ordinary(text))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(st.lists(_pieces, min_size=1, max_size=200), st.integers(min_value=1, max_value=30), _chunk_sizes)
 def test_the_memo_alone_gives_the_count_once_every_chunk_was_counted(
     enc: tiktoken.Encoding, pieces: list[str], repeat: int, chunk: int
@@ -143,7 +144,7 @@ def test_the_memo_alone_gives_the_count_once_every_chunk_was_counted(
     assert tok.cached_count(text) == tok.count(text)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(_pieces, min_size=1, max_size=400), st.integers(min_value=1, max_value=30), _chunk_sizes)
 def test_the_cuts_split_a_text_into_chunks_whose_counts_sum_to_the_texts(
     enc: tiktoken.Encoding, pieces: list[str], repeat: int, chunk: int
@@ -172,7 +173,7 @@ def test_hf_counts_off_the_loop_like_on_it(tiny_hf: Path) -> None:
 _DENSE_REFERENCE = re.compile(rb"[A-Za-z0-9]{20,}")
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     st.lists(
         st.one_of(

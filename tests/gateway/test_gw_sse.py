@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from gateway import sse
 from gateway.sse import UsageRelay, usage_counts
+from tests.support import examples
 
 USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
 
@@ -36,7 +37,7 @@ def split(data: bytes, cuts: list[int]) -> list[bytes]:
     return [c for c in out if c]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.lists(st.integers(min_value=0, max_value=10_000), max_size=12))
 def test_passthrough_is_byte_exact_and_reads_usage(cuts: list[int]) -> None:
     relay = UsageRelay(drop_usage=False)
@@ -47,7 +48,7 @@ def test_passthrough_is_byte_exact_and_reads_usage(cuts: list[int]) -> None:
     assert relay.usage == USAGE
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.lists(st.integers(min_value=0, max_value=10_000), max_size=12))
 def test_drop_mode_removes_only_the_usage_event(cuts: list[int]) -> None:
     relay = UsageRelay(drop_usage=True)
@@ -118,7 +119,7 @@ R_STREAM = (
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.lists(st.integers(min_value=0, max_value=10_000), max_size=12))
 def test_responses_stream_is_relayed_byte_exact_and_its_usage_learned(cuts: list[int]) -> None:
     relay = UsageRelay(drop_usage=False)
