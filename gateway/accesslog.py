@@ -55,6 +55,9 @@ class Record:
     backend_s: float | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    # The engine sent no usage: prompt_tokens is the priced prompt, completion_tokens the output
+    # events the stream relayed (gateway.usage).
+    usage_estimated: bool = False
     extended: int = 0  # output tokens a stream's lease grew by (its reservation was outgrown)
     slot_tokens: int = 0  # of decode, held beyond the reservation: its share of the engine's sequence slots
     overdraft: int = 0  # of those, tokens beyond what its pools had room for
@@ -105,6 +108,7 @@ class Record:
             "total_ms": round((end - self.start) * 1000.0, 2),
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
+            "usage_estimated": self.usage_estimated or None,
             "slot_tokens": self.slot_tokens or None,
             "extended": self.extended or None,
             "overdraft": self.overdraft or None,

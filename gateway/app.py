@@ -31,6 +31,8 @@ from starlette.routing import Route
 
 from budgets.types import BudgetLayout, BudgetStore
 from classifiers import Classifier, Pricer, TokenizerRegistry, show_value
+from classifiers.prompt_overhead import PromptOverheads
+from gateway import slots
 from gateway.accesslog import Record
 from gateway.admin.api import AdminApi
 from gateway.admin.control import Control, state_store_for
@@ -139,6 +141,7 @@ class Gateway:
         self._expiries: Mapping[str, float] = {}
         self.models: ModelTable
         self.pricer: Pricer
+        self.prompt_overheads: PromptOverheads
         self.reservations: Reservations
         self.router = Router(config.pools, _breaker(config))
         layout = self._configure(config)
@@ -175,7 +178,10 @@ class Gateway:
             snapshot=self.store.snapshot,
             config_view=lambda: config_view(self.config.classes, self.config.pools),
             backend_health=lambda: [
-                BackendHealth(b.pool, b.name, b.state, b.consecutive_failures) for b in self.router.backends
+                BackendHealth(
+                    b.pool, b.name, b.state, b.consecutive_failures, b.usage_reported, b.usage_missing
+                )
+                for b in self.router.backends
             ],
             backends=lambda: self.router.backends,
             reservations=ReservationSources(
@@ -192,6 +198,7 @@ class Gateway:
             held_bodies=self._held_bodies,
             # Through self: a reconfiguration may replace the Pricer.
             encode_backlog=lambda: self.pricer.encode_backlog(),
+            prompt_overheads=self._prompt_overheads,
             tenant_connections=self._tenant_connections,
         )
         self.draining = False
@@ -239,6 +246,8 @@ class Gateway:
                 self.models.image_rules(),
                 self.models.vocab_sizes(),
             )
+            # What engines count beyond the prices is learned again against the new pricer.
+            self.prompt_overheads = PromptOverheads()
         self.passthrough = PassthroughRoutes(config.passthrough)
         reservations = Reservations(
             config.reservation,
@@ -250,6 +259,8 @@ class Gateway:
             reservations.carry_over(self.reservations)  # what was learned stays
         self.reservations = reservations
         self.layout = build_layout(config, config.classes, self.tenants)
+        for warning in slots.load_warnings(config):
+            log.warning("config: %s", warning)
         return self.layout
 
     def _scrape_targets(self) -> list[ScrapeTarget]:
@@ -567,11 +578,16 @@ class Gateway:
         if self._proxy is not None:
             self.metrics.held_body_bytes.set(self._proxy.held.total)
         self.metrics.encode_backlog_chars.set(sum(self.pricer.encode_backlog().values()))
+        self.metrics.set_prompt_overheads(self._prompt_overheads())
         self.metrics.update_state(snapshot, self.router.backends, [t.name for t in self.config.tiers])
         used = self._used_tokens()
         for pool in self.router.pools:
             self.metrics.pool_used.labels(pool).set(used.get(pool, 0))
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    def _prompt_overheads(self) -> dict[str, object]:
+        """The learned prompt overheads with the model settings that apply them (/stats, /metrics)."""
+        return self.prompt_overheads.snapshot(self.models.prompt_overhead)
 
     def _tenant_connections(self) -> tuple[dict[str, int], int]:
         most = self.config.limits.max_connections_per_tenant
@@ -607,12 +623,14 @@ class Gateway:
         except Exception as exc:
             problems.append(f"budget store error: {exc}")
         backends = list(self.router.backends)
-        if not any(b.available and b.confirmed for b in backends):
+        if not any(b.available and (b.confirmed or b.spec.probe is None) for b in backends):
             # A backend that never answered does not count: at start-up every backend is
-            # optimistically "healthy" until failures open its breaker. Counts only: /readyz is
-            # open on the API port, and backend addresses are for the operator (/stats, doctor).
+            # optimistically "healthy" until failures open its breaker. One without a probe counts
+            # while its breaker is closed (only requests can confirm it, and they follow readiness).
+            # Counts only: /readyz is open on the API port, and backend addresses are for the
+            # operator (/stats, doctor).
             down = sum(1 for b in backends if not b.healthy)
-            unknown = sum(1 for b in backends if b.healthy and not b.confirmed)
+            unknown = sum(1 for b in backends if b.healthy and not b.confirmed and b.spec.probe is not None)
             problems.append(
                 f"no healthy backend ({len(backends)} configured: {down} down, {unknown} never answered)"
             )

@@ -92,6 +92,11 @@ class ModelConfig:
     # carries (token-id prompts, stop_token_ids, allowed_token_ids, logit_bias) must be below it.
     # None: only their shape and count are checked.
     vocab_size: int | None = None
+    # Tokens the model's chat template adds to every chat / responses prompt beyond what pricing
+    # counts (system prompt, special tokens); None: learned from the usage engines report, when
+    # learn_prompt_overhead (classifiers/prompt_overhead.py).
+    prompt_overhead_tokens: int | None = None
+    learn_prompt_overhead: bool = True
 
 
 @dataclass(frozen=True, slots=True)

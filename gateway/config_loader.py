@@ -76,6 +76,7 @@ from gateway.paths import path_problem
 from gateway.reservations import ReservationConfig
 from gateway.server_tools import entry_problem
 from gateway.upstream.client import header_pattern_problem
+from gateway.upstream.pools import DEFAULT_PROBE, HealthProbe
 
 _SHA256_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 
@@ -369,6 +370,8 @@ def _backend(v: Any, where: str) -> BackendConfig:
             "max_num_seqs",
             "cache_salt",
             "tenant_header",
+            "request_id_header",
+            "probe",
             "timeouts",
             "name",
             "draining",
@@ -394,6 +397,8 @@ def _backend(v: Any, where: str) -> BackendConfig:
         max_num_seqs=opt_integer(m, "max_num_seqs", where, minimum=1),
         cache_salt=choice(m, "cache_salt", where, "client", ("client", "tenant")),
         tenant_header=_tenant_header(m, where),
+        request_id_header=_request_id_header(m, where),
+        probe=_probe(m.get("probe"), f"{where}.probe"),
         timeouts=timeouts,
         name=string(m, "name", where, url),
         draining=boolean(m, "draining", where, False),
@@ -411,6 +416,47 @@ def _tenant_header(m: Mapping[str, Any], where: str) -> str | None:
     return name.lower()
 
 
+def _request_id_header(m: Mapping[str, Any], where: str) -> str | None:
+    """The header the request id goes upstream under: a name, ``none`` / ``false`` for none."""
+    v = m.get("request_id_header", "x-request-id")
+    if v is False or (isinstance(v, str) and v.strip().lower() in ("none", "off")):
+        return None
+    if not isinstance(v, str) or v.endswith("*") or header_pattern_problem(v) is not None:
+        raise ConfigError(
+            f"{where}.request_id_header: expected a header name (default x-request-id) or none, got {show(v)}"
+        )
+    if v.lower() in ("authorization", "host", "content-length", "content-type"):
+        raise ConfigError(f"{where}.request_id_header: {v} is a header the gateway sets itself; pick another")
+    return v.lower()
+
+
+_PROBE_PATH_RE = re.compile(r"^/[!-~]*$")  # printable ASCII, no spaces
+_PROBE_FORMS = "expected off, a path starting with '/', or {path, method}"
+
+
+def _probe(v: Any, where: str) -> HealthProbe | None:
+    """A backend's health probe: omitted (or null) the default, ``off`` / ``false`` none, a path
+    (GET), or ``{path, method}``."""
+    if v is None:
+        return DEFAULT_PROBE
+    if v is False or (isinstance(v, str) and v.strip().lower() == "off"):
+        return None
+    if isinstance(v, str):
+        if not _PROBE_PATH_RE.match(v):
+            raise ConfigError(f"{where}: {_PROBE_FORMS}, got {show(v)}")
+        return HealthProbe(v, "GET")
+    if not isinstance(v, Mapping):
+        raise ConfigError(f"{where}: {_PROBE_FORMS}, got {show(v)}")
+    m = section(v, where, ("path", "method"))
+    path = string(m, "path", where, None)
+    if not _PROBE_PATH_RE.match(path):
+        raise ConfigError(f"{where}.path: expected a path starting with '/' (no spaces), got {show(path)}")
+    method = m.get("method", "GET")
+    if not isinstance(method, str) or method.upper() not in ("GET", "HEAD"):
+        raise ConfigError(f"{where}.method: expected GET or HEAD, got {show(method)}")
+    return HealthProbe(path, method.upper())
+
+
 def _models(v: Any) -> tuple[ModelConfig, ...]:
     if v is None:
         return ()
@@ -418,17 +464,37 @@ def _models(v: Any) -> tuple[ModelConfig, ...]:
     out = []
     for pattern, body in m.items():
         where = f"models.{pattern}"
-        b = section(body, where, ("tokenizer", "context_length", "images", "vocab_size"))
+        b = section(
+            body,
+            where,
+            (
+                "tokenizer",
+                "context_length",
+                "images",
+                "vocab_size",
+                "prompt_overhead_tokens",
+                "learn_prompt_overhead",
+            ),
+        )
         tokenizer = opt_string(b, "tokenizer", where)
         if tokenizer is not None:
             _check_tokenizer(tokenizer, f"{where}.tokenizer")
+        context_length = integer(b, "context_length", where, DEFAULT_CONTEXT_LENGTH, minimum=1)
+        overhead = opt_integer(b, "prompt_overhead_tokens", where, minimum=0)
+        if overhead is not None and overhead >= context_length:
+            raise ConfigError(
+                f"{where}.prompt_overhead_tokens: {overhead} is not below the model's context_length "
+                f"({context_length}); it is the tokens the chat template adds to every prompt"
+            )
         out.append(
             ModelConfig(
                 pattern=str(pattern),
                 tokenizer=tokenizer,
-                context_length=integer(b, "context_length", where, DEFAULT_CONTEXT_LENGTH, minimum=1),
+                context_length=context_length,
                 images=_image_rule(b.get("images"), f"{where}.images"),
                 vocab_size=opt_integer(b, "vocab_size", where, minimum=1),
+                prompt_overhead_tokens=overhead,
+                learn_prompt_overhead=boolean(b, "learn_prompt_overhead", where, True),
             )
         )
     return tuple(out)

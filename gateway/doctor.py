@@ -2,7 +2,8 @@
 
 Prints the per-class latency table (p50/p99 TTFT, queue wait, time on the backend), the
 head-of-line diagnosis (with the one-server recipe for a pool that cannot be split), KV pressure
-per backend, prefill gates, pools and queues, and the split advice.
+per backend, prefill gates, pools and queues, the split advice, and per model how far prompt
+prices are from what its engine counts.
 Exit status: 0 all fine, 1 warnings, 2 something critical, 3 the gateway could not be read.
 """
 
@@ -196,6 +197,30 @@ def report(stats: Mapping[str, Any], findings: list[Finding], url: str, out: Tex
                     _n(s.get("max_cost")),
                     "-" if ratio is None else f"{ratio:.1f}x",
                     str(s.get("advice_words")),
+                ]
+            )
+        _table(rows, out)
+
+    priced = (stats.get("pricing") or {}).get("models") or []
+    if priced:
+        out.write("\nPrompt pricing (priced vs engine-counted prompt tokens, decayed means)\n")
+        rows = [
+            ["model", "route", "requests", "priced", "engine", "learned", "applied", "error before/after"]
+        ]
+        for m in priced:
+            learned = m.get("learned_overhead")
+            configured = m.get("configured_overhead") is not None
+            source = "config" if configured else "learned" if m.get("learning", True) else "off"
+            rows.append(
+                [
+                    str(m["model"]),
+                    str(m["route"]),
+                    str(m.get("samples", 0)),
+                    _n(m.get("mean_priced")),
+                    _n(m.get("mean_reported")),
+                    "-" if learned is None else f"{learned:+d}",
+                    f"{m.get('applied_overhead', 0):+d} ({source})",
+                    f"{_n(m.get('error_before'))} / {_n(m.get('error_after'))}",
                 ]
             )
         _table(rows, out)

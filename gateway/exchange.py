@@ -95,6 +95,9 @@ class Exchange:
     )
     model: str = ""  # "" only for a pass-through request that names no served model
     cost: Cost | None = None
+    # What the model's prompt overhead added to the priced prompt (negative: took off); cost.prefill
+    # holds it, and the priced prompt is cost.prefill - prompt_overhead (classifiers/prompt_overhead.py).
+    prompt_overhead: int = 0
     # classify, admit
     placement: Placement | None = None
     reserved: Reserved | None = None  # output tokens held for it, and what they may grow to
@@ -107,6 +110,9 @@ class Exchange:
     # error; None when unknown (the store then charges the whole reservation).
     completion_tokens: int | None = None
     streamed_tokens: int = 0  # output events relayed so far (a stream's tokens, about one an event)
+    # The stream's end ([DONE], or its final usage event) was relayed: the answer is whole, and a
+    # client that hangs up now (the official SDKs close at [DONE]) has its request completed.
+    stream_complete: bool = False
     extended_tokens: int = 0  # what lease growth added to the reservation
     grow_at: float = float("inf")  # streamed tokens at which the lease grows next (inf: never)
 

@@ -3,7 +3,9 @@
 Observing sits on the hot path, so label children are bound once per (class, tenant, tier) and
 cached; per-pool and per-tier gauges are filled from a store snapshot at scrape time only.
 Tenant label cardinality is bounded: the first ``top_tenants`` configured tenants keep their
-name, every other tenant is ``other``. Time histograms carry class and tier, not tenant.
+name, every other tenant is ``other``. Time histograms carry class and tier, not tenant. Model
+labels (``tokengate_prompt_overhead_tokens``) are the at most 256 (model, route) pairs the prompt
+overhead learner keeps (``classifiers.prompt_overhead``).
 
 The per-request children are buffered (``BufferedCounter``, ``BufferedHistogram``): an observation
 is a list index and an add (~0.2 us, against ~1 us for prometheus_client's locked child, eight to
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import gc
 from bisect import bisect_left
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -354,6 +356,14 @@ class GatewayMetrics:
             registry=r,
         )
         self.draining = Gauge("tokengate_draining", "1 while the gateway is draining", registry=r)
+        # Model labels are bounded by the learner (classifiers.prompt_overhead.MAX_KEYS pairs).
+        self.prompt_overhead = Gauge(
+            "tokengate_prompt_overhead_tokens",
+            "Tokens added to each priced prompt of the model and route (configured or learned from "
+            "usage; negative: taken off)",
+            ("model", "route"),
+            registry=r,
+        )
         self.prefill_gates = PrefillGateCollector()
         r.register(self.prefill_gates)
 
@@ -425,6 +435,12 @@ class GatewayMetrics:
             b.output_act.inc(output)
             if est_output > 0:
                 b.output_ratio.observe(output / est_output)
+
+    def set_prompt_overheads(self, snapshot: Mapping[str, Any]) -> None:
+        """``tokengate_prompt_overhead_tokens`` from the learner's snapshot (at scrape time)."""
+        self.prompt_overhead.clear()
+        for row in snapshot.get("models") or ():
+            self.prompt_overhead.labels(row["model"], row["route"]).set(row["applied_overhead"])
 
     def update_state(
         self, snapshot: StoreSnapshot, backends: Iterable[Backend], tiers: Iterable[str]

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import math
 from collections.abc import MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
@@ -24,10 +24,11 @@ import aiohttp
 import orjson
 from yarl import URL
 
-from budgets.types import AdmissionError, Demand, backend_pool, class_pool, tenant_pool
+from budgets.types import AdmissionError, Demand, NeverFits, backend_pool, class_pool, tenant_pool
 from classifiers import Cost, InvalidRequest, show_value
 from classifiers.pricing import MAX_JSON_DEPTH
-from gateway import server_tools
+from classifiers.prompt_overhead import corrected
+from gateway import server_tools, slots, usage
 from gateway.accesslog import Record
 from gateway.auth import bearer_key, may_use, visible_models
 from gateway.cache_salt import tenant_cache_salt
@@ -41,7 +42,6 @@ from gateway.relay import UPSTREAM_ERRORS, Grow, relay_raw, relay_sse, relay_who
 from gateway.requestid import from_client, new_id
 from gateway.reservations import with_decode
 from gateway.signals import RequestSignals, request_signals
-from gateway.sse import usage_counts
 from gateway.tenant_connections import TenantConnections
 from gateway.upstream.client import REQUEST_DROP, HeaderNames, classify_error
 from gateway.upstream.pools import Backend, NoBackend
@@ -235,6 +235,7 @@ class Proxy:
         self.pricer = gw.pricer
         self.classifier = gw.classifier
         self.models = gw.models
+        self.overheads = gw.prompt_overheads
         self.reservations = gw.reservations
         self.max_body = cfg.limits.max_body_bytes
         self.refused_fields = frozenset(cfg.limits.refused_fields)
@@ -275,7 +276,8 @@ class Proxy:
                 raise  # not ours: the server is tearing the task down
             task.uncancel()
             if reason is CancelReason.DISCONNECT:
-                rec.status, rec.outcome, rec.reason = 499, "client_disconnect", "client_disconnect"
+                if not x.stream_complete:  # (after the stream's end it is the client's business)
+                    rec.status, rec.outcome, rec.reason = 499, "client_disconnect", "client_disconnect"
             elif reason is CancelReason.DRAINING:
                 await self._fail(x, ApiError(503, _DRAINING, code="draining", retry_after_s=1.0))
             else:
@@ -400,8 +402,6 @@ class Proxy:
         if hop and not hop <= _NOT_FORWARDED:  # (most clients send "keep-alive": nothing to do)
             fwd[:] = [(n, v) for n, v in fwd if n not in hop]  # (ASGI names are lower case)
             x.has_content_type = x.has_content_type and "content-type" not in hop
-        # The backend's logs can then be joined with ours.
-        fwd.append(("x-request-id", x.record.request_id))
 
         tenant = self.auth.authenticate(key or alt_key)
         x.record.tenant = tenant.name
@@ -509,8 +509,23 @@ class Proxy:
                 )
         except InvalidRequest as exc:
             raise ApiError(400, exc.message, param=exc.param, code=exc.code) from None
+        self._add_prompt_overhead(x)
         # (after pricing: a priced field nested too deep gets pricing's 400, which names the field)
         x.sent = _kept(_serialized(body))
+
+    def _add_prompt_overhead(self, x: Exchange) -> None:
+        """The model's prompt overhead (configured, else learned from the usage engines report) on
+        the priced prompt: what the engine's chat template adds beyond the tokenizer's count. The
+        one place a price is corrected; pricing's context-length check (inside the walks) saw the
+        prompt as counted, and the engine checks what it really renders."""
+        cost = x.cost
+        assert cost is not None
+        route = x.kind.value
+        overhead = self.overheads.overhead(x.model, route, self.models.prompt_overhead(x.model))
+        if overhead:
+            prefill = corrected(cost.prefill, overhead)
+            x.prompt_overhead = prefill - cost.prefill
+            x.cost = replace(cost, prefill=prefill)
 
     async def _inline_media(self, x: Exchange, body: dict[str, Any]) -> None:
         """With ``pricing.media_urls.fetch``, the body's http(s) media fetched by the gateway and sent
@@ -659,6 +674,14 @@ class Proxy:
         try:
             x.lease = await self.store.acquire(demand, x.max_wait_s)
         except AdmissionError as exc:
+            if isinstance(exc, NeverFits) and rec.slot_tokens:
+                asked = cost.decode - rec.slot_tokens
+                if cost.prefill + asked <= exc.limit:  # only the slot floor made it too big
+                    pool_cfg = next((p for p in self.gw.config.pools if p.name == placement.pool), None)
+                    live = self.router.pools.get(placement.pool)
+                    per_seq = live.sequence_tokens if live is not None else cost.prefill + cost.decode
+                    message = slots.refusal(exc, pool_cfg, per_seq, cost.prefill, asked)
+                    raise ApiError(413, message, code="cost_exceeds_capacity") from None
             raise from_admission(exc) from None
         finally:
             rec.queue_s = perf_counter() - t_queue
@@ -744,7 +767,9 @@ class Proxy:
                     )
                 raise _ConnectFailed(failure) from None
             raise upstream_failed(x, failure) from None
-        backend.record_success()
+        if backend.record_success():
+            log.warning("backend %s is healthy again (a request got through)", backend.name)
+        backend.progressed = True  # (the answer's headers: the health checker sees it is alive)
         complete = False
         try:
             status = resp.status
@@ -752,16 +777,16 @@ class Proxy:
                 x.completion_tokens = 0  # refused or failed: the backend generated nothing
             try:
                 if x.kind is RouteKind.PASSTHROUGH and status < 500:
-                    await relay_raw(x, resp, t_up)
-                    usage = None
+                    await relay_raw(x, resp, backend, t_up)
+                    answered = None
                 elif (
                     x.kind is not RouteKind.EMBEDDING
                     and status == 200
                     and resp.content_type == "text/event-stream"
                 ):
-                    usage = await relay_sse(x, resp, t_up, self._growth(x))
+                    answered = await relay_sse(x, resp, backend, t_up, self._growth(x))
                 else:
-                    usage = await relay_whole(x, resp, backend, t_up)
+                    answered = await relay_whole(x, resp, backend, t_up)
             except UPSTREAM_ERRORS as exc:
                 failure = classify_error(exc, pool=rec.pool or "?", backend=backend.name)
                 raise upstream_failed(x, failure) from None
@@ -773,9 +798,11 @@ class Proxy:
                 # Closing (not releasing) drops the connection: the backend sees the disconnect
                 # and aborts the generation.
                 resp.close()
-        rec.prompt_tokens, rec.completion_tokens = usage_counts(usage)
-        if rec.completion_tokens is not None:
-            x.completion_tokens = rec.completion_tokens
+                if x.stream_complete:  # the client hung up after the stream's end: complete
+                    usage.settle(x, backend)
+        if answered is not None and not x.stream_complete:  # (a stream's was taken as it came)
+            usage.reported(x, answered)
+        usage.settle(x, backend)
 
     def _growth(self, x: Exchange) -> Grow | None:
         """The lease-growth hook for a stream that reserved less than its limit (else None)."""
@@ -901,6 +928,12 @@ class Proxy:
             headers.append(auth)
         if not x.has_content_type and x.kind is not RouteKind.PASSTHROUGH:
             headers = [*headers, ("Content-Type", "application/json")]
+        # The backend's logs can then be joined with ours (under the header it reads, or none).
+        rid = backend.spec.request_id_header
+        if rid == "x-request-id":  # (a client's x-request-id never goes upstream: authenticate)
+            headers = [*headers, (rid, x.record.request_id)]
+        elif rid is not None:
+            headers = [*(h for h in headers if h[0] != rid), (rid, x.record.request_id)]
         return headers
 
     def _upstream_url(self, backend: Backend, scope: Scope) -> URL:
@@ -977,17 +1010,29 @@ class Proxy:
                 b.ttft.observe(rec.ttft_s)
             if rec.backend_s is not None:
                 b.backend.observe(rec.backend_s)
-            if x.reserved is not None and rec.completion_tokens is not None:
+            if x.reserved is not None and rec.completion_tokens is not None and not rec.usage_estimated:
                 self.metrics.observe_reservation(  # (the slot share was held too: no overdraft within it)
                     b, x.reserved.decode, x.extended_tokens + rec.slot_tokens, rec.completion_tokens
                 )
-            if rec.prompt_tokens is not None or rec.completion_tokens is not None:
+            if not rec.usage_estimated and (
+                rec.prompt_tokens is not None or rec.completion_tokens is not None
+            ):
                 self.metrics.observe_usage(
                     b,
                     est_prompt=rec.prefill,
                     est_output=rec.decode - rec.slot_tokens,
                     prompt=rec.prompt_tokens,
                     output=rec.completion_tokens,
+                )
+            if (
+                rec.prompt_tokens is not None
+                and not rec.usage_estimated
+                and 200 <= rec.status < 300
+                and x.kind is not RouteKind.PASSTHROUGH
+                and x.model
+            ):  # learn what the engine counts beyond the priced prompt (before its correction)
+                self.overheads.observe(
+                    x.model, x.kind.value, rec.prefill - x.prompt_overhead, rec.prompt_tokens, rec.prefill
                 )
         except Exception:
             log.exception("recording metrics for %s %s failed", rec.method, show_value(rec.path))

@@ -4,6 +4,11 @@ pass-through answer untouched; and the error a tenant sees when the backend fail
 Each relay fills the exchange's record (status, TTFT, time on the backend) and returns the usage
 object the answer carried, if any. Upstream failures become an ``ApiError`` with the pool's name and
 a stable code; backend addresses and exception text go to the operator's log only.
+
+Each chunk read sets ``backend.progressed``: a bare attribute store, the cheapest mark on the hot
+path (no clock read, no counter arithmetic). The health checker reads and clears the flag once per
+probe of that backend, so a probe that times out while the backend's answers are flowing is not
+held against it (``gateway.upstream.health``).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from gateway.exchange import Exchange
 from gateway.sse import UsageRelay
 from gateway.upstream.client import UpstreamFailure, classify_error, response_headers
 from gateway.upstream.pools import Backend
+from gateway.usage import reported
 
 log = logging.getLogger("tokengate.proxy")
 
@@ -86,9 +92,9 @@ async def relay_whole(x: Exchange, resp: aiohttp.ClientResponse, backend: Backen
     if length is not None and length <= _WHOLE_MAX_BYTES:
         data = await resp.read()
     else:
-        data = await _read_upto(resp, _WHOLE_MAX_BYTES)
+        data = await _read_upto(resp, backend, _WHOLE_MAX_BYTES)
         if len(data) > _WHOLE_MAX_BYTES:
-            return await _relay_large(x, resp, status, data, t_up)
+            return await _relay_large(x, resp, backend, status, data, t_up)
     rec.backend_s = perf_counter() - t_up
     usage = _usage(data) if 200 <= status < 300 and "Content-Encoding" not in resp.headers else None
     headers = _answer_headers(x, resp)
@@ -119,7 +125,7 @@ def _answered(x: Exchange, status: int) -> None:
     x.started = True
 
 
-async def _read_upto(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+async def _read_upto(resp: aiohttp.ClientResponse, backend: Backend, limit: int) -> bytes:
     """The answer's bytes until its end or until more than ``limit`` have come (then a little more)."""
     parts: list[bytes] = []
     size = 0
@@ -127,13 +133,14 @@ async def _read_upto(resp: aiohttp.ClientResponse, limit: int) -> bytes:
         chunk = await resp.content.readany()
         if not chunk:
             break
+        backend.progressed = True
         parts.append(chunk)
         size += len(chunk)
     return b"".join(parts)
 
 
 async def _relay_large(
-    x: Exchange, resp: aiohttp.ClientResponse, status: int, head: bytes, t_up: float
+    x: Exchange, resp: aiohttp.ClientResponse, backend: Backend, status: int, head: bytes, t_up: float
 ) -> Any:
     """Relay an answer larger than ``_WHOLE_MAX_BYTES``: what was read so far, then the rest as it
     arrives; the usage object is looked for in its last ``_TAIL_BYTES``."""
@@ -148,6 +155,7 @@ async def _relay_large(
         chunk = await content.readany()
         if not chunk:
             break
+        backend.progressed = True
         await send({"type": "http.response.body", "body": chunk, "more_body": True})
         tail = (tail + chunk)[-_TAIL_BYTES:] if len(chunk) < _TAIL_BYTES else chunk[-_TAIL_BYTES:]
     x.record.backend_s = perf_counter() - t_up
@@ -196,7 +204,9 @@ def usage_in_tail(tail: bytes) -> Any:
 Grow = Callable[[Exchange], Awaitable[None]]
 
 
-async def relay_sse(x: Exchange, resp: aiohttp.ClientResponse, t_up: float, grow: Grow | None = None) -> Any:
+async def relay_sse(
+    x: Exchange, resp: aiohttp.ClientResponse, backend: Backend, t_up: float, grow: Grow | None = None
+) -> Any:
     """A stream, event by event as it arrives; the usage event is cut out when the client did not ask."""
     rec = x.record
     relay = UsageRelay(drop_usage=not x.client_wants_usage)
@@ -211,6 +221,7 @@ async def relay_sse(x: Exchange, resp: aiohttp.ClientResponse, t_up: float, grow
             chunk = await content.readany()
             if not chunk:
                 break
+            backend.progressed = True
             if first:
                 rec.ttft_s = perf_counter() - rec.start
                 first = False
@@ -223,19 +234,37 @@ async def relay_sse(x: Exchange, resp: aiohttp.ClientResponse, t_up: float, grow
             out = relay.feed(chunk)
             if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})
+            if relay.finished and not x.stream_complete:
+                _stream_ended(x, relay, t_up)
     except UPSTREAM_ERRORS as exc:
+        if x.stream_complete:  # the engine dropped the connection after its last event: complete
+            rec.backend_s = perf_counter() - t_up
+            x.done = True
+            await send({"type": "http.response.body", "body": relay.flush(), "more_body": False})
+            return relay.usage
         rec.backend_s = perf_counter() - t_up
         rec.outcome = "upstream_error"
         failure = classify_error(exc, pool=rec.pool or "?", backend=rec.backend or "?")
         raise upstream_failed(x, failure) from None
     rec.backend_s = perf_counter() - t_up
     tail = relay.flush()
+    if relay.finished and not x.stream_complete:
+        _stream_ended(x, relay, t_up)
     x.done = True
     await send({"type": "http.response.body", "body": tail, "more_body": False})
     return relay.usage
 
 
-async def relay_raw(x: Exchange, resp: aiohttp.ClientResponse, t_up: float) -> None:
+def _stream_ended(x: Exchange, relay: UsageRelay, t_up: float) -> None:
+    """The stream's last event went out: the answer is whole from here on, and its usage (if the
+    engine sent any) is recorded now, before a client that hangs up at [DONE] cancels the rest."""
+    x.stream_complete = True
+    x.record.backend_s = perf_counter() - t_up  # (measured again at the stream's end, if it comes)
+    if relay.usage is not None:
+        reported(x, relay.usage)
+
+
+async def relay_raw(x: Exchange, resp: aiohttp.ClientResponse, backend: Backend, t_up: float) -> None:
     """Pass-through routes: any answer below 500, relayed chunk by chunk without looking inside."""
     rec = x.record
     rec.status = resp.status
@@ -249,6 +278,7 @@ async def relay_raw(x: Exchange, resp: aiohttp.ClientResponse, t_up: float) -> N
         chunk = await content.readany()
         if not chunk:
             break
+        backend.progressed = True
         await x.send({"type": "http.response.body", "body": chunk, "more_body": True})
     rec.backend_s = perf_counter() - t_up
     x.done = True

@@ -1,7 +1,11 @@
 """Request ids: one per request, in the access line, forwarded upstream and returned as ``x-request-id``.
 
-The gateway's own ids are a per-process random prefix and a counter (``tg-5f3a9c1e-2a``): unique
-across replicas and restarts for any practical purpose, and far cheaper than a uuid4 per request.
+The gateway's own ids are UUID-shaped (``5f3a9c1e-2b4d-4e8f-9a1b-00000000002a``): a per-process random
+prefix of 76 bits, written as the first four groups of a version-4 UUID, and a counter as the last
+group. Unique across replicas and restarts for any practical purpose, far cheaper than a uuid4 per
+request, and accepted by every engine that reads the header: some validate it as a UUID and refuse
+the request otherwise (llama-cpp-python's server answers 400 with an empty body). Which header
+carries it upstream is a per-backend setting (``request_id_header``: a name, or none).
 A client's ``x-request-id`` is adopted only when ``logging.trust_request_id`` is on (the clients are
 trusted to send unique ids); otherwise it is kept in the access line as ``client_request_id`` while
 the gateway uses its own. Whatever comes from a client is checked first: it is echoed in a response
@@ -27,7 +31,9 @@ _counter = itertools.count(1)
 def _reseed() -> None:
     """A new prefix and counter (at import, and in a forked child, which must not repeat its parent's ids)."""
     global _prefix, _counter
-    _prefix = "tg-" + os.urandom(4).hex() + "-"
+    r = os.urandom(10).hex()
+    variant = "89ab"[int(r[16], 16) & 3]  # RFC 4122 variant bits
+    _prefix = f"{r[:8]}-{r[8:12]}-4{r[13:16]}-{variant}{r[17:20]}-"
     _counter = itertools.count(1)
 
 
@@ -37,7 +43,7 @@ if hasattr(os, "register_at_fork"):
 
 
 def new_id() -> str:
-    return f"{_prefix}{next(_counter):x}"
+    return f"{_prefix}{next(_counter) & 0xFFFFFFFFFFFF:012x}"
 
 
 def accepted(value: bytes) -> str | None:

@@ -30,6 +30,14 @@ _USAGE = b'"usage":{'
 _USAGE_SPACED = b'"usage": {'
 
 
+def _has_done(data: bytes) -> bool:
+    """Whether complete events hold the stream's ``data: [DONE]`` line. At a line's start only: a
+    model may write "[DONE]" in its text, but a JSON string holds no raw newline."""
+    if b"[DONE]" not in data:
+        return False
+    return any(data.startswith(p) or b"\n" + p in data for p in (b"data: [DONE]", b"data:[DONE]"))
+
+
 # The most of one unfinished event that drop mode holds back (see UsageRelay._let_go).
 MAX_HELD_BYTES = 1 << 20
 
@@ -132,7 +140,7 @@ class UsageRelay:
     incomplete trailing event are held until the event completes.
     """
 
-    __slots__ = ("_buf", "_drop", "usage")
+    __slots__ = ("_buf", "_drop", "finished", "usage")
 
     def __init__(self, drop_usage: bool) -> None:
         self._drop = drop_usage
@@ -141,6 +149,9 @@ class UsageRelay:
         # arriving in many small chunks costs linear, not quadratic, time.
         self._buf = bytearray()
         self.usage: dict[str, Any] | None = None
+        # The stream's end has come: its ``data: [DONE]`` or a usage object (the final event of
+        # either API) is among the complete events fed so far.
+        self.finished = False
 
     def feed(self, chunk: bytes) -> bytes:
         buf = self._buf
@@ -162,6 +173,8 @@ class UsageRelay:
                 return self._let_go() if self._drop else chunk
             complete = bytes(buf[:end])
             del buf[:end]
+        if not self.finished and _has_done(complete):
+            self.finished = True
         if _has_usage(complete):
             kept = []
             for event in _events(complete):
@@ -169,6 +182,7 @@ class UsageRelay:
                     usage, usage_only = _usage_of(event)
                     if usage is not None:
                         self.usage = usage
+                        self.finished = True
                         if usage_only and self._drop:
                             continue
                 kept.append(event)
@@ -190,10 +204,13 @@ class UsageRelay:
         """What is left at the end of the stream (an unterminated last event)."""
         rest = bytes(self._buf)
         self._buf.clear()
+        if _has_done(rest):
+            self.finished = True
         if rest and _has_usage(rest):
             usage, usage_only = _usage_of(rest)
             if usage is not None:
                 self.usage = usage
+                self.finished = True
                 if usage_only and self._drop:
                     return b""
         return _strip_null_usage(rest) if self._drop else b""

@@ -8,7 +8,9 @@ behaviour comes from headers the gateway forwards untouched:
 * ``x-stub-status``: answer with this HTTP status and an OpenAI-style error body;
 * ``x-stub-chunks`` / ``x-stub-interval``: number of content chunks in a stream and the pause
   between them;
-* ``x-stub-drop``: close the connection without answering.
+* ``x-stub-drop``: close the connection without answering;
+* ``x-stub-no-usage``: never send usage, whatever ``stream_options`` asks (llama-cpp-python's server);
+* ``x-stub-linger``: seconds a stream stays open after its ``data: [DONE]`` before it ends.
 
 It records every request (headers, parsed body), the exact bytes of every stream it sent, and
 when a client went away before the answer was complete (``cancelled``).
@@ -242,19 +244,19 @@ class StubBackend:
                 else {"index": 0, "text": text, "finish_reason": "length"}
             )
             req.completed = True
-            await _json(
-                send,
-                200,
-                {
-                    "id": "stub-1",
-                    "object": "chat.completion",
-                    "model": body.get("model"),
-                    "choices": [choice],
-                    "usage": usage,
-                },
-            )
+            answer = {
+                "id": "stub-1",
+                "object": "chat.completion",
+                "model": body.get("model"),
+                "choices": [choice],
+            }
+            if "x-stub-no-usage" not in h:
+                answer["usage"] = usage
+            await _json(send, 200, answer)
             return
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        if "x-stub-no-usage" in h:
+            include_usage = False
         await send(
             {
                 "type": "http.response.start",
@@ -290,7 +292,11 @@ class StubBackend:
                 return
         req.sent += b"data: [DONE]\n\n"
         req.completed = True
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+        linger = float(h.get("x-stub-linger", "0"))
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": bool(linger)})
+        if linger:
+            await _wait_or_gone(gone, linger)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _responses(
         self, req: StubRequest, body: dict[str, Any], send: Send, gone: asyncio.Event

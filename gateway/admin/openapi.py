@@ -79,6 +79,16 @@ def document() -> dict[str, Any]:
                 "type": ["string", "null"],
                 "description": "a header set to the tenant's name on every request (llm-d fairness id)",
             },
+            "request_id_header": {
+                "type": ["string", "boolean"],
+                "description": "the header carrying the request id upstream (default x-request-id); none: not sent",
+            },
+            "probe": {
+                "type": ["string", "boolean", "object", "null"],
+                "properties": {"path": {"type": "string"}, "method": {"enum": ["GET", "HEAD"]}},
+                "description": "the health probe: off, a path (GET), or {path, method}; "
+                "default GET /health, else /v1/models",
+            },
             "api_key": {"type": ["string", "null"]},
             "timeouts": {
                 "type": "object",

@@ -16,7 +16,7 @@ LEVELS = ("ok", "info", "warn", "crit")
 @dataclass(frozen=True, slots=True)
 class Finding:
     level: str  # ok | info | warn | crit
-    topic: str  # slo | hol | backend | one_server | kv | slots | split | queue | store | bodies | connections | encode
+    topic: str  # slo | hol | backend | one_server | kv | slots | split | queue | store | bodies | connections | encode | pricing
     text: str
 
     def as_dict(self) -> dict[str, str]:
@@ -38,11 +38,13 @@ def diagnose(stats: Mapping[str, Any]) -> list[Finding]:
     out += _hol(stats)
     out += _one_server(stats)
     out += _backends(stats)
+    out += _usage(stats)
     out += _pools(stats)
     out += _split(stats)
     out += _bodies(stats)
     out += _connections(stats)
     out += _encode(stats)
+    out += _pricing(stats)
     out.sort(key=lambda f: -LEVELS.index(f.level))
     return out
 
@@ -123,6 +125,79 @@ def _encode(stats: Mapping[str, Any]) -> list[Finding]:
             "permitting) or lower limits.max_body_bytes.",
         )
     ]
+
+
+# A model's prompt prices are off when their mean absolute error is above both of these.
+_PRICING_ERROR_SHARE = 0.2  # of the prompt the engine counts
+_PRICING_ERROR_TOKENS = 8
+
+
+def _pricing(stats: Mapping[str, Any]) -> list[Finding]:
+    """Models whose prompt prices are far from what their engine counts (``/stats`` ``pricing``)."""
+    pricing = stats.get("pricing")
+    if not pricing:
+        return []
+    need = int(pricing.get("min_samples", 1))
+    out = []
+    for m in pricing.get("models") or []:
+        if m.get("samples", 0) < need:
+            continue
+        prompt = float(m.get("mean_reported") or 0.0)
+
+        def off(error: float, prompt: float = prompt) -> bool:
+            return error > _PRICING_ERROR_TOKENS and error > _PRICING_ERROR_SHARE * prompt
+
+        after, before = float(m.get("error_after") or 0.0), float(m.get("error_before") or 0.0)
+        name = f"model {m['model']} ({m['route']})"
+        key = f"models.{m.get('pattern') or m['model']}"
+        applied, learned = int(m.get("applied_overhead") or 0), int(m.get("learned_overhead") or 0)
+        configured = m.get("configured_overhead")
+        templated = m["route"] in ("chat", "responses")
+        if off(after):
+            source = (
+                "configured" if configured is not None else "learned" if m.get("learning") else "learning off"
+            )
+            if abs(learned - applied) * 2 < after:
+                fix = (
+                    "The difference varies from request to request, so no constant overhead corrects it: "
+                    f"the pricing tokenizer is not the model's; set {key}.tokenizer to the model's own "
+                    "(hf:<path>/tokenizer.json)."
+                )
+            elif templated and learned >= 0:
+                fix = f"Set {key}.prompt_overhead_tokens: {learned}" + (
+                    " (or remove it, and the gateway learns it)." if configured is not None else "."
+                )
+            elif configured is not None:
+                fix = f"Remove {key}.prompt_overhead_tokens: the gateway then learns the difference ({learned:+d})."
+            else:
+                fix = f"Set {key}.learn_prompt_overhead: true to correct by the learned difference ({learned:+d})."
+            out.append(
+                Finding(
+                    "warn",
+                    "pricing",
+                    f"{name}: prompt prices are off by {after:.0f} tokens a request on average "
+                    f"({after / max(prompt, 1.0):.0%} of the {prompt:.0f} tokens the engine counts; priced "
+                    f"{m.get('mean_priced', 0):.0f}, overhead applied {applied:+d} ({source}), over "
+                    f"{m['samples']} requests). Admission trusts prices: too low admits more than the "
+                    f"engine holds, too high leaves it idle. {fix}",
+                )
+            )
+        elif off(before) and configured is None and applied:
+            pin = (
+                f": to keep it across restarts, set {key}.prompt_overhead_tokens: {learned}."
+                if templated and learned > 0
+                else "."
+            )
+            out.append(
+                Finding(
+                    "info",
+                    "pricing",
+                    f"{name}: the engine counts {learned:+d} tokens a prompt beyond the price"
+                    f"{' (its chat template)' if templated else ''}; the learned overhead corrects it (mean error {before:.0f} -> {after:.0f} "
+                    f"tokens). It is learned again after a restart{pin}",
+                )
+            )
+    return out
 
 
 def _slos(stats: Mapping[str, Any]) -> list[Finding]:
@@ -223,6 +298,32 @@ def _one_server(stats: Mapping[str, Any]) -> list[Finding]:
         if o.get("all_in_effect"):
             text += " Every one of these is in effect: lower the chunk cap or the gate to tighten further."
         out.append(Finding(level, "one_server", text))
+    return out
+
+
+def _usage(stats: Mapping[str, Any]) -> list[Finding]:
+    """Backends whose answers come without usage: their token counts are estimates."""
+    out = []
+    for b in stats.get("backends", []):
+        missing, reported = b.get("usage_missing", 0), b.get("usage_reported", 0)
+        if not missing:
+            continue
+        name = f"backend {b['backend']} (pool {b['pool']})"
+        if not reported:
+            text = (
+                f"{name} never reports usage ({missing} answers): prompt tokens are the gateway's "
+                "price and a stream's output its relayed events, marked usage_estimated in the access "
+                "log. Fair share, learned reservations and the estimate-error metrics rest on "
+                "estimates there; an engine that honours stream_options.include_usage (vLLM, SGLang) "
+                "reports exact counts."
+            )
+        else:
+            share = missing / (missing + reported)
+            text = (
+                f"{name} left {missing} of {missing + reported} answers ({share:.0%}) without usage: "
+                "their token counts are estimated (usage_estimated in the access log)."
+            )
+        out.append(Finding("warn", "usage", text))
     return out
 
 

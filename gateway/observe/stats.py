@@ -11,6 +11,11 @@ reservations are: per class and tenant the histogram of output used / reserved a
 overdrafts and their tokens; leases grown per class; per backend pool the share of capacity the
 reservations hold beside the share requests really occupy (prompt + output so far); the learned
 estimates and the pools reserving limits again because their KV cache is full.
+
+``pricing`` says how far prompt prices are from what engines count: per model and route, the
+decayed means of the priced and the engine-reported prompt, the learned, configured and applied
+prompt overhead, and the mean absolute error of the prompt price before and after the correction
+(``classifiers.prompt_overhead``).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from gateway.observe.observer import Observer
 from gateway.observe.oneserver import OneServerPlan, one_server_plans
 from gateway.observe.shape import split_plan
 from gateway.observe.windows import Quantiles
-from gateway.upstream.pools import Backend, BackendPoolSpec
+from gateway.upstream.pools import DEFAULT_PROBE, Backend, BackendPoolSpec
 
 STATS_VERSION = 1
 
@@ -68,6 +73,17 @@ def config_view(classes: Sequence[ClassRule], pools: Sequence[BackendPoolSpec]) 
                 d["cache_salt"] = b.cache_salt
             if b.tenant_header is not None:
                 d["tenant_header"] = b.tenant_header
+            if b.request_id_header != "x-request-id":
+                d["request_id_header"] = b.request_id_header or "none"
+            if b.probe != DEFAULT_PROBE:
+                probe = b.probe
+                d["probe"] = (
+                    "off"
+                    if probe is None
+                    else probe.path
+                    if probe.method == "GET"
+                    else {"path": probe.path, "method": probe.method}
+                )
             if b.name:
                 d["name"] = b.name
             backends.append(d)
@@ -87,6 +103,8 @@ class BackendHealth:
     backend: str
     health: str  # up | down (breaker open) | unknown (never answered yet)
     consecutive_failures: int = 0
+    usage_reported: int = 0  # metered answers that carried usage
+    usage_missing: int = 0  # and those that did not (their usage estimated)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +138,8 @@ class StatsSources:
     encode_backlog: Callable[[], Mapping[str, int]] | None = None
     # Client connections per tenant, and the most one may hold (gateway/tenant_connections.py)
     tenant_connections: Callable[[], tuple[Mapping[str, int], int]] | None = None
+    # The prompt-overhead learner's snapshot (classifiers.prompt_overhead.PromptOverheads.snapshot)
+    prompt_overheads: Callable[[], Mapping[str, Any]] | None = None
 
 
 def _top(counts: Mapping[str, int], n: int = 5) -> list[tuple[str, int]]:
@@ -261,6 +281,8 @@ def _backends(src: StatsSources) -> list[dict[str, Any]]:
             }
         d["health"] = h.health
         d["consecutive_failures"] = h.consecutive_failures
+        d["usage_reported"] = h.usage_reported
+        d["usage_missing"] = h.usage_missing
         out.append(d)
     out.extend(loads.values())
     return out
@@ -433,6 +455,7 @@ async def build_stats(src: StatsSources) -> dict[str, Any]:
         "held_bodies": _held_bodies(src),
         "encode_backlog": _encode_backlog(src),
         "tenant_connections": _tenant_connections(src),
+        "pricing": dict(src.prompt_overheads()) if src.prompt_overheads is not None else None,
     }
     stats["findings"] = [f.as_dict() for f in diagnose(stats)]
     return stats

@@ -3,7 +3,9 @@
 Each backend has a capacity in tokens (its KV cache) and a gateway-local count of tokens in
 flight on it; routing picks, within the class's pool, the healthy backend serving the model
 with the most free tokens. Health is a passive circuit breaker (consecutive connect failures
-open it for a cooldown) plus an active probe (:mod:`gateway.upstream.health`) that closes it again.
+open it for a cooldown) plus an active probe (:mod:`gateway.upstream.health`) that closes it again;
+a backend without a probe (``probe: off``) lets one request through after the cooldown instead
+(half-open), and that request's answer closes the breaker.
 """
 
 from __future__ import annotations
@@ -28,6 +30,20 @@ class Timeouts:
 
 
 @dataclass(frozen=True, slots=True)
+class HealthProbe:
+    """The active health probe of one backend: ``method path``, healthy on any status below 400;
+    on a 404, ``fallback`` (when set) is asked instead."""
+
+    path: str = "/health"
+    method: str = "GET"  # GET or HEAD
+    fallback: str | None = None
+
+
+# GET /health (vLLM, SGLang, the reference backend), else GET /v1/models where there is no /health.
+DEFAULT_PROBE = HealthProbe("/health", "GET", fallback="/v1/models")
+
+
+@dataclass(frozen=True, slots=True)
 class BackendSpec:
     url: str  # base URL without /v1, e.g. http://127.0.0.1:8001
     capacity_tokens: int
@@ -46,6 +62,13 @@ class BackendSpec:
     # API inference gateway's flow control (x-gateway-inference-fairness-id), SGLang's model-gateway
     # routing key (x-smg-routing-key: each tenant's requests share one worker's prefix cache).
     tenant_header: str | None = None
+    # The header that carries the gateway's request id to this backend (joins its logs to ours);
+    # None: not sent. Ids are UUID-shaped, which engines that validate the header accept.
+    request_id_header: str | None = "x-request-id"
+    # The active health probe; None: none (an engine that serves one request at a time, or cuts a
+    # running stream when another request arrives, as llama-cpp-python's server does): its health
+    # then comes from requests only.
+    probe: HealthProbe | None = DEFAULT_PROBE
     timeouts: Timeouts = Timeouts()
     name: str = ""  # defaults to the URL; used in metrics and logs
     draining: bool = False  # takes no new requests; those in flight finish (before removing it)
@@ -110,8 +133,17 @@ class Backend:
     consecutive_failures: int = 0
     down_since: float = 0.0
     discovered_models: tuple[str, ...] = ()
+    # Response bytes (or headers) arrived since the health checker last looked: set by the request
+    # path per chunk read, a bare attribute store (no clock read on the hot path); the checker folds
+    # it into ``last_progress`` (``progress_seen``) once per probe of this backend.
+    progressed: bool = False
+    last_progress: float = 0.0  # time.monotonic() of the last pass that found ``progressed`` set
     load: LoadSignal | None = None  # optional, from scraping the backend's /metrics
     gate: PrefillGate | None = None  # the pool's prefill gate, one per backend (None: off)
+    # Metered answers (chat, completions, Responses) that carried usage, and that did not (their
+    # usage estimated: gateway.usage); /stats and the doctor name a backend that never reports it.
+    usage_reported: int = 0
+    usage_missing: int = 0
     # Derived from the spec once (the proxy uses them per request).
     request_timeout: aiohttp.ClientTimeout = field(default_factory=aiohttp.ClientTimeout)
     auth_header: tuple[str, str] | None = None
@@ -130,8 +162,17 @@ class Backend:
 
     @property
     def available(self) -> bool:
-        """May take a new request: healthy and not draining."""
-        return self.healthy and not self.spec.draining
+        """May take a new request: healthy and not draining. A backend without an active probe
+        whose breaker is open is half-open once the cooldown has passed: it takes one request at a
+        time (none other in flight) to find out whether it is back."""
+        if self.healthy:
+            return not self.spec.draining
+        return (
+            self.spec.probe is None
+            and not self.spec.draining
+            and self.in_flight_requests == 0
+            and time.monotonic() - self.down_since >= self.breaker.cooldown_s
+        )
 
     @property
     def name(self) -> str:
@@ -171,9 +212,15 @@ class Backend:
         else:
             self.gate.reconfigure(limit, hold_s)
 
-    def record_success(self) -> None:
+    def record_success(self) -> bool:
+        """A request got its answer's headers; True when this closed the breaker (a half-open
+        request to a backend without a probe: with one, only the probe closes it)."""
         self.consecutive_failures = 0
         self.confirmed = True
+        if self.healthy or self.spec.probe is not None:
+            return False
+        self.healthy = True
+        return True
 
     def record_connect_failure(self, now: float | None = None) -> bool:
         """Count a failure to reach the backend; True when this opened the breaker."""
@@ -182,7 +229,17 @@ class Backend:
             self.healthy = False
             self.down_since = time.monotonic() if now is None else now
             return True
+        if not self.healthy and self.spec.probe is None:
+            self.down_since = time.monotonic() if now is None else now  # half-open failed: reopen
         return False
+
+    def progress_seen(self, now: float) -> float:
+        """``last_progress``, brought up to ``now`` if bytes arrived since the last call (the flag
+        is cleared): one reader, the health checker, calls it once per probe of this backend."""
+        if self.progressed:
+            self.progressed = False
+            self.last_progress = now
+        return self.last_progress
 
     def probe_succeeded(self, now: float | None = None) -> bool:
         """An active health probe answered; True when this closed the breaker."""

@@ -7,6 +7,7 @@ import io
 import logging
 import re
 import sys
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,7 +22,8 @@ from gateway.requestid import new_id
 from tests.conftest import GatewayFactory, StubBackend, stub_pools
 from tests.gateway.gw_support import chat
 
-OUR_ID = re.compile(r"tg-[0-9a-f]{8}-[0-9a-f]+")
+# UUID-shaped (version 4): engines that validate the header as a UUID take it.
+OUR_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
 
 
 def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
@@ -277,3 +279,41 @@ def test_a_filter_on_the_access_logger_still_sees_every_line(
     access.handlers[0].flush()
     assert len(seen) == 2
     assert [orjson.loads(x)["request_id"] for x in out.getvalue().splitlines()] == ["bad"]
+
+
+def test_our_ids_are_uuids_that_differ_by_their_counter() -> None:
+    a, b = new_id(), new_id()
+    assert OUR_ID.fullmatch(a) and OUR_ID.fullmatch(b) and a != b
+    assert uuid.UUID(a).version == 4 and str(uuid.UUID(a)) == a
+    assert a[:24] == b[:24] and int(b[24:], 16) == int(a[24:], 16) + 1
+
+
+@pytest.mark.parametrize(
+    ("setting", "expected"),
+    [("x-correlation-id", "x-correlation-id"), ("none", None), (False, None)],
+)
+async def test_the_request_id_goes_upstream_under_the_backends_header_or_not_at_all(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory, setting: Any, expected: str | None
+) -> None:
+    stub, url = stub_backend
+    gw = await gateway_factory({"pools": stub_pools(url, request_id_header=setting)})
+    async with httpx.AsyncClient(base_url=gw.url) as c:
+        # A client's own header of the id's name never reaches the backend in its place.
+        r = await c.post(
+            "/v1/chat/completions", json=chat(max_tokens=3), headers={"x-correlation-id": "forged"}
+        )
+    assert r.status_code == 200
+    sent = stub.requests[-1].headers
+    assert "x-request-id" not in sent
+    if expected is None:  # no id upstream: the client's header is just one of its headers
+        assert sent["x-correlation-id"] == "forged"
+    else:
+        assert sent[expected] == r.headers["x-request-id"]
+
+
+def test_a_request_id_header_the_gateway_sets_itself_is_refused_naming_the_field() -> None:
+    from gateway.config_loader import ConfigError, parse_config
+
+    for bad, says in (("authorization", "sets itself"), ("x bad", "header name"), (3, "header name")):
+        with pytest.raises(ConfigError, match=rf"pools\.default\.backends\[0\]\.request_id_header: .*{says}"):
+            parse_config({"pools": stub_pools("http://127.0.0.1:9", request_id_header=bad)})

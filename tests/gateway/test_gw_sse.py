@@ -211,3 +211,32 @@ def test_drop_mode_never_holds_more_than_a_bound_of_an_event_that_does_not_end()
     relay = UsageRelay(drop_usage=True)
     assert relay.feed(b'data: {"choices":[],"usage":{"completion_tokens":3}}\n\n') == b""
     assert relay.usage == {"completion_tokens": 3}
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(cuts=st.lists(st.integers(0, 10_000), max_size=12), drop=st.booleans())
+def test_the_stream_is_finished_once_its_done_line_is_complete_wherever_it_is_cut(
+    cuts: list[int], drop: bool
+) -> None:
+    stream = b"".join(CONTENT) + DONE
+    relay = UsageRelay(drop_usage=drop)
+    fed = b""
+    for part in split(stream, cuts):
+        relay.feed(part)
+        fed += part
+        # Finished exactly when the whole [DONE] event has come (its blank line may lag).
+        assert relay.finished == fed.endswith(DONE)
+
+
+def test_a_usage_event_finishes_the_stream_and_done_in_a_models_text_does_not() -> None:
+    relay = UsageRelay(drop_usage=True)
+    text = frame({"id": "x", "choices": [{"index": 0, "delta": {"content": "data: [DONE]\n[DONE]"}}]})
+    relay.feed(text)
+    assert not relay.finished
+    relay.feed(USAGE_FRAME)
+    assert relay.finished and relay.usage == USAGE
+    tail = UsageRelay(drop_usage=False)
+    tail.feed(b"".join(CONTENT) + b"data:[DONE]")  # no space, no blank line: the end of the bytes
+    assert not tail.finished
+    tail.flush()
+    assert tail.finished
