@@ -20,8 +20,9 @@ learned (counted in ``untracked``).
 
 Applying (:meth:`PromptOverheads.overhead`, :func:`corrected`): a configured overhead
 (``models.<glob>.prompt_overhead_tokens``) on the routes a chat template renders (chat,
-responses); else the learned one, rounded, once it has ``min_samples`` samples and learning is on
-for the model; else 0. A positive overhead is added to the priced prompt. A negative one (the
+responses); else the learned one, rounded and bounded to ``±MAX_LEARNED`` (the samples come from
+every tenant: one tenant's unusual prompts must not move everyone's prices far), once it has
+``min_samples`` samples and learning is on for the model; else 0. A positive overhead is added to the priced prompt. A negative one (the
 engine counts fewer tokens than pricing) lowers it, but never below half of the priced prompt: the
 floor keeps one unusual request from being admitted at a fraction of what it holds.
 """
@@ -40,6 +41,11 @@ TEMPLATE_ROUTES = frozenset({"chat", "responses"})
 HALF_LIFE = 64  # samples
 MIN_SAMPLES = 8  # before a learned overhead is applied
 MAX_KEYS = 256  # (model, route) pairs learned
+# The most a learned overhead moves a price, either way. A chat template adds tens of tokens; the
+# samples come from every tenant's traffic, so without a bound one tenant's prompts that the
+# engine's tokenizer counts far above the offline one (within the plausibility window) would raise
+# every other tenant's prices for the model. A larger real overhead is set in the config.
+MAX_LEARNED = 128
 # Plausible samples: reported within [priced / 4, 2 * priced + _SLACK].
 _SLACK = 1024
 
@@ -154,7 +160,9 @@ class PromptOverheads:
         else the learned one (when ``setting.learn``), else 0."""
         if setting.configured is not None and route in TEMPLATE_ROUTES:
             return setting.configured
-        return self.learned(model, route) if setting.learn else 0
+        if not setting.learn:
+            return 0
+        return max(-MAX_LEARNED, min(self.learned(model, route), MAX_LEARNED))
 
     def snapshot(
         self, setting_of: Callable[[str], OverheadSetting] = lambda _: NO_SETTING
@@ -194,6 +202,7 @@ class PromptOverheads:
 __all__ = [
     "HALF_LIFE",
     "MAX_KEYS",
+    "MAX_LEARNED",
     "MIN_SAMPLES",
     "NO_SETTING",
     "TEMPLATE_ROUTES",

@@ -108,3 +108,16 @@ def test_snapshot_reports_means_overheads_and_errors_before_and_after() -> None:
     }
     assert completion["samples"] == 0 and completion["rejected"] == 1
     assert completion["learned_overhead"] is None and completion["applied_overhead"] == 0
+
+
+def test_a_learned_overhead_moves_prices_at_most_max_learned_either_way() -> None:
+    from classifiers.prompt_overhead import MAX_LEARNED, PromptOverheads
+
+    learner = PromptOverheads()
+    for _ in range(20):  # one tenant's prompts the engine counts ~900 tokens above their price
+        assert learner.observe("m", "chat", 1000, 1900)
+    assert learner.learned("m", "chat") == 900
+    assert learner.overhead("m", "chat") == MAX_LEARNED
+    for _ in range(200):
+        learner.observe("n", "chat", 2000, 600)
+    assert learner.overhead("n", "chat") == -MAX_LEARNED
