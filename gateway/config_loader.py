@@ -331,7 +331,14 @@ def _pools(v: Any) -> tuple[PoolConfig, ...]:
         p = section(
             body,
             where,
-            ("backends", "budget_tokens", "reservation", "prefill_gate_tokens", "prefill_gate_hold_s"),
+            (
+                "backends",
+                "budget_tokens",
+                "reservation",
+                "prefill_gate_tokens",
+                "prefill_gate_hold_s",
+                "prefill_gate_reserve_tokens",
+            ),
         )
         raw = p.get("backends")
         if not isinstance(raw, list) or not raw:
@@ -345,13 +352,26 @@ def _pools(v: Any) -> tuple[PoolConfig, ...]:
                 )
             seen_urls[be.url] = where
             backends.append(be)
+        gate = opt_integer(p, "prefill_gate_tokens", where, minimum=1)
+        reserve = opt_integer(p, "prefill_gate_reserve_tokens", where, minimum=0)
+        if reserve is not None and gate is None:
+            raise ConfigError(
+                f"{where}.prefill_gate_reserve_tokens: a reserve of the prefill gate, which is off;"
+                " set prefill_gate_tokens too, or remove it"
+            )
+        if reserve is not None and gate is not None and reserve >= gate:
+            raise ConfigError(
+                f"{where}.prefill_gate_reserve_tokens: expected less than prefill_gate_tokens ({gate}),"
+                f" got {reserve}: long prompts share what the reserve leaves of it"
+            )
         out.append(
             PoolConfig(
                 name=name,
                 backends=tuple(backends),
                 budget_tokens=opt_integer(p, "budget_tokens", where, minimum=1),
-                prefill_gate_tokens=opt_integer(p, "prefill_gate_tokens", where, minimum=1),
+                prefill_gate_tokens=gate,
                 prefill_gate_hold_s=number(p, "prefill_gate_hold_s", where, 1.0, minimum=0.0),
+                prefill_gate_reserve_tokens=reserve,
             )
         )
     return tuple(out)

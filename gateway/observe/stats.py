@@ -91,6 +91,8 @@ def config_view(classes: Sequence[ClassRule], pools: Sequence[BackendPoolSpec]) 
         if p.prefill_gate_tokens is not None:
             pool["prefill_gate_tokens"] = p.prefill_gate_tokens
             pool["prefill_gate_hold_s"] = p.prefill_gate_hold_s
+            if p.prefill_gate_reserve_tokens is not None:  # the default follows prefill_gate_tokens
+                pool["prefill_gate_reserve_tokens"] = p.prefill_gate_reserve_tokens
         out[p.name] = pool
     return ConfigView(classes=[c.to_config() for c in classes], pools=out)
 

@@ -4,24 +4,66 @@ On one shared server a long prompt's prefill stalls every co-batched request; se
 prefilling at once stall them for longer still. Token budgets bound what a backend *holds* (KV cache),
 not what it is *prefilling now*. The gate bounds the latter: a request enters with its prompt tokens
 before it is forwarded and leaves at its first streamed token (its prefill is done), or when its
-answer ends (non-streaming, errors). So:
+answer ends (non-streaming, errors). The rules below read only the settings, the counters and
+``now`` (``clock``): the same state and time always give the same decision.
 
-- several long prompts are never prefilled at once: with ``limit`` below two long prompts, the
-  second waits for the first one's first token;
-- a long prompt is held back briefly while short ones are prefilling: a request that does not fit
-  waits, and smaller ones that fit may pass it. After ``hold_s``, if only smaller requests keep it out
-  (it would fit once they leave), it holds the line: nobody passes it until it is in, so a stream of
-  short prompts cannot starve it. A prompt waiting for another long one does not hold the line: short
-  ones keep passing (it would gain nothing from stopping them);
-- a prompt larger than ``limit`` enters only an empty gate (it runs, alone).
+Settings and state
+------------------
+- ``limit``: prompt tokens the gate lets in (``prefill_gate_tokens``).
+- ``reserve`` (``prefill_gate_reserve_tokens``, default ``limit // 4``, ``0 <= reserve < limit``):
+  the part of ``limit`` only short prompts may use. A prompt is *short* when its tokens are
+  ``<= reserve`` and *long* otherwise; ``lane = limit - reserve`` is what long prompts share.
+- ``hold_s``: how long a long prompt lets short ones borrow the lane before it claims it.
+- Inside: ``long_tokens`` and ``short_tokens`` (``tokens`` = both); a pass leaves from the counter
+  it entered (``reconfigure`` never moves a prompt inside from one class to the other).
+- Waiting: one queue of long prompts and one of short prompts, each in arrival order.
+- ``spill = max(0, short_tokens - reserve)``: the short tokens inside that are in the lane, not in the
+  reserve. ``lane_used = long_tokens + spill``.
 
-Size ``limit`` at the largest prompt plus room for the short prompts that arrive while it prefills;
-a limit below the largest prompt makes short requests wait behind it at the gateway.
+Rules
+-----
+1. *Long prompts, in arrival order.* Only the first waiting long prompt may enter, and it enters when
+   ``lane_used + tokens <= lane``, or when the lane is empty (no long prompt inside and
+   ``spill == 0``): a long prompt larger than the lane runs alone among long ones, with the reserve
+   still open to short ones. No long prompt passes another, so none starves another.
+2. *The claim.* The first waiting long prompt *claims the lane* when it has waited ``hold_s`` and only
+   short prompts keep it out: ``long_tokens + tokens <= lane`` (or no long prompt is inside), but
+   ``spill`` is in its way. A long prompt kept out by other long ones never claims: stopping short
+   ones would not let it in any sooner.
+3. *Short prompts, in arrival order.* Only the first waiting short prompt may enter, and it enters
+   when ``short_tokens + tokens <= reserve`` (the reserve: always open to it, whatever long prompts
+   are inside or waiting), or when ``tokens_inside + tokens <= limit`` and no long prompt claims the
+   lane (it borrows free room in the lane). Under a claim the spill only drains: short prompts inside
+   the lane leave and none enters it, so the claiming prompt gets in as soon as they have left.
+4. A waiter cancelled while waiting leaves its queue (which may end a claim or unblock those behind);
+   one cancelled just after it was let in gives its tokens back at once. Every pass is released
+   exactly once (:meth:`GatePass.release` is idempotent). Each release, cancellation and
+   reconfiguration re-applies rules 1 and 3, long prompts first.
 
-One gate per backend, used only on the event loop: plain counters, no locks. Every entered pass is
-released exactly once (:meth:`GatePass.release` is idempotent); a waiter cancelled while waiting
-(client gone, shutdown) leaves the queue, and one cancelled just after it was let in gives its tokens
-back at once.
+Guarantees
+----------
+- *A short prompt never waits for a long one.* It waits only while the short prompts inside and
+  ahead of it fill the room it may use: at least the reserve, and the lane's free room unless a long
+  prompt claims it. Since a short prompt fits in the reserve alone, the first waiting short prompt
+  enters at the latest when the short prompts inside have left: its wait is bounded by their prefill,
+  and a later one's by that of the short prompts ahead of it.
+- *A long prompt waits for the long prompts ahead of it, and then briefly for short ones.* Let ``T``
+  be the later of its arrival plus ``hold_s`` and the moment the long prompts inside and ahead of it
+  leave it room in the lane (or leave the lane, if it is larger than the lane). It enters by ``T``
+  plus the longest prefill among the short prompts inside at ``T``: from ``T`` on, if short prompts
+  are in its way, it claims the lane, so no short prompt enters the lane after ``T``.
+- *Tokens inside never exceed* ``limit``, except while a long prompt larger than the lane is inside:
+  then at most ``max(limit, that prompt + reserve)``. Long tokens never exceed ``lane`` except for
+  one such prompt alone.
+
+Sizing
+------
+Size ``lane`` at least at the largest prompt (a larger one goes over ``limit`` by up to the reserve),
+and below two long prompts for them to prefill one at a time; size ``reserve`` at least at the
+largest short prompt (it is what makes a prompt short) plus the short prompts that arrive while a
+long one prefills. A reserve of 0 makes every prompt long: one first-come-first-served line.
+
+One gate per backend, used only on the event loop: plain counters, no locks; a wake is O(waiters).
 """
 
 from __future__ import annotations
@@ -36,6 +78,8 @@ from dataclasses import dataclass
 @dataclass(slots=True, eq=False)
 class _Waiter:
     tokens: int
+    long: bool
+    seq: int  # arrival order across both queues (reconfigure re-sorts waiters into them)
     since: float
     future: asyncio.Future[None]
 
@@ -43,145 +87,222 @@ class _Waiter:
 class GatePass:
     """A request's tokens in a gate; ``release`` returns them (once, whoever calls it first)."""
 
-    __slots__ = ("gate", "tokens", "waited_s")
+    __slots__ = ("gate", "long", "tokens", "waited_s")
 
-    def __init__(self, gate: PrefillGate, tokens: int, waited_s: float) -> None:
+    def __init__(self, gate: PrefillGate, tokens: int, waited_s: float, long: bool = False) -> None:
         self.gate: PrefillGate | None = gate
         self.tokens = tokens
         self.waited_s = waited_s
+        self.long = long  # the class it entered as: it leaves from that counter
 
     def release(self) -> None:
         gate = self.gate
         if gate is not None:
             self.gate = None
-            gate.leave(self.tokens)
+            gate.leave(self.tokens, self.long)
 
     @property
     def released(self) -> bool:
         return self.gate is None
 
 
+def default_reserve(limit: int) -> int:
+    """The reserve when none is configured: a quarter of the limit."""
+    return limit // 4
+
+
 class PrefillGate:
     __slots__ = (
-        "_sizes",
-        "_waiters",
+        "_longs",
+        "_seq",
+        "_shorts",
         "clock",
         "held_total",
         "hold_s",
         "limit",
+        "long_requests",
+        "long_tokens",
         "requests",
+        "reserve",
         "tokens",
         "wait_s_total",
     )
 
-    def __init__(self, limit: int, hold_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        limit: int,
+        hold_s: float = 1.0,
+        reserve: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.limit = limit
         self.hold_s = hold_s
+        self.reserve = _checked_reserve(limit, reserve)
         self.clock = clock
-        self.tokens = 0  # prompt tokens inside (sent, first token not seen yet)
+        self.tokens = 0  # prompt tokens inside (sent, first token not seen yet), long and short
         self.requests = 0  # requests inside
+        self.long_tokens = 0  # of which long prompts'
+        self.long_requests = 0
         self.held_total = 0  # requests that had to wait
         self.wait_s_total = 0.0
-        self._waiters: deque[_Waiter] = deque()
-        self._sizes: dict[int, int] = {}  # prompt size -> requests of that size inside
+        self._longs: deque[_Waiter] = deque()
+        self._shorts: deque[_Waiter] = deque()
+        self._seq = 0
+
+    # ---- the state the rules read ----------------------------------------------------------
+
+    @property
+    def lane(self) -> int:
+        """Tokens long prompts share: the limit less the reserve."""
+        return self.limit - self.reserve
+
+    @property
+    def short_tokens(self) -> int:
+        return self.tokens - self.long_tokens
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters)
+        return len(self._longs) + len(self._shorts)
 
-    def reconfigure(self, limit: int, hold_s: float) -> None:
+    def is_long(self, tokens: int) -> bool:
+        return tokens > self.reserve
+
+    def _spill(self) -> int:
+        """Short tokens inside beyond the reserve: the part of the lane short prompts borrow."""
+        return max(0, self.short_tokens - self.reserve)
+
+    # ---- the rules -------------------------------------------------------------------------
+
+    def _long_fits(self, tokens: int) -> bool:
+        """Rule 1: room in the lane, or the lane empty (a prompt larger than the lane runs alone)."""
+        used = self.long_tokens + self._spill()
+        return used + tokens <= self.lane or (self.long_requests == 0 and used == 0)
+
+    def _only_shorts_in_the_way(self, tokens: int) -> bool:
+        """Would a long prompt of ``tokens`` fit if the short prompts in the lane left?"""
+        return self.long_tokens + tokens <= self.lane or self.long_requests == 0
+
+    def _first_long(self) -> _Waiter | None:
+        return next((w for w in self._longs if not w.future.done()), None)
+
+    def claimed(self, now: float) -> bool:
+        """Rule 2: the first waiting long prompt has waited ``hold_s`` and only short ones keep it out."""
+        w = self._first_long()
+        return (
+            w is not None
+            and now - w.since >= self.hold_s
+            and self._only_shorts_in_the_way(w.tokens)
+            and not self._long_fits(w.tokens)
+        )
+
+    def _short_fits(self, tokens: int, now: float) -> bool:
+        """Rule 3: the reserve, or free room in the lane while no long prompt claims it."""
+        if self.short_tokens + tokens <= self.reserve:
+            return True
+        return self.tokens + tokens <= self.limit and not self.claimed(now)
+
+    # ---- the async API ---------------------------------------------------------------------
+
+    def reconfigure(self, limit: int, hold_s: float, reserve: int | None = None) -> None:
+        """New settings (``reserve`` None: a quarter of ``limit``); prompts inside keep their class,
+        waiters are sorted into the classes of the new reserve, in arrival order."""
+        self.reserve = _checked_reserve(limit, reserve)
         self.limit, self.hold_s = limit, hold_s
-        self._wake()  # a raised limit may let waiters in
-
-    def _fits(self, tokens: int) -> bool:
-        return self.tokens + tokens <= self.limit or self.requests == 0
-
-    def _only_smaller_in_the_way(self, tokens: int) -> bool:
-        """Would ``tokens`` fit if every request inside smaller than it left?"""
-        larger = sum(size * n for size, n in self._sizes.items() if size >= tokens)
-        if tokens > self.limit:
-            return larger == 0
-        return larger + tokens <= self.limit
-
-    def _holds_line(self, w: _Waiter, now: float) -> bool:
-        return now - w.since >= self.hold_s and self._only_smaller_in_the_way(w.tokens)
-
-    def _line_held(self, now: float) -> bool:
-        """A waiter has been passed for ``hold_s`` by smaller ones: newcomers queue behind it."""
-        return any(self._holds_line(w, now) for w in self._waiters)
+        waiters = sorted([*self._longs, *self._shorts], key=lambda w: w.seq)
+        for w in waiters:
+            w.long = self.is_long(w.tokens)
+        self._longs = deque(w for w in waiters if w.long)
+        self._shorts = deque(w for w in waiters if not w.long)
+        self._wake()  # a raised limit or a new reserve may let waiters in
 
     async def enter(self, tokens: int) -> GatePass:
         """Wait until ``tokens`` may be prefilled on this backend; the pass must be released."""
-        if self._fits(tokens) and (not self._waiters or not self._line_held(self.clock())):
-            self._take(tokens)
-            return GatePass(self, tokens, 0.0)
-        start = self.clock()
-        waiter = _Waiter(tokens, start, asyncio.get_running_loop().create_future())
-        self._waiters.append(waiter)
+        long = self.is_long(tokens)
+        now = self.clock()
+        if long:
+            fits = not self._longs and self._long_fits(tokens)
+        else:
+            fits = not self._shorts and self._short_fits(tokens, now)
+        if fits:
+            self._take(tokens, long)
+            return GatePass(self, tokens, 0.0, long)
+        self._seq += 1
+        waiter = _Waiter(tokens, long, self._seq, now, asyncio.get_running_loop().create_future())
+        (self._longs if long else self._shorts).append(waiter)
         self.held_total += 1
         try:
             await waiter.future
         except asyncio.CancelledError:
             if waiter.future.done() and not waiter.future.cancelled():
-                self.leave(tokens)  # let in just as it was cancelled: give the tokens back
+                self.leave(tokens, waiter.long)  # let in just as it was cancelled: give the tokens back
             else:
                 self._drop(waiter)
             raise
-        waited = self.clock() - start
+        waited = self.clock() - now
         self.wait_s_total += waited
-        return GatePass(self, tokens, waited)
+        return GatePass(self, tokens, waited, waiter.long)
 
-    def leave(self, tokens: int) -> None:
+    def leave(self, tokens: int, long: bool) -> None:
         self.tokens -= tokens
         self.requests -= 1
-        left = self._sizes[tokens] - 1
-        if left:
-            self._sizes[tokens] = left
-        else:
-            del self._sizes[tokens]
+        if long:
+            self.long_tokens -= tokens
+            self.long_requests -= 1
         self._wake()
 
-    def _take(self, tokens: int) -> None:
+    def _take(self, tokens: int, long: bool) -> None:
         self.tokens += tokens
         self.requests += 1
-        self._sizes[tokens] = self._sizes.get(tokens, 0) + 1
+        if long:
+            self.long_tokens += tokens
+            self.long_requests += 1
 
     def _drop(self, waiter: _Waiter) -> None:
+        queue = self._longs if waiter.long else self._shorts
         try:
-            self._waiters.remove(waiter)
+            queue.remove(waiter)
         except ValueError:
             return
-        self._wake()  # it may have been holding the line
+        self._wake()  # it may have been claiming the lane, or first in its line
 
     def _wake(self) -> None:
-        """Let in, in arrival order, every waiter that fits; one that does not fit may be passed by
-        those behind it, unless it holds the line (waited ``hold_s``, kept out only by smaller ones)."""
-        if not self._waiters:
+        """Let in, first long prompts then short ones, each line in arrival order, every waiter at
+        the head of its line that the rules admit; stop each line at the first that they do not."""
+        if not self._longs and not self._shorts:
             return
         now = self.clock()
-        kept: deque[_Waiter] = deque()
-        blocked = False
-        for w in self._waiters:
-            if blocked or w.future.done():
-                if not w.future.done():
-                    kept.append(w)
-                continue
-            if self._fits(w.tokens):
-                self._take(w.tokens)
+        for line in (self._longs, self._shorts):
+            while line:
+                w = line[0]
+                if w.future.done():  # cancelled, its task not yet run: _drop would find it gone
+                    line.popleft()
+                    continue
+                if not (self._long_fits(w.tokens) if w.long else self._short_fits(w.tokens, now)):
+                    break
+                line.popleft()
+                self._take(w.tokens, w.long)
                 w.future.set_result(None)
-                continue
-            kept.append(w)
-            if self._holds_line(w, now):
-                blocked = True
-        self._waiters = kept
 
-    def as_dict(self) -> dict[str, float | int]:
+    def as_dict(self) -> dict[str, float | int | bool]:
         return {
             "limit": self.limit,
+            "reserve": self.reserve,
             "hold_s": self.hold_s,
             "tokens": self.tokens,
+            "long_tokens": self.long_tokens,
+            "short_tokens": self.short_tokens,
             "requests": self.requests,
-            "waiting": len(self._waiters),
+            "waiting": self.waiting,
+            "waiting_long": len(self._longs),
+            "claimed": self.claimed(self.clock()),
             "held_total": self.held_total,
             "wait_s_total": round(self.wait_s_total, 3),
         }
+
+
+def _checked_reserve(limit: int, reserve: int | None) -> int:
+    if reserve is None:
+        return default_reserve(limit)
+    if not 0 <= reserve < limit:
+        raise ValueError(f"the prefill gate's reserve ({reserve}) must be >= 0 and below its limit ({limit})")
+    return reserve

@@ -82,7 +82,9 @@ class BackendPoolSpec:
     # Per backend of the pool: prompt tokens sent but not yet prefilled (None: no gate). See
     # gateway.upstream.gate: several long prompts never prefill at once on one server.
     prefill_gate_tokens: int | None = None
-    prefill_gate_hold_s: float = 1.0  # a prompt that does not fit may be passed this long
+    prefill_gate_hold_s: float = 1.0  # a long prompt lets short ones borrow its lane this long
+    # Of prefill_gate_tokens, what only short prompts (at most this many tokens) may use; None: a quarter.
+    prefill_gate_reserve_tokens: int | None = None
 
     @property
     def capacity_tokens(self) -> int:
@@ -203,14 +205,15 @@ class Backend:
             return "down"
         return "up" if self.confirmed else "unknown"
 
-    def set_gate(self, limit: int | None, hold_s: float) -> None:
-        """Turn the prefill gate on, off, or change it; requests inside keep the gate they entered."""
+    def set_gate(self, limit: int | None, hold_s: float, reserve: int | None = None) -> None:
+        """Turn the prefill gate on, off, or change it; requests inside keep the gate they entered.
+        ``reserve`` None: a quarter of ``limit``."""
         if limit is None:
             self.gate = None
         elif self.gate is None:
-            self.gate = PrefillGate(limit, hold_s)
+            self.gate = PrefillGate(limit, hold_s, reserve)
         else:
-            self.gate.reconfigure(limit, hold_s)
+            self.gate.reconfigure(limit, hold_s, reserve)
 
     def record_success(self) -> bool:
         """A request got its answer's headers; True when this closed the breaker (a half-open
@@ -350,7 +353,7 @@ class Router:
                 else:
                     b.respec(spec, breaker)
                     kept.add(id(b))
-                b.set_gate(p.prefill_gate_tokens, p.prefill_gate_hold_s)
+                b.set_gate(p.prefill_gate_tokens, p.prefill_gate_hold_s, p.prefill_gate_reserve_tokens)
                 members.append(b)
             new_pools[p.name] = BackendPool(p.name, members)
         removed = tuple(b for b in old.values() if id(b) not in kept)
