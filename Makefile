@@ -1,11 +1,12 @@
 # Two commands matter: `make run` (tokengate on embedded defaults) and `make test` (everything).
 # `make unit` is the developer's shortcut: lint, types and the tests not marked slow.
-# `make compose-test` runs compose.yaml for real (a container engine; .ci/run runs it after `make test`).
+# `make compose-test` runs compose.yaml for real (a container engine; .ci/run runs it after `make test`),
+# `make real-test` runs the gateway in front of real engines (.ci/run runs it too).
 VENV := .venv
 BIN := $(VENV)/bin
 CONFIG ?=
 
-.PHONY: setup run test test-long lint typecheck unit demo bench clean deploy-tools compose-test
+.PHONY: setup run test test-long lint typecheck unit demo bench clean deploy-tools compose-test real-test
 
 setup:
 	bash scripts/bootstrap.sh
@@ -40,6 +41,13 @@ deploy-tools: setup
 compose-test: setup
 	bash scripts/container_setup.sh
 	TOKENGATE_COMPOSE_TEST=1 $(BIN)/pytest -q -s -m compose tests/deploy
+
+# tokengate in front of real third-party engines (tests/engines: llama.cpp's server and vLLM's CPU
+# build), each from its own venv under .real/ (scripts/real_engines_setup.sh: a cold machine builds
+# llama-cpp-python once, ~10 min, and installs vLLM, ~2.5 min; warm, seconds).
+real-test: setup
+	bash scripts/real_engines_setup.sh
+	TOKENGATE_REAL_TEST=1 $(BIN)/pytest -q -m engine tests/engines
 
 demo: setup
 	$(BIN)/tokengate demo

