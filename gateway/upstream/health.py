@@ -5,9 +5,9 @@ reference backend), falling back to ``GET /v1/models`` when a backend has no /he
 with ``probe: off`` is never probed (see ``Backend.available`` for how its breaker closes).
 Healthy backends are probed every ``interval_s``; those whose breaker is open every
 ``unhealthy_interval_s``, and a success after the cooldown closes the breaker. A failed probe
-counts like a failed connect, except while the backend is busy: with requests in flight whose
-answers made progress since its previous probe (``Backend.progressed``), it is alive. Such a
-backend is not probed at all (a probe would disturb an engine that runs one request at a time:
+counts like a failed connect, except while the backend is busy: with requests in flight that it
+was handed or whose answers made progress since its previous probe (``Backend.progressed``), it is
+alive. Such a backend is not probed at all (a probe would disturb an engine that runs one request at a time:
 llama-cpp-python's server cuts its running stream for any other request), and a probe that waited
 behind its work and timed out is not held against it.
 

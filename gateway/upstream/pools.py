@@ -189,6 +189,9 @@ class Backend:
         """Count a request against this backend while it is being served (routing prefers the freest)."""
         self.in_flight_tokens += tokens
         self.in_flight_requests += 1
+        # A request handed to it counts as progress: the health checker leaves it one probe period
+        # to answer before it probes a busy backend (a probe could cut its stream just as it starts).
+        self.progressed = True
         try:
             yield
         finally:

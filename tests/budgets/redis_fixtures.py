@@ -90,26 +90,25 @@ def redis_server() -> RedisServer:
     return session_redis()
 
 
+def _own_server() -> Iterator[RedisServer]:
+    server = RedisServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="module")
 def scratch_redis() -> Iterator[RedisServer]:
     """A server of the module's own: its tests may flush it, add ACL users or change its config
     without reaching another module's stores on the session server."""
-    server = RedisServer()
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from _own_server()
 
 
 @pytest.fixture
 def fresh_redis() -> Iterator[RedisServer]:
-    server = RedisServer()
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from _own_server()
 
 
 # ---- RedisStore replicas for failure tests ----

@@ -20,6 +20,8 @@ import httpx
 import pytest
 
 from loadtest.processes import die_with_parent, free_port
+from tests.conftest import RunningGateway
+from tests.support import eventually
 
 REAL_ENV = "TOKENGATE_REAL_TEST"
 ROOT = Path(__file__).resolve().parents[2]
@@ -194,3 +196,12 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.engines.tiny_llama import write_tiny_llama
 
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-tokenizer"))
+
+
+async def idle(gw: RunningGateway) -> None:
+    """Every token back: nothing in flight in any of the gateway's pools."""
+
+    async def zero() -> bool:
+        return not any((await gw.in_flight()).values())
+
+    await eventually(zero, timeout_s=10, message="tokens still in flight")

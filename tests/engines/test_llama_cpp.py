@@ -18,8 +18,8 @@ import openai
 import orjson
 import pytest
 
-from tests.conftest import GatewayFactory, RunningGateway
-from tests.engines.conftest import Engine, LlamaFactory
+from tests.conftest import GatewayFactory
+from tests.engines.conftest import Engine, LlamaFactory, idle
 from tests.support import eventually
 
 pytestmark = pytest.mark.engine
@@ -51,13 +51,6 @@ def config(engine: Engine, **extra: Any) -> dict[str, Any]:
 
 def client(base: str, key: str = "sk-acme") -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=120)
-
-
-async def idle(gw: RunningGateway) -> None:
-    async def zero() -> bool:
-        return not any((await gw.in_flight()).values())
-
-    await eventually(zero, timeout_s=10, message="tokens still in flight")
 
 
 async def chat_text(c: openai.AsyncOpenAI, **kw: Any) -> str:

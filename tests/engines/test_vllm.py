@@ -19,8 +19,8 @@ import openai
 import orjson
 import pytest
 
-from tests.conftest import GatewayFactory, RunningGateway
-from tests.engines.conftest import Engine, VllmFactory
+from tests.conftest import GatewayFactory
+from tests.engines.conftest import Engine, VllmFactory, idle
 from tests.support import eventually
 
 pytestmark = pytest.mark.engine
@@ -53,13 +53,6 @@ def config(engine: Engine, tokenizer: Path, capacity: int = 60_000, **extra: Any
 
 def client(base: str, key: str = "sk-acme") -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=120)
-
-
-async def idle(gw: RunningGateway) -> None:
-    async def zero() -> bool:
-        return not any((await gw.in_flight()).values())
-
-    await eventually(zero, timeout_s=10, message="tokens still in flight")
 
 
 async def metric(engine: Engine, name: str) -> float:

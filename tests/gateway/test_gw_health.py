@@ -282,3 +282,25 @@ async def test_a_probe_that_timed_out_behind_a_stream_that_made_progress_is_not_
     finally:
         await checker.close()
         await served.stop()
+
+
+async def test_a_backend_just_handed_a_request_is_not_probed_before_its_first_bytes() -> None:
+    """A request that starts just before a probe pass has sent no bytes yet: the probe would reach
+    an engine that serves one request at a time as its stream starts, and cut it."""
+    stub = Recorder()
+    served = await serve_asgi(stub)
+    spec = BackendSpec(url=served.url, capacity_tokens=1000, models=("stub-model",))
+    backend = Backend(spec, "p")
+    checker = HealthChecker([backend], HealthSettings())
+    await checker.start()
+    try:
+        backend.progress_seen(0.0)  # (what the last pass did)
+        before = stub.paths("/health")
+        with backend.occupy(10):  # handed a request; no bytes back yet
+            await checker.check_once(force=True)
+        assert stub.paths("/health") == before
+        await checker.check_once(force=True)  # idle now: probed
+        assert stub.paths("/health") == before + 1
+    finally:
+        await checker.close()
+        await served.stop()
