@@ -89,6 +89,45 @@ async def test_answers_through_tokengate_are_the_engines_own(
     await idle(gw)
 
 
+async def test_tool_calls_through_tokengate_are_the_engines_own(
+    llama: Engine, gateway_factory: GatewayFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="tokengate.access")
+    gw = await gateway_factory(config(llama))
+    direct, through = client(llama.url, "none"), client(gw.url)
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "auto"):
+        kw: dict[str, Any] = {
+            "model": MODEL, "messages": messages, "tools": [weather], "tool_choice": choice,
+            "max_tokens": 24, "temperature": 0,
+        }  # fmt: skip
+        await direct.chat.completions.create(**kw)  # the first answer to a prompt differs (above)
+        a, b = await direct.chat.completions.create(**kw), await through.chat.completions.create(**kw)
+        assert a.choices[0].message.content == b.choices[0].message.content
+        calls = [(c.function.name, c.function.arguments) for c in b.choices[0].message.tool_calls or []]
+        assert calls == [
+            (c.function.name, c.function.arguments) for c in a.choices[0].message.tool_calls or []
+        ]
+        if choice != "auto":  # the engine's grammar makes the named call: the model fills in the city
+            assert [name for name, _ in calls] == ["get_weather"] and "Paris" in calls[0][1]
+    lines = access_lines(caplog)
+    assert [(line["status"], line["outcome"]) for line in lines] == [(200, "ok")] * 2
+    assert all(line["usage_estimated"] is None and line["completion_tokens"] for line in lines)
+    await idle(gw)
+
+
 async def test_the_gateways_request_id_is_one_the_engine_accepts(
     llama: Engine, gateway_factory: GatewayFactory
 ) -> None:

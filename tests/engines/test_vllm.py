@@ -19,6 +19,7 @@ import openai
 import orjson
 import pytest
 
+from loadtest.bench import vllm_closed_loop as loop
 from tests.conftest import GatewayFactory
 from tests.engines.conftest import Engine, VllmFactory, idle
 from tests.support import eventually
@@ -27,11 +28,23 @@ pytestmark = pytest.mark.engine
 
 MODEL = "tiny-llama"
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 
 
 @pytest.fixture(scope="module")
 def vllm(vllm_factory: VllmFactory) -> Engine:
-    return vllm_factory("--scheduling-policy", "priority", "--max-num-seqs", "8")
+    # pythonic: a tool-call parser that needs no special tokens (the tiny tokenizer has none).
+    return vllm_factory(
+        "--scheduling-policy", "priority", "--max-num-seqs", "8",
+        "--enable-auto-tool-choice", "--tool-call-parser", "pythonic",
+    )  # fmt: skip
 
 
 def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
@@ -190,4 +203,73 @@ async def test_every_sdk_stream_is_a_completed_request_with_the_engines_usage(
     assert all(line["usage_estimated"] is None and line["prompt_tokens"] for line in lines)
     [backend] = list(gw.app.router.backends)
     assert (backend.usage_reported, backend.usage_missing) == (n, 0)
+    await idle(gw)
+
+
+async def test_tool_calls_through_tokengate_are_the_engines_own(
+    vllm: Engine, tiny_llama_dir: Path, gateway_factory: GatewayFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="tokengate.access")
+    gw = await gateway_factory(config(vllm, tiny_llama_dir))
+    direct, through = client(vllm.url, "none"), client(gw.url)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in (named, "auto"):
+        kw: dict[str, Any] = {
+            "model": MODEL, "messages": MESSAGES, "tools": [WEATHER], "tool_choice": choice,
+            "max_tokens": 12, "temperature": 0,
+        }  # fmt: skip
+        a, b = await direct.chat.completions.create(**kw), await through.chat.completions.create(**kw)
+        assert a.choices[0].message.content == b.choices[0].message.content
+        calls = [(c.function.name, c.function.arguments) for c in b.choices[0].message.tool_calls or []]
+        assert calls == [
+            (c.function.name, c.function.arguments) for c in a.choices[0].message.tool_calls or []
+        ]
+        assert a.usage == b.usage
+    assert calls == [] and named  # "auto" with random weights: no call; the named choice made one
+    stream = await through.chat.completions.create(**{**kw, "tool_choice": named, "stream": True})
+    names = [
+        c.function.name
+        async for chunk in stream
+        for c in chunk.choices[0].delta.tool_calls or []
+        if chunk.choices
+    ]
+    assert "get_weather" in names
+    lines = access_lines(caplog)
+    assert [(line["status"], line["outcome"]) for line in lines] == [(200, "ok")] * 3
+    assert all(line["usage_estimated"] is None and line["completion_tokens"] for line in lines)
+    await idle(gw)
+
+
+async def test_a_saturated_engine_is_not_preempted_behind_the_gateway(
+    vllm_factory: VllmFactory,
+    tiny_llama_dir: Path,
+    gateway_factory: GatewayFactory,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A KV cache of 768 tokens (24 blocks of 32) and six sequences, twelve clients in a closed loop:
+    straight to vLLM, it admits requests whose prompts fit and then preempts some as their outputs
+    grow; through tokengate (learned reservations, KV feedback) the engine never holds more than its
+    cache and never preempts: the requests queue at the gateway instead. What that costs in tokens/s
+    is measured by ``python -m loadtest.bench.vllm_closed_loop`` (docs/engines.md), not here."""
+    kv = loop.KvCache(blocks=24, max_num_seqs=6, max_model_len=512)
+    engine = vllm_factory(*loop.KvCache.vllm_args(kv))
+    shape = (tiny_llama_dir / "tokenizer.json", 64, 16, 160, 400)  # prompt, output min/max, max_tokens
+    direct = await loop.closed_loop(engine.url, engine.url, loop.requests(32, 1, *shape), clients=12)
+    assert (direct.completed, direct.wrong_length) == (32, 0)
+    assert direct.preemptions > 0  # the load does saturate the cache
+
+    cfg = loop.gateway_config(engine.url, kv, tiny_llama_dir / "tokenizer.json", "learned", **loop.LEARNED)
+    gw = await gateway_factory(cfg)
+    warm = await loop.closed_loop(gw.url, engine.url, loop.requests(16, 2, *shape), 12, "sk-bench")
+    caplog.set_level(logging.INFO, logger="tokengate.access")
+    through = await loop.closed_loop(gw.url, engine.url, loop.requests(32, 1, *shape), 12, "sk-bench")
+    assert (warm.completed, through.completed, through.wrong_length) == (16, 32, 0)
+    assert warm.preemptions + through.preemptions == 0
+    assert through.completion_tokens == direct.completion_tokens  # the same answers' lengths
+    lines = access_lines(caplog)
+    assert len(lines) == 32 and {line["outcome"] for line in lines} == {"ok"}
+    assert max(line["queue_ms"] for line in lines) > 0  # the requests queued at the gateway instead
+    # Learned: most requests reserved less than their max_tokens (a miss grows its lease).
+    assert sum(line["decode"] < 400 for line in lines) > len(lines) // 2
+    assert sum(line["completion_tokens"] for line in lines) == through.completion_tokens
     await idle(gw)
