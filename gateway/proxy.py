@@ -377,7 +377,8 @@ class Proxy:
                     tier_name = value.decode("latin-1").strip()
                 elif name == b"x-tokengate-max-queue-wait":
                     max_wait_s = _max_wait_header(value)
-                elif name == b"x-tokengate-oracle-output":  # benchmarks (reservation.oracle_header)
+                elif name == b"x-tokengate-oracle-output" and self.reservations.default.oracle_header:
+                    # benchmarks only: read where reservation.oracle_header turns it on, else dropped
                     x.oracle_output = int(value) if value.isdigit() and len(value) < 10 else None
                 continue
             if name in private:
