@@ -8,7 +8,6 @@ from classifiers.pricing import (
     InvalidRequest,
     Pricer,
     PricingSettings,
-    show_value,
 )
 from classifiers.tokenizers import (
     BytesTokenizer,
@@ -41,5 +40,4 @@ __all__ = [
     "default_tokenizer",
     "load_tiktoken",
     "load_tokenizer",
-    "show_value",
 ]

@@ -30,7 +30,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from budgets.types import BudgetLayout, BudgetStore
-from classifiers import Classifier, Pricer, TokenizerRegistry, show_value
+from classifiers import Classifier, Pricer, TokenizerRegistry
 from classifiers.prompt_overhead import PromptOverheads
 from gateway import slots
 from gateway.accesslog import Record
@@ -39,7 +39,7 @@ from gateway.admin.control import Control, state_store_for
 from gateway.admin.tokens import Role, load_tokens
 from gateway.auth import Authenticator, visible_models
 from gateway.config import GatewayConfig
-from gateway.errors import ApiError, error_body
+from gateway.errors import ApiError, error_body, show_value
 from gateway.exchange import CancelReason, Exchange, Phase, Receive, RouteKind, Scope, Send
 from gateway.layout import build_layout
 from gateway.leases import LeaseKeeper

@@ -1,7 +1,9 @@
 """Every failure leaves the gateway in OpenAI's error shape.
 
 ``{"error": {"message", "type", "param", "code"}}`` with the matching HTTP status; 429 and 503
-carry ``Retry-After`` in whole seconds, rounded up.
+carry ``Retry-After`` in whole seconds, rounded up. A client value quoted in a message goes
+through ``show_value`` (short, never a container's repr): the helper pricing's own 400s use, so
+every message echoes client values alike.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import math
 import orjson
 
 from budgets.types import AdmissionError, NeverFits, QueueFull, QueueTimeout, StoreUnavailable
+from classifiers.pricing.values import show_value as show_value
 
 _TYPES = {
     400: "invalid_request_error",

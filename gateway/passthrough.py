@@ -6,7 +6,7 @@ are built in, ``GET /v1/models`` and ``GET /v1/models/{id}`` are answered by the
 (each tenant sees only the models it may use), and anything else under
 ``/v1`` is forwarded only when ``passthrough.routes`` names it (method + path glob); the rest is a
 404 that names the setting. An allowed POST is priced from its body
-(``classifiers.Pricer.price_passthrough``): its text's tokens, plus the output limit it names, or
+(``classifiers.Pricer.aprice_passthrough``): its text's tokens, plus the output limit it names, or
 the default reservation when ``generates`` (the default for every method but GET).
 """
 

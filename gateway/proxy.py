@@ -25,7 +25,7 @@ import orjson
 from yarl import URL
 
 from budgets.types import AdmissionError, Demand, NeverFits, backend_pool, class_pool, tenant_pool
-from classifiers import Cost, InvalidRequest, show_value
+from classifiers import Cost, InvalidRequest
 from classifiers.pricing import MAX_JSON_DEPTH
 from classifiers.prompt_overhead import corrected
 from gateway import server_tools, slots, usage
@@ -33,7 +33,7 @@ from gateway.accesslog import Record
 from gateway.auth import bearer_key, may_use, visible_models
 from gateway.cache_salt import tenant_cache_salt
 from gateway.config import TenantConfig
-from gateway.errors import AnswerCut, ApiError, from_admission
+from gateway.errors import AnswerCut, ApiError, from_admission, show_value
 from gateway.exchange import CancelReason, Exchange, Phase, Placement, Receive, RouteKind, Scope, Send
 from gateway.held_bodies import HeldBodies
 from gateway.media_fetch import MediaFetcher

@@ -17,9 +17,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from classifiers import show_value
 from classifiers.pricing import CLIENT_TOOLS
-from gateway.errors import ApiError
+from gateway.errors import ApiError, show_value
 
 _ENTRY = re.compile(r"[a-z][a-z0-9_]*|mcp:(?:\*|[^\s*]+)")
 

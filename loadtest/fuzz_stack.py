@@ -44,7 +44,7 @@ async def fuzz_stack(work_dir: Path | None = None, store: str = "memory") -> Asy
             "stub-*": {
                 "context_length": 65536,
                 "images": {"patch_pixels": 28, "max_pixels": 1_003_520},
-                "vocab_size": 32_000,  # token ids checked against it (classifiers/pricing.py)
+                "vocab_size": 32_000,  # token ids checked against it (classifiers/pricing/validation.py)
             }
         },
         # a pass-through route: its JSON bodies are checked too (engine fields, media URLs, encodings)

@@ -21,7 +21,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from classifiers import show_value
 from gateway.accesslog import Record
 from gateway.admin.openapi import document
 from gateway.admin.state import (
@@ -37,7 +36,7 @@ from gateway.admin.state import (
 )
 from gateway.admin.tokens import Caller, Role
 from gateway.config import DEFAULT_TIERS, TENANT_KEYS
-from gateway.errors import ApiError
+from gateway.errors import ApiError, show_value
 from gateway.fields import ConfigError
 
 if TYPE_CHECKING:

@@ -546,8 +546,8 @@ def report_long(summary: dict[str, Any], args: argparse.Namespace, pricing: dict
     if pricing:
         checks.append(
             f"- pricing a {pricing['prompt_tokens']:.0f}-token chat prompt: {pricing['cold_ms']:.2f} ms cold, "
-            f"{pricing['warm_ms']:.2f} ms warm; a short chat: {pricing['short_sync_us']:.1f} us with "
-            f"price_chat, {pricing['short_async_us']:.1f} us with aprice_chat"
+            f"{pricing['warm_ms']:.2f} ms warm; a short chat: {pricing['short_inline_us']:.1f} us "
+            f"inline, {pricing['short_async_us']:.1f} us with the encode pool"
         )
     return "\n".join(lines) + "\n\n" + "\n".join(checks) + "\n"
 

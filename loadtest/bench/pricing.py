@@ -2,9 +2,10 @@
 
 Two numbers: *cold* prices a prompt the tokenizer has never seen (every chunk really encoded),
 *warm* re-prices the same body (chunk counts come from the memo, as for a repeated system
-prompt or a chat history). `measure` returns them for the gateway's benchmark, with what a short
-one-message chat costs through ``price_chat`` and through ``aprice_chat`` (its fast path: no
-thread hop; best of several runs).
+prompt or a chat history), both with ``aprice_chat`` on a pricer without encode threads (every
+text counted inline: the whole cost, as a caller's thread pays it). `measure` returns them for the
+gateway's benchmark, with what a short one-message chat costs through ``aprice_chat`` inline and
+with the encode pool (its fast path: no thread hop; best of several runs).
 
 ``--media N`` times what checking media URLs adds (classifiers/media_urls.py): a chat of ``N``
 remote-image parts, each URL a different public host, against the same chat with ``N`` data: URLs
@@ -78,58 +79,67 @@ _SHORT = {
 }
 
 
-def _short_chat_us(
-    pricer: Pricer, limits: dict[str, Any], calls: int = 2000, runs: int = 7
-) -> tuple[float, float]:
-    """Microseconds per short chat with price_chat and with aprice_chat (best of `runs`, interleaved)."""
+def _short_chat_us(limits: dict[str, Any], calls: int = 2000, runs: int = 7) -> tuple[float, float]:
+    """Microseconds per short chat with aprice_chat, inline (no encode threads) and with the encode
+    pool (best of `runs`, interleaved)."""
+    inline = Pricer(TokenizerRegistry(), PricingSettings(encode_threads=0))
+    pooled = Pricer(TokenizerRegistry())
 
     async def timed() -> tuple[float, float]:
-        best_sync = best_async = float("inf")
+        best_inline = best_pooled = float("inf")
         for _ in range(runs):
             t0 = time.perf_counter()
             for _ in range(calls):
-                pricer.price_chat(_SHORT, **limits)
+                await inline.aprice_chat(_SHORT, **limits)
             t1 = time.perf_counter()
             for _ in range(calls):
-                await pricer.aprice_chat(_SHORT, **limits)
+                await pooled.aprice_chat(_SHORT, **limits)
             t2 = time.perf_counter()
-            best_sync, best_async = min(best_sync, t1 - t0), min(best_async, t2 - t1)
-        return best_sync / calls * 1e6, best_async / calls * 1e6
+            best_inline, best_pooled = min(best_inline, t1 - t0), min(best_pooled, t2 - t1)
+        return best_inline / calls * 1e6, best_pooled / calls * 1e6
 
-    return asyncio.run(timed())
+    try:
+        return asyncio.run(timed())
+    finally:
+        pooled.close()
 
 
 def measure(tokens: int = 28_000, rounds: int = 20) -> dict[str, float]:
-    """Median milliseconds per `price_chat` call, cold and warm, plus the prompt size priced."""
-    pricer = Pricer(TokenizerRegistry())
+    """Median milliseconds per inline `aprice_chat` call, cold and warm, plus the prompt size priced."""
+    pricer = Pricer(TokenizerRegistry(), PricingSettings(encode_threads=0))
     rng = random.Random(28_000)
     bodies = [_body(prompt_text(rng, tokens)) for _ in range(rounds)]
     limits: dict[str, Any] = {"default_max_tokens": 512, "max_tokens_limit": None, "context_length": 200_000}
-    pricer.price_chat(_body("warm up the encoder"), **limits)
-    cold = []
-    prefill = 0
-    for body in bodies:
-        t0 = time.perf_counter()
-        prefill = pricer.price_chat(body, **limits).prefill
-        cold.append(time.perf_counter() - t0)
-    warm = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        pricer.price_chat(bodies[0], **limits)
-        warm.append(time.perf_counter() - t0)
+
+    async def timed() -> tuple[list[float], list[float], int]:
+        await pricer.aprice_chat(_body("warm up the encoder"), **limits)
+        cold = []
+        prefill = 0
+        for body in bodies:
+            t0 = time.perf_counter()
+            prefill = (await pricer.aprice_chat(body, **limits)).prefill
+            cold.append(time.perf_counter() - t0)
+        warm = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            await pricer.aprice_chat(bodies[0], **limits)
+            warm.append(time.perf_counter() - t0)
+        return cold, warm, prefill
+
+    cold, warm, prefill = asyncio.run(timed())
     encoding = default_tokenizer().encoding
     text = bodies[-1]["messages"][1]["content"]
     t0 = time.perf_counter()
     encoding.encode_ordinary(text)
     plain = time.perf_counter() - t0
-    short_sync_us, short_async_us = _short_chat_us(pricer, limits)
+    short_inline_us, short_async_us = _short_chat_us(limits)
     pricer.close()
     return {
         "prompt_tokens": float(prefill),
         "cold_ms": statistics.median(cold) * 1000,
         "warm_ms": statistics.median(warm) * 1000,
         "plain_tiktoken_ms": plain * 1000,
-        "short_sync_us": short_sync_us,
+        "short_inline_us": short_inline_us,
         "short_async_us": short_async_us,
     }
 
@@ -295,18 +305,22 @@ def media(n: int, rounds: int) -> dict[str, float]:
 
     remote = chat([f"https://img{i}.cdn{i % 97}.example.com/a/b/{i}.png?size=large" for i in range(n)])
     inline = chat(["data:image/png;base64,iVBORw0KGgo="] * n)
-    out: dict[str, float] = {}
-    try:
+
+    async def run() -> dict[str, float]:
+        out: dict[str, float] = {}
         for name, body in (("remote_us", remote), ("inline_us", inline)):
             times = []
             for _ in range(rounds):
                 t0 = time.perf_counter()
-                pricer.price_chat(body, **limits)
+                await pricer.aprice_chat(body, **limits)
                 times.append(time.perf_counter() - t0)
             out[name] = statistics.median(times) / n * 1e6
+        return out
+
+    try:
+        return asyncio.run(run())
     finally:
         pricer.close()
-    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -340,7 +354,7 @@ def main(argv: list[str] | None = None) -> None:
             parser.error("--media must be at least 1")
         m = media(args.media, args.rounds)
         print(
-            f"price_chat, {args.media:,} image parts: {m['remote_us']:.2f} us per remote-URL part "
+            f"aprice_chat, {args.media:,} image parts: {m['remote_us']:.2f} us per remote-URL part "
             f"(its URL checked), {m['inline_us']:.2f} us per data: URL part (median of {args.rounds})"
         )
         return
@@ -376,10 +390,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     r = measure(args.tokens, args.rounds)
     print(
-        f"price_chat, {r['prompt_tokens']:.0f}-token prompt: cold {r['cold_ms']:.2f} ms, "
+        f"aprice_chat inline, {r['prompt_tokens']:.0f}-token prompt: cold {r['cold_ms']:.2f} ms, "
         f"warm {r['warm_ms']:.3f} ms (median of {args.rounds}); "
         f"one plain encode_ordinary: {r['plain_tiktoken_ms']:.2f} ms; a short chat: "
-        f"{r['short_sync_us']:.1f} us with price_chat, {r['short_async_us']:.1f} us with aprice_chat"
+        f"{r['short_inline_us']:.1f} us inline, {r['short_async_us']:.1f} us with the encode pool"
     )
 
 

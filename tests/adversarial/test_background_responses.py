@@ -24,16 +24,16 @@ def body(**extra: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("value", [True, "yes", "true", 1, {}, [True]])
-def test_any_background_a_lax_parser_could_read_as_true_is_refused(value: object) -> None:
+async def test_any_background_a_lax_parser_could_read_as_true_is_refused(value: object) -> None:
     with pytest.raises(InvalidRequest) as info:
-        Pricer(TokenizerRegistry()).price_responses(body(background=value), **LIMITS)
+        await Pricer(TokenizerRegistry()).aprice_responses(body(background=value), **LIMITS)
     assert info.value.param == "background" and info.value.code == "unsupported_parameter"
 
 
 @pytest.mark.parametrize("value", [False, None])
-def test_a_foreground_response_is_priced_as_before(value: object) -> None:
+async def test_a_foreground_response_is_priced_as_before(value: object) -> None:
     pricer = Pricer(TokenizerRegistry())
-    assert pricer.price_responses(body(background=value), **LIMITS) == pricer.price_responses(
+    assert await pricer.aprice_responses(body(background=value), **LIMITS) == await pricer.aprice_responses(
         body(), **LIMITS
     )
 

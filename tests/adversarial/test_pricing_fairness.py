@@ -44,7 +44,7 @@ async def test_a_flood_of_huge_prompts_does_not_delay_another_tenants_long_promp
             "models": {"stub-model": {"context_length": 32_768}},
         }
     )
-    pool = gw.app._proxy.pricer._executor()
+    pool = gw.app._proxy.pricer._encoder.executor()
     finished: list[str] = []
     async with httpx.AsyncClient(base_url=gw.url, timeout=60) as c:
 

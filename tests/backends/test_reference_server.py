@@ -65,7 +65,7 @@ async def test_chat_non_streaming_usage_matches_gateway_pricing(reference_server
     usage = body["usage"]
     assert usage["completion_tokens"] == 12
     assert usage["total_tokens"] == usage["prompt_tokens"] + 12
-    priced = Pricer(TokenizerRegistry()).price_chat(
+    priced = await Pricer(TokenizerRegistry()).aprice_chat(
         CHAT, default_max_tokens=16, max_tokens_limit=None, context_length=4096
     )
     assert abs(usage["prompt_tokens"] - priced.prefill) <= len(CHAT["messages"])

@@ -149,7 +149,7 @@ def test_a_policy_that_is_not_one_is_refused_when_built(
         MediaUrls(**kwargs)  # type: ignore[arg-type]
 
 
-def test_pricing_checks_every_url_carrying_part_and_names_it() -> None:
+async def test_pricing_checks_every_url_carrying_part_and_names_it() -> None:
     pricer = Pricer(TokenizerRegistry())
     limits = {"default_max_tokens": 16, "max_tokens_limit": None, "context_length": 8192}
     bad = "http://169.254.169.254/"
@@ -165,27 +165,31 @@ def test_pricing_checks_every_url_carrying_part_and_names_it() -> None:
     ]
     for body, param in cases:
         with pytest.raises(InvalidRequest) as err:
-            pricer.price_chat(body, **limits)
+            await pricer.aprice_chat(body, **limits)
         assert (err.value.param, err.value.code) == (param, "media_url_not_allowed")
         assert "169.254.169.254" in err.value.message and "data: URL" in err.value.message
     with pytest.raises(InvalidRequest) as err:
-        pricer.price_chat(chat({"type": "image_url", "image_url": {"url": ["http://a.example"]}}), **limits)
+        await pricer.aprice_chat(
+            chat({"type": "image_url", "image_url": {"url": ["http://a.example"]}}), **limits
+        )
     assert (
         err.value.param == "messages[0].content[0].image_url.url"
         and "must be a string URL" in err.value.message
     )
     # A part without a URL (a file id, a cached uuid) is the engine's to judge.
-    assert pricer.price_chat(chat({"type": "image_url", "image_url": {"uuid": "abc"}}), **limits).prefill > 0
+    assert (
+        await pricer.aprice_chat(chat({"type": "image_url", "image_url": {"uuid": "abc"}}), **limits)
+    ).prefill > 0
     responses = {
         "model": "m",
         "input": [{"role": "user", "content": [{"type": "input_file", "file_url": bad}]}],
     }
     with pytest.raises(InvalidRequest) as err:
-        pricer.price_responses(responses, **limits)
+        await pricer.aprice_responses(responses, **limits)
     assert err.value.param == "input[0].content[0].file_url"
     # The operator's policy is the pricer's.
     open_pricer = Pricer(TokenizerRegistry(), PricingSettings(media_urls=MediaUrls(private_hosts=True)))
-    assert open_pricer.price_chat(cases[0][0], **limits).prefill > 0
+    assert (await open_pricer.aprice_chat(cases[0][0], **limits)).prefill > 0
 
 
 def test_media_references_are_found_in_a_body_of_any_shape() -> None:

@@ -108,6 +108,12 @@ def encode_threads() -> int:
     return sum(1 for t in threading.enumerate() if t.name.startswith("tokengate-encode"))
 
 
+def inline_pricer(tokenizers: TokenizerRegistry | None = None) -> Pricer:
+    """The reference an off-loop price must equal: a pricer that counts every text on the caller's
+    thread (no encode threads)."""
+    return Pricer(tokenizers or TokenizerRegistry(), PricingSettings(encode_threads=0))
+
+
 @pytest.fixture
 def recording() -> Recording:
     return Recording()
@@ -129,7 +135,7 @@ async def test_a_long_never_seen_prompt_is_encoded_off_the_loop_thread(
     text = prose(1, 30_000)
     body = chat(text)
     cost = await pricer.aprice_chat(body, **LIMITS)
-    assert cost == Pricer(TokenizerRegistry()).price_chat(body, **LIMITS)
+    assert cost == await inline_pricer().aprice_chat(body, **LIMITS)
     loop = threading.get_ident()
     long_calls = [c for c in recording.calls if c.chars == len(text) and c.encoded and c.method != "peek"]
     assert [c.method for c in long_calls] == ["count_nogil"]
@@ -148,7 +154,7 @@ async def test_a_short_chat_is_priced_on_the_loop_thread_without_starting_the_po
 ) -> None:
     before = encode_threads()
     body = chat("Hello! Why is the sky blue?")
-    assert await pricer.aprice_chat(body, **LIMITS) == pricer.price_chat(body, **LIMITS)
+    assert await pricer.aprice_chat(body, **LIMITS) == await inline_pricer().aprice_chat(body, **LIMITS)
     loop = threading.get_ident()
     assert recording.calls and all(c.thread == loop and c.method == "count" for c in recording.calls)
     assert encode_threads() == before
@@ -158,7 +164,7 @@ async def test_a_long_prompt_seen_before_is_priced_inline_from_the_memo(
     pricer: Pricer, recording: Recording
 ) -> None:
     body = chat(prose(2, 20_000))
-    first = pricer.price_chat(body, **LIMITS)  # memoises every chunk
+    first = await inline_pricer(OneTokenizer(recording)).aprice_chat(body, **LIMITS)  # memoises every chunk
     recording.calls.clear()
     assert await pricer.aprice_chat(body, **LIMITS) == first
     assert not any(c.encoded for c in recording.calls if c.method != "peek")
@@ -173,7 +179,7 @@ async def test_many_medium_texts_cannot_add_up_to_a_long_inline_encode(
     budget = pricer.settings.inline_max_chars
     assert all(len(t) < budget for t in texts) and sum(map(len, texts)) > 4 * budget
     body = chat(*texts)
-    assert await pricer.aprice_chat(body, **LIMITS) == Pricer(TokenizerRegistry()).price_chat(body, **LIMITS)
+    assert await pricer.aprice_chat(body, **LIMITS) == await inline_pricer().aprice_chat(body, **LIMITS)
     loop = threading.get_ident()
     inline = sum(c.chars for c in recording.calls if c.method == "count" and c.thread == loop and c.encoded)
     assert inline <= budget
@@ -187,7 +193,7 @@ async def test_many_tiny_texts_go_to_the_pool_in_a_few_jobs_with_exact_counts(
     # futures' submission, wrapping and wake-ups were the loop's, not the threads', work.
     prompts = [f"{i} tiny never seen {i}" for i in range(10_000)]  # (pricing.max_items)
     body = {"model": "m", "prompt": prompts}
-    pool = pricer._executor()
+    pool = pricer._encoder.executor()
     assert pool is not None
     jobs = 0
     submit = pool.submit
@@ -199,7 +205,7 @@ async def test_many_tiny_texts_go_to_the_pool_in_a_few_jobs_with_exact_counts(
 
     monkeypatch.setattr(pool, "submit", counting)
     cost = await pricer.aprice_completion(body, **LIMITS)
-    assert cost == Pricer(TokenizerRegistry()).price_completion(body, **LIMITS)
+    assert cost == await inline_pricer().aprice_completion(body, **LIMITS)
     assert 1 <= jobs <= sum(map(len, prompts)) // 16_384 + 1
     loop = threading.get_ident()
     pooled = [c for c in recording.calls if c.method == "count_nogil"]
@@ -210,19 +216,22 @@ async def test_many_tiny_texts_go_to_the_pool_in_a_few_jobs_with_exact_counts(
 async def test_no_threads_means_everything_inline(recording: Recording) -> None:
     pricer = Pricer(OneTokenizer(recording), PricingSettings(encode_threads=0))
     body = chat(prose(3, 10_000))
-    assert await pricer.aprice_chat(body, **LIMITS) == Pricer(TokenizerRegistry()).price_chat(body, **LIMITS)
+    assert await pricer.aprice_chat(body, **LIMITS) == await inline_pricer().aprice_chat(body, **LIMITS)
     loop = threading.get_ident()
     assert all(c.thread == loop for c in recording.calls)
 
 
 async def test_the_byte_estimate_runs_inline_since_it_holds_the_gil() -> None:
     pricer = Pricer(TokenizerRegistry(default="bytes"))
+    expect = inline_pricer(TokenizerRegistry(default="bytes"))
     before = encode_threads()
     body = chat(prose(4, 20_000))
-    assert await pricer.aprice_chat(body, **LIMITS) == pricer.price_chat(body, **LIMITS)
+    assert await pricer.aprice_chat(body, **LIMITS) == await expect.aprice_chat(body, **LIMITS)
     raw = orjson.dumps(body)
     passthrough = {"model": None, "default_max_tokens": 16}
-    assert await pricer.aprice_passthrough(raw, **passthrough) == pricer.price_passthrough(raw, **passthrough)
+    assert await pricer.aprice_passthrough(raw, **passthrough) == await expect.aprice_passthrough(
+        raw, **passthrough
+    )
     assert encode_threads() == before
 
 
@@ -240,7 +249,7 @@ async def test_a_hugging_face_tokenizer_counts_in_the_pool_too(tmp_path: Path) -
         assert encode_threads() > before  # the pool did the encoding
     finally:
         pricer.close()
-    assert cost == Pricer(TokenizerRegistry(models=spec)).price_chat(body, **LIMITS)
+    assert cost == await inline_pricer(TokenizerRegistry(models=spec)).aprice_chat(body, **LIMITS)
 
 
 # ---- the loop keeps running ------------------------------------------------------------------
@@ -310,9 +319,7 @@ async def test_close_stops_the_pool_and_pricing_goes_on_inline(pricer: Pricer, r
     assert encode_threads() == before
     recording.calls.clear()
     other = chat(prose(8, 10_000))
-    assert await pricer.aprice_chat(other, **LIMITS) == Pricer(TokenizerRegistry()).price_chat(
-        other, **LIMITS
-    )
+    assert await pricer.aprice_chat(other, **LIMITS) == await inline_pricer().aprice_chat(other, **LIMITS)
     assert all(c.thread == threading.get_ident() for c in recording.calls)
 
 
@@ -330,11 +337,11 @@ async def test_close_while_encodes_wait_lets_every_caller_finish_with_the_exact_
     await eventually(_asked(recording, "peek", queued_text), 10)
     closing = asyncio.create_task(asyncio.to_thread(pricer.close))
     # close() cancels the queued encode at once: that caller counts inline and is done.
-    expect = Pricer(TokenizerRegistry())
-    assert await asyncio.wait_for(queued, 10) == expect.price_chat(queued_body, **LIMITS)
+    expect = inline_pricer()
+    assert await asyncio.wait_for(queued, 10) == await expect.aprice_chat(queued_body, **LIMITS)
     assert not closing.done()  # still waiting for the running encode
     gate.set()
-    assert await asyncio.wait_for(running, 10) == expect.price_chat(running_body, **LIMITS)
+    assert await asyncio.wait_for(running, 10) == await expect.aprice_chat(running_body, **LIMITS)
     await asyncio.wait_for(closing, 10)
     assert encode_threads() == before
 
@@ -382,7 +389,7 @@ async def test_one_tenants_flood_of_long_prompts_is_encoded_beside_another_tenan
         late = asyncio.create_task(pricer.aprice_chat(late_body, **LIMITS, fair_key="b"))
         await eventually(_asked(recording, "peek", late_text), 10)
         gate.set()
-        assert await asyncio.wait_for(late, 10) == Pricer(TokenizerRegistry()).price_chat(late_body, **LIMITS)
+        assert await asyncio.wait_for(late, 10) == await inline_pricer().aprice_chat(late_body, **LIMITS)
         await asyncio.wait_for(asyncio.gather(*flood), 30)
         encoded = [c.chars for c in recording.calls if c.method == "count_nogil"]
         assert encoded[:2] == [len(flood_texts[0]), len(late_text)]
@@ -397,7 +404,7 @@ async def test_a_long_prompt_goes_to_the_pool_in_chunks_and_prices_exactly() -> 
     try:
         body = chat(prose(60, 150_000))
         seen: list[int] = []
-        pool = pricer._executor()
+        pool = pricer._encoder.executor()
         assert pool is not None
         submit = pool.submit
 
@@ -406,9 +413,7 @@ async def test_a_long_prompt_goes_to_the_pool_in_chunks_and_prices_exactly() -> 
             return submit(key, fn, jobs, weights)
 
         pool.submit = spy  # type: ignore[method-assign]
-        assert await pricer.aprice_chat(body, **LIMITS) == Pricer(TokenizerRegistry()).price_chat(
-            body, **LIMITS
-        )
+        assert await pricer.aprice_chat(body, **LIMITS) == await inline_pricer().aprice_chat(body, **LIMITS)
         assert sum(seen) == len(body["messages"][0]["content"])
         assert len(seen) > 10 and max(seen) < 64_000
     finally:
@@ -418,15 +423,15 @@ async def test_a_long_prompt_goes_to_the_pool_in_chunks_and_prices_exactly() -> 
 async def test_a_context_length_verdict_carries_the_real_count(pricer: Pricer) -> None:
     body = chat("Hi", prose(13, 20_000))
     limits = {**LIMITS, "context_length": 1000}
-    with pytest.raises(InvalidRequest) as sync:
-        Pricer(TokenizerRegistry()).price_chat(body, **limits)
+    with pytest.raises(InvalidRequest) as inline_err:
+        await inline_pricer().aprice_chat(body, **limits)
     with pytest.raises(InvalidRequest) as offloop:
         await pricer.aprice_chat(body, **limits)
-    assert sync.value.code == "context_length_exceeded"
+    assert inline_err.value.code == "context_length_exceeded"
     assert (offloop.value.message, offloop.value.param, offloop.value.code) == (
-        sync.value.message,
-        sync.value.param,
-        sync.value.code,
+        inline_err.value.message,
+        inline_err.value.param,
+        inline_err.value.code,
     )
 
 
@@ -527,13 +532,6 @@ _passthrough = st.one_of(
 Outcome = Cost | tuple[str, str | None, str | None]
 
 
-def _outcome(price: Callable[[], Cost]) -> Outcome:
-    try:
-        return price()
-    except InvalidRequest as exc:
-        return (exc.message, exc.param, exc.code)
-
-
 async def _aoutcome(price: Callable[[], Awaitable[Cost]]) -> Outcome:
     try:
         return await price()
@@ -542,24 +540,24 @@ async def _aoutcome(price: Callable[[], Awaitable[Cost]]) -> Outcome:
 
 
 class Both:
-    """An off-loop pricer and a synchronous one, each on a fresh memo per example."""
+    """An off-loop pricer and an inline one (no encode threads), each on a fresh memo per example."""
 
     def __init__(self) -> None:
         # A small inline budget so that most examples have texts set aside for the pool.
         self.async_reg = OneTokenizer(default_tokenizer())
-        self.sync_reg = OneTokenizer(default_tokenizer())
+        self.inline_reg = OneTokenizer(default_tokenizer())
         self.offloop = Pricer(self.async_reg, PricingSettings(inline_max_chars=30))
-        self.sync = Pricer(self.sync_reg)
+        self.inline = inline_pricer(self.inline_reg)
         self.runner = asyncio.Runner()
 
     def fresh(self) -> None:
         self.async_reg.tok = TiktokenTokenizer(default_tokenizer().encoding)
-        self.sync_reg.tok = TiktokenTokenizer(default_tokenizer().encoding)
+        self.inline_reg.tok = TiktokenTokenizer(default_tokenizer().encoding)
 
-    def same(self, sync: Callable[[], Cost], offloop: Callable[[], Awaitable[Cost]]) -> None:
+    def same(self, inline: Callable[[], Awaitable[Cost]], offloop: Callable[[], Awaitable[Cost]]) -> None:
         self.fresh()
         got = self.runner.run(_aoutcome(offloop))  # first, so its texts are never seen before
-        assert got == _outcome(sync)
+        assert got == self.runner.run(_aoutcome(inline))
 
     def close(self) -> None:
         self.offloop.close()
@@ -584,7 +582,7 @@ _default = st.integers(0, 500)
 @given(_chat, _ctx, _default)
 def test_chat_prices_the_same_off_the_loop(both: Both, body: dict[str, Any], ctx: int, default: int) -> None:
     kw: dict[str, Any] = {"default_max_tokens": default, "max_tokens_limit": 2000, "context_length": ctx}
-    both.same(lambda: both.sync.price_chat(body, **kw), lambda: both.offloop.aprice_chat(body, **kw))
+    both.same(lambda: both.inline.aprice_chat(body, **kw), lambda: both.offloop.aprice_chat(body, **kw))
 
 
 @_examples
@@ -594,7 +592,7 @@ def test_completions_price_the_same_off_the_loop(
 ) -> None:
     kw: dict[str, Any] = {"default_max_tokens": default, "max_tokens_limit": 2000, "context_length": ctx}
     both.same(
-        lambda: both.sync.price_completion(body, **kw), lambda: both.offloop.aprice_completion(body, **kw)
+        lambda: both.inline.aprice_completion(body, **kw), lambda: both.offloop.aprice_completion(body, **kw)
     )
 
 
@@ -602,7 +600,7 @@ def test_completions_price_the_same_off_the_loop(
 @given(_embeddings, st.one_of(st.none(), _ctx))
 def test_embeddings_price_the_same_off_the_loop(both: Both, body: dict[str, Any], ctx: int | None) -> None:
     both.same(
-        lambda: both.sync.price_embeddings(body, context_length=ctx),
+        lambda: both.inline.aprice_embeddings(body, context_length=ctx),
         lambda: both.offloop.aprice_embeddings(body, context_length=ctx),
     )
 
@@ -614,7 +612,7 @@ def test_responses_price_the_same_off_the_loop(
 ) -> None:
     kw: dict[str, Any] = {"default_max_tokens": default, "max_tokens_limit": 2000, "context_length": ctx}
     both.same(
-        lambda: both.sync.price_responses(body, **kw), lambda: both.offloop.aprice_responses(body, **kw)
+        lambda: both.inline.aprice_responses(body, **kw), lambda: both.offloop.aprice_responses(body, **kw)
     )
 
 
@@ -630,5 +628,5 @@ def test_passthrough_prices_the_same_off_the_loop(
         "context_length": ctx,
     }
     both.same(
-        lambda: both.sync.price_passthrough(raw, **kw), lambda: both.offloop.aprice_passthrough(raw, **kw)
+        lambda: both.inline.aprice_passthrough(raw, **kw), lambda: both.offloop.aprice_passthrough(raw, **kw)
     )

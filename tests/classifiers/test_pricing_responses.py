@@ -32,14 +32,14 @@ def message(role: str, text: str, pricer: Pricer) -> int:
     return pricer.settings.per_message_tokens + count(role) + count(text)
 
 
-def test_a_string_input_is_priced_as_one_user_message(pricer: Pricer) -> None:
-    cost = pricer.price_responses(resp(input="Tell me a story"), **LIMITS)
+async def test_a_string_input_is_priced_as_one_user_message(pricer: Pricer) -> None:
+    cost = await pricer.aprice_responses(resp(input="Tell me a story"), **LIMITS)
     assert cost == Cost(
         message("user", "Tell me a story", pricer) + pricer.settings.reply_priming_tokens, 256
     )
 
 
-def test_message_items_price_exactly_like_chat_messages(pricer: Pricer) -> None:
+async def test_message_items_price_exactly_like_chat_messages(pricer: Pricer) -> None:
     items = [
         {"role": "system", "content": "You are helpful."},
         {"type": "message", "role": "developer", "content": "Be brief."},
@@ -59,11 +59,11 @@ def test_message_items_price_exactly_like_chat_messages(pricer: Pricer) -> None:
             {"role": "assistant", "content": "A cat."},
         ],
     }
-    expected = pricer.price_chat(chat_body, **LIMITS)
-    assert pricer.price_responses(resp(input=items), **LIMITS) == expected
+    expected = await pricer.aprice_chat(chat_body, **LIMITS)
+    assert await pricer.aprice_responses(resp(input=items), **LIMITS) == expected
 
 
-def test_content_parts_cost_their_constants(pricer: Pricer) -> None:
+async def test_content_parts_cost_their_constants(pricer: Pricer) -> None:
     s = pricer.settings
     parts = [
         {"type": "input_text", "text": "Compare these"},
@@ -72,27 +72,27 @@ def test_content_parts_cost_their_constants(pricer: Pricer) -> None:
         {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
         {"type": "refusal", "refusal": "No."},
     ]
-    cost = pricer.price_responses(resp(input=[{"role": "user", "content": parts}]), **LIMITS)
+    cost = await pricer.aprice_responses(resp(input=[{"role": "user", "content": parts}]), **LIMITS)
     content = count("Compare these") + s.image_tokens + s.file_tokens + s.audio_tokens + count("No.")
     assert cost.prefill == s.per_message_tokens + count("user") + content + s.reply_priming_tokens
 
 
-def test_inline_file_data_counts_when_larger_than_the_file_constant(pricer: Pricer) -> None:
+async def test_inline_file_data_counts_when_larger_than_the_file_constant(pricer: Pricer) -> None:
     s = pricer.settings
     big = "word " * (2 * s.file_tokens)
     small = "short file"
 
-    def file_cost(data: str) -> int:
+    async def file_cost(data: str) -> int:
         part = {"type": "input_file", "filename": "a.txt", "file_data": data}
         body = resp(input=[{"role": "user", "content": [part]}])
-        return pricer.price_responses(body, **{**LIMITS, "context_length": 10**6}).prefill
+        return (await pricer.aprice_responses(body, **{**LIMITS, "context_length": 10**6})).prefill
 
     base = s.per_message_tokens + count("user") + s.reply_priming_tokens
-    assert file_cost(small) == base + s.file_tokens
-    assert file_cost(big) == base + count(big)
+    assert await file_cost(small) == base + s.file_tokens
+    assert await file_cost(big) == base + count(big)
 
 
-def test_function_call_and_its_output_count_like_chat_tool_calls(pricer: Pricer) -> None:
+async def test_function_call_and_its_output_count_like_chat_tool_calls(pricer: Pricer) -> None:
     s = pricer.settings
     items = [
         {"role": "user", "content": "Weather in Oslo?"},
@@ -116,10 +116,10 @@ def test_function_call_and_its_output_count_like_chat_tool_calls(pricer: Pricer)
         + s.image_tokens
         + s.reply_priming_tokens
     )
-    assert pricer.price_responses(resp(input=items), **LIMITS).prefill == expected
+    assert (await pricer.aprice_responses(resp(input=items), **LIMITS)).prefill == expected
 
 
-def test_reasoning_items_count_their_texts_and_encrypted_content_by_bytes(pricer: Pricer) -> None:
+async def test_reasoning_items_count_their_texts_and_encrypted_content_by_bytes(pricer: Pricer) -> None:
     s = pricer.settings
     secret = base64.b64encode(b"x" * 3000).decode()  # 4000 characters of ciphertext
     item = {
@@ -129,91 +129,96 @@ def test_reasoning_items_count_their_texts_and_encrypted_content_by_bytes(pricer
         "content": [{"type": "reasoning_text", "text": "step one"}],
         "encrypted_content": secret,
     }
-    cost = pricer.price_responses(resp(input=[item]), **LIMITS)
+    cost = await pricer.aprice_responses(resp(input=[item]), **LIMITS)
     # The decrypted reasoning holds at most 3 bytes per 4 base64 characters, and a token is at
     # least one byte: 3000 tokens bound it from above.
     expected = s.per_message_tokens + count("Thought about it") + count("step one") + 3000
     assert cost.prefill == expected + s.reply_priming_tokens
 
 
-def test_item_reference_costs_the_configured_constant(pricer: Pricer) -> None:
+async def test_item_reference_costs_the_configured_constant(pricer: Pricer) -> None:
     s = pricer.settings
     for item in ({"type": "item_reference", "id": "msg_1"}, {"id": "msg_1"}):
-        cost = pricer.price_responses(resp(input=[item]), **LIMITS)
+        cost = await pricer.aprice_responses(resp(input=[item]), **LIMITS)
         assert cost.prefill == s.item_reference_tokens + s.reply_priming_tokens
 
 
-def test_any_other_typed_item_counts_its_compact_json(pricer: Pricer) -> None:
+async def test_any_other_typed_item_counts_its_compact_json(pricer: Pricer) -> None:
     call = {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"query": "oslo"}}
     empty = {"type": "x"}
-    cost = pricer.price_responses(resp(input=[call, empty]), **LIMITS)
+    cost = await pricer.aprice_responses(resp(input=[call, empty]), **LIMITS)
     json_tokens = count(orjson.dumps(call).decode()) + count(orjson.dumps(empty).decode())
     assert cost.prefill == json_tokens + pricer.settings.reply_priming_tokens
     assert count(orjson.dumps(empty).decode()) > 0
 
 
-def test_instructions_tools_and_json_schema_format_add_like_chat(pricer: Pricer) -> None:
+async def test_instructions_tools_and_json_schema_format_add_like_chat(pricer: Pricer) -> None:
     s = pricer.settings
-    base = pricer.price_responses(resp(), **LIMITS).prefill
-    with_instructions = pricer.price_responses(resp(instructions="Answer in French."), **LIMITS).prefill
+    base = (await pricer.aprice_responses(resp(), **LIMITS)).prefill
+    with_instructions = (
+        await pricer.aprice_responses(resp(instructions="Answer in French."), **LIMITS)
+    ).prefill
     assert with_instructions == base + message("system", "Answer in French.", pricer)
     tools = [
         {"type": "function", "name": "get_weather", "parameters": {"type": "object"}},
         {"type": "web_search"},
     ]
-    with_tools = pricer.price_responses(resp(tools=tools), **LIMITS).prefill
+    with_tools = (await pricer.aprice_responses(resp(tools=tools), **LIMITS)).prefill
     assert with_tools == base + s.tools_overhead_tokens + count(orjson.dumps(tools).decode())
     schema = {"name": "answer", "schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
     fmt = {"type": "json_schema", **schema}
-    with_schema = pricer.price_responses(resp(text={"format": fmt}), **LIMITS).prefill
+    with_schema = (await pricer.aprice_responses(resp(text={"format": fmt}), **LIMITS)).prefill
     # The same schema costs the same as chat's response_format.json_schema.
     chat_body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
     chat_fmt = {"type": "json_schema", "json_schema": schema}
-    chat_delta = (
-        pricer.price_chat({**chat_body, "response_format": chat_fmt}, **LIMITS).prefill
-        - pricer.price_chat(chat_body, **LIMITS).prefill
-    )
+    chat_delta = (await pricer.aprice_chat({**chat_body, "response_format": chat_fmt}, **LIMITS)).prefill - (
+        await pricer.aprice_chat(chat_body, **LIMITS)
+    ).prefill
     assert with_schema == base + chat_delta
     for plain in ({"format": {"type": "text"}}, {"format": {"type": "json_object"}}, {"verbosity": "low"}):
-        assert pricer.price_responses(resp(text=plain), **LIMITS).prefill == base
+        assert (await pricer.aprice_responses(resp(text=plain), **LIMITS)).prefill == base
 
 
-def test_decode_is_max_output_tokens_else_the_default_whatever_the_reasoning_effort(pricer: Pricer) -> None:
-    assert pricer.price_responses(resp(), **LIMITS).decode == 256
-    assert pricer.price_responses(resp(max_output_tokens=100), **LIMITS).decode == 100
-    assert pricer.price_responses(resp(max_output_tokens=0), **LIMITS).decode == 0
+async def test_decode_is_max_output_tokens_else_the_default_whatever_the_reasoning_effort(
+    pricer: Pricer,
+) -> None:
+    assert (await pricer.aprice_responses(resp(), **LIMITS)).decode == 256
+    assert (await pricer.aprice_responses(resp(max_output_tokens=100), **LIMITS)).decode == 100
+    assert (await pricer.aprice_responses(resp(max_output_tokens=0), **LIMITS)).decode == 0
     for effort in ("minimal", "low", "medium", "high", None):
         body = resp(max_output_tokens=100, reasoning={"effort": effort, "summary": "auto"})
-        assert pricer.price_responses(body, **LIMITS).decode == 100
+        assert (await pricer.aprice_responses(body, **LIMITS)).decode == 100
     # `max_tokens` / `n` are not part of this API: only max_output_tokens reserves output.
-    assert pricer.price_responses(resp(max_tokens=5, n=4), **LIMITS).decode == 256
+    assert (await pricer.aprice_responses(resp(max_tokens=5, n=4), **LIMITS)).decode == 256
 
 
-def test_decode_is_capped_by_the_context_and_the_prompt_must_fit(pricer: Pricer) -> None:
-    prompt = pricer.price_responses(resp(), **LIMITS).prefill
-    assert pricer.price_responses(resp(max_output_tokens=10**6), **LIMITS) == Cost(prompt, CTX - prompt)
+async def test_decode_is_capped_by_the_context_and_the_prompt_must_fit(pricer: Pricer) -> None:
+    prompt = (await pricer.aprice_responses(resp(), **LIMITS)).prefill
+    assert await pricer.aprice_responses(resp(max_output_tokens=10**6), **LIMITS) == Cost(
+        prompt, CTX - prompt
+    )
     with pytest.raises(InvalidRequest) as info:
-        pricer.price_responses(resp(input="word " * 200), **{**LIMITS, "context_length": 100})
+        await pricer.aprice_responses(resp(input="word " * 200), **{**LIMITS, "context_length": 100})
     assert info.value.code == "context_length_exceeded"
     assert info.value.param == "input"
 
 
-def test_max_output_tokens_above_the_limit_is_refused_and_the_default_clamped(pricer: Pricer) -> None:
+async def test_max_output_tokens_above_the_limit_is_refused_and_the_default_clamped(pricer: Pricer) -> None:
     limited = {**LIMITS, "max_tokens_limit": 128}
-    assert pricer.price_responses(resp(), **limited).decode == 128
-    assert pricer.price_responses(resp(max_output_tokens=128), **limited).decode == 128
+    assert (await pricer.aprice_responses(resp(), **limited)).decode == 128
+    assert (await pricer.aprice_responses(resp(max_output_tokens=128), **limited)).decode == 128
     with pytest.raises(InvalidRequest, match="limit of 128") as info:
-        pricer.price_responses(resp(max_output_tokens=129), **limited)
+        await pricer.aprice_responses(resp(max_output_tokens=129), **limited)
     assert info.value.param == "max_output_tokens"
 
 
-def test_a_long_request_holds_its_real_size_not_a_flat_cost(pricer: Pricer) -> None:
+async def test_a_long_request_holds_its_real_size_not_a_flat_cost(pricer: Pricer) -> None:
     text = "The quick brown fox jumps over the lazy dog. " * 3000  # about 30k tokens
-    cost = pricer.price_responses(resp(input=text), **{**LIMITS, "context_length": 65536})
+    cost = await pricer.aprice_responses(resp(input=text), **{**LIMITS, "context_length": 65536})
     assert cost.prefill >= count(text) > 25_000
 
 
-def test_server_side_state_without_input_prices_what_is_visible(pricer: Pricer) -> None:
+async def test_server_side_state_without_input_prices_what_is_visible(pricer: Pricer) -> None:
     s = pricer.settings
     for state in (
         {"previous_response_id": "resp_1"},
@@ -221,13 +226,13 @@ def test_server_side_state_without_input_prices_what_is_visible(pricer: Pricer) 
         {"conversation": {"id": "c"}},
     ):
         body = {"model": "m", **state, "instructions": "Go on."}
-        assert pricer.price_responses(body, **LIMITS).prefill == (
+        assert (await pricer.aprice_responses(body, **LIMITS)).prefill == (
             message("system", "Go on.", pricer) + s.reply_priming_tokens
         )
 
 
-def test_streaming_flag_is_validated(pricer: Pricer) -> None:
-    assert pricer.price_responses(resp(stream=True), **LIMITS).prefill > 0
+async def test_streaming_flag_is_validated(pricer: Pricer) -> None:
+    assert (await pricer.aprice_responses(resp(stream=True), **LIMITS)).prefill > 0
 
 
 RESPONSES_ERRORS: list[tuple[dict[str, Any], str]] = [
@@ -273,9 +278,11 @@ RESPONSES_ERRORS: list[tuple[dict[str, Any], str]] = [
 
 
 @pytest.mark.parametrize(("body", "param"), RESPONSES_ERRORS)
-def test_responses_validation_errors_name_the_param(pricer: Pricer, body: dict[str, Any], param: str) -> None:
+async def test_responses_validation_errors_name_the_param(
+    pricer: Pricer, body: dict[str, Any], param: str
+) -> None:
     with pytest.raises(InvalidRequest) as info:
-        pricer.price_responses(body, **LIMITS)
+        await pricer.aprice_responses(body, **LIMITS)
     assert info.value.param == param
     assert info.value.message
 
@@ -293,22 +300,24 @@ SERVER_STATE: list[dict[str, Any]] = [
 
 
 @pytest.mark.parametrize("extra", SERVER_STATE)
-def test_with_server_state_at_context_what_the_server_adds_holds_the_whole_context(
+async def test_with_server_state_at_context_what_the_server_adds_holds_the_whole_context(
     extra: dict[str, Any],
 ) -> None:
     on = Pricer(TokenizerRegistry(), PricingSettings(server_state_at_context=True))
     body = {**resp(max_output_tokens=500), **extra}
-    cost = on.price_responses(body, **LIMITS)
+    cost = await on.aprice_responses(body, **LIMITS)
     assert cost.total == CTX and cost.decode == 500
     # Off (the default): only the visible body, as documented.
-    assert Pricer(TokenizerRegistry()).price_responses(body, **LIMITS).total < 1000
+    assert (await Pricer(TokenizerRegistry()).aprice_responses(body, **LIMITS)).total < 1000
 
 
 @pytest.mark.parametrize(
     "extra",
     [{}, {"tools": [{"type": "function", "name": "f", "parameters": {}}, {"type": "custom", "name": "g"}]}],
 )
-def test_a_request_the_server_adds_nothing_to_is_priced_as_before(extra: dict[str, Any]) -> None:
+async def test_a_request_the_server_adds_nothing_to_is_priced_as_before(extra: dict[str, Any]) -> None:
     on = Pricer(TokenizerRegistry(), PricingSettings(server_state_at_context=True))
     body = {**resp(max_output_tokens=500), **extra}
-    assert on.price_responses(body, **LIMITS) == Pricer(TokenizerRegistry()).price_responses(body, **LIMITS)
+    assert await on.aprice_responses(body, **LIMITS) == await Pricer(TokenizerRegistry()).aprice_responses(
+        body, **LIMITS
+    )

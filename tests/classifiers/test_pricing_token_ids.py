@@ -30,18 +30,18 @@ def completion(model: str = "m", **extra: Any) -> dict[str, Any]:
     return {"model": model, "prompt": "Hi", **extra}
 
 
-def price(pricer: Pricer, body: dict[str, Any]) -> None:
+async def price(pricer: Pricer, body: dict[str, Any]) -> None:
     if "messages" in body:
-        pricer.price_chat(body, **LIMITS)
+        await pricer.aprice_chat(body, **LIMITS)
     elif "prompt" in body:
-        pricer.price_completion(body, **LIMITS)
+        await pricer.aprice_completion(body, **LIMITS)
     else:
-        pricer.price_embeddings(body)
+        await pricer.aprice_embeddings(body)
 
 
-def refused(pricer: Pricer, body: dict[str, Any], param: str, *words: str) -> str:
+async def refused(pricer: Pricer, body: dict[str, Any], param: str, *words: str) -> str:
     with pytest.raises(InvalidRequest) as info:
-        price(pricer, body)
+        await price(pricer, body)
     assert info.value.param == param
     message = info.value.message
     assert len(message) < 240 and all(w in message for w in words), message
@@ -53,16 +53,16 @@ def refused(pricer: Pricer, body: dict[str, Any], param: str, *words: str) -> st
     ("key", "most", "setting"),
     [("stop_token_ids", 128, "max_stop_token_ids"), ("allowed_token_ids", 1024, "max_allowed_token_ids")],
 )
-def test_token_id_lists_stop_at_the_width_of_the_engines_rows(
+async def test_token_id_lists_stop_at_the_width_of_the_engines_rows(
     pricer: Pricer, build: Any, key: str, most: int, setting: str
 ) -> None:
-    price(pricer, build(**{key: list(range(most))}))
-    refused(pricer, build(**{key: list(range(most + 1))}), key, str(most + 1), f"pricing.{setting}")
+    await price(pricer, build(**{key: list(range(most))}))
+    await refused(pricer, build(**{key: list(range(most + 1))}), key, str(most + 1), f"pricing.{setting}")
 
 
-def test_a_zero_bound_lets_any_number_of_ids_through() -> None:
+async def test_a_zero_bound_lets_any_number_of_ids_through() -> None:
     open_pricer = Pricer(TokenizerRegistry(), PricingSettings(max_stop_token_ids=0, max_allowed_token_ids=0))
-    price(open_pricer, chat(stop_token_ids=list(range(5000)), allowed_token_ids=list(range(5000))))
+    await price(open_pricer, chat(stop_token_ids=list(range(5000)), allowed_token_ids=list(range(5000))))
 
 
 @pytest.mark.parametrize("build", [chat, completion])
@@ -74,10 +74,10 @@ def test_a_zero_bound_lets_any_number_of_ids_through() -> None:
         ({"logit_bias": {"-1": 5}}, "logit_bias"),
     ],
 )
-def test_negative_token_ids_are_refused(
+async def test_negative_token_ids_are_refused(
     pricer: Pricer, build: Any, extra: dict[str, Any], param: str
 ) -> None:
-    refused(pricer, build(**extra), param)
+    await refused(pricer, build(**extra), param)
 
 
 @pytest.mark.parametrize(
@@ -101,15 +101,17 @@ def test_negative_token_ids_are_refused(
         ({"logit_bias": {"12": None}}, "logit_bias"),
     ],
 )
-def test_token_ids_of_the_wrong_shape_are_a_400(pricer: Pricer, extra: dict[str, Any], param: str) -> None:
+async def test_token_ids_of_the_wrong_shape_are_a_400(
+    pricer: Pricer, extra: dict[str, Any], param: str
+) -> None:
     for build in (chat, completion):
-        refused(pricer, build(**extra), param)
+        await refused(pricer, build(**extra), param)
 
 
-def test_well_formed_ids_price_as_before(pricer: Pricer) -> None:
-    base = pricer.price_chat(chat(), **LIMITS)
+async def test_well_formed_ids_price_as_before(pricer: Pricer) -> None:
+    base = await pricer.aprice_chat(chat(), **LIMITS)
     body = chat(stop_token_ids=[], allowed_token_ids=[0, 5], logit_bias={"0": -100, "50256": 2.5})
-    assert pricer.price_chat(body, **LIMITS) == base
+    assert await pricer.aprice_chat(body, **LIMITS) == base
 
 
 @pytest.mark.parametrize(
@@ -125,16 +127,18 @@ def test_well_formed_ids_price_as_before(pricer: Pricer) -> None:
         ({"model": "llama-3.1-8b", "input": [[3], [VOCAB]]}, "input"),
     ],
 )
-def test_ids_outside_a_configured_vocabulary_are_refused_naming_its_size(
+async def test_ids_outside_a_configured_vocabulary_are_refused_naming_its_size(
     pricer: Pricer, body: dict[str, Any], param: str
 ) -> None:
-    refused(pricer, body, param, str(VOCAB), "models.*.vocab_size", "llama-3.1-8b")
+    await refused(pricer, body, param, str(VOCAB), "models.*.vocab_size", "llama-3.1-8b")
     # The same ids are the engine's to judge for a model without a configured vocabulary.
-    price(pricer, {**body, "model": "other"})
+    await price(pricer, {**body, "model": "other"})
 
 
-def test_the_last_id_of_the_vocabulary_is_accepted(pricer: Pricer) -> None:
+async def test_the_last_id_of_the_vocabulary_is_accepted(pricer: Pricer) -> None:
     last = VOCAB - 1
-    price(pricer, chat("llama-3", stop_token_ids=[last], allowed_token_ids=[last], logit_bias={str(last): 1}))
-    price(pricer, {"model": "llama-3", "prompt": [[last], [0, last]]})
-    price(pricer, {"model": "llama-3", "input": [last]})
+    await price(
+        pricer, chat("llama-3", stop_token_ids=[last], allowed_token_ids=[last], logit_bias={str(last): 1})
+    )
+    await price(pricer, {"model": "llama-3", "prompt": [[last], [0, last]]})
+    await price(pricer, {"model": "llama-3", "input": [last]})

@@ -14,11 +14,11 @@ LIMITS: dict[str, Any] = {"default_max_tokens": 1, "max_tokens_limit": None, "co
 
 
 @pytest.mark.parametrize("shape", pricing.TINY_SHAPES)
-def test_each_tiny_shape_is_a_valid_body_of_n_new_texts(shape: str) -> None:
+async def test_each_tiny_shape_is_a_valid_body_of_n_new_texts(shape: str) -> None:
     pricer = Pricer(TokenizerRegistry())
     body = pricing.tiny_body(shape, 500, seed=3)
-    price = pricer.price_completion if shape == "prompts" else pricer.price_chat
-    assert price(body, **LIMITS).prefill >= 500  # every text counted
+    price = pricer.aprice_completion if shape == "prompts" else pricer.aprice_chat
+    assert (await price(body, **LIMITS)).prefill >= 500  # every text counted
     assert pricing.tiny_body(shape, 500, seed=4) != body  # another seed: texts no memo has seen
 
 
