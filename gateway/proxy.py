@@ -649,11 +649,18 @@ class Proxy:
         # Each sequence holds at least its share of the engine's sequence slots (max_num_seqs):
         # otherwise a tenant's many tiny requests fill the slots within its token budget, and
         # everyone else's wait inside the engine, where the fair queue cannot see them.
-        least = self.router.pools[pool].sequence_tokens * _sequences(cost)
+        live = self.router.pools[pool]
+        sequences = _sequences(cost)
+        least = live.sequence_tokens * sequences
         held = x.cost or cost
         if least > held.total:
             rec.slot_tokens = least - held.total
-            x.cost = with_decode(held, least - held.prefill)
+            x.cost = held = with_decode(held, least - held.prefill)
+            rec.decode = held.decode
+        # The engine holds each sequence in whole KV blocks: so does the price (block_size 1: as is).
+        block = live.block_tokens * sequences
+        if block > sequences and cost.decode > 0 and held.total % block:
+            x.cost = with_decode(held, -(-held.total // block) * block - held.prefill)
             rec.decode = x.cost.decode
 
     # ---- 5. admit ----

@@ -54,6 +54,11 @@ class BackendSpec:
     # with it on every backend of a pool, each sequence holds at least the pool's tokens per
     # sequence, so tiny requests cannot fill the engine's sequence slots past the gateway's queue.
     max_num_seqs: int | None = None
+    # Tokens per block of the engine's KV cache (vLLM --block-size, 16 on GPUs; TGI 16; SGLang's
+    # page size, 1 by default): a sequence holds whole blocks, so each request holds its tokens per
+    # sequence rounded up to whole blocks, and capacity_tokens may be the whole cache
+    # (num_gpu_blocks x block_size) without the engine running out of blocks first.
+    block_size: int = 1
     # "client": a request's own cache_salt goes as sent; "tenant": the gateway sets it from the
     # tenant, so no two tenants share the engine's prefix cache (gateway.cache_salt).
     cache_salt: str = "client"
@@ -272,6 +277,8 @@ class BackendPool:
         # Tokens one running sequence stands for (0: some backend's max_num_seqs is not known).
         seqs = [b.spec.max_num_seqs or 0 for b in self.backends]
         self.sequence_tokens = -(-self.capacity_tokens // sum(seqs)) if seqs and all(seqs) else 0
+        # A sequence's tokens held in whole blocks of this size (the largest of the pool's backends).
+        self.block_tokens = max((b.spec.block_size for b in self.backends), default=1)
 
     def serves(self, model: str) -> bool:
         if len(self.backends) == 1:  # the common pool of one, on every request: no generator

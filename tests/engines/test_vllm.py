@@ -248,8 +248,9 @@ async def test_a_saturated_engine_is_not_preempted_behind_the_gateway(
 ) -> None:
     """A KV cache of 768 tokens (24 blocks of 32) and six sequences, twelve clients in a closed loop:
     straight to vLLM, it admits requests whose prompts fit and then preempts some as their outputs
-    grow; through tokengate (learned reservations, KV feedback) the engine never holds more than its
-    cache and never preempts: the requests queue at the gateway instead. What that costs in tokens/s
+    grow; through tokengate (capacity_tokens the whole cache, block_size 32, learned reservations,
+    KV feedback) the engine never holds more than its cache and never preempts: the requests queue
+    at the gateway instead. What that costs in tokens/s
     is measured by ``python -m loadtest.bench.vllm_closed_loop`` (docs/engines.md), not here."""
     kv = loop.KvCache(blocks=24, max_num_seqs=6, max_model_len=512)
     engine = vllm_factory(*loop.KvCache.vllm_args(kv))

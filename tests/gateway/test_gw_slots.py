@@ -73,3 +73,33 @@ async def test_a_request_too_big_by_itself_keeps_the_usual_advice(
         r = await c.post("/v1/chat/completions", json=chat(max_tokens=1900))
     assert r.status_code == 413
     assert "lower max_tokens" in r.json()["error"]["message"]
+
+
+async def test_each_sequence_is_priced_in_whole_kv_blocks_as_the_engine_holds_it(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM allocates a sequence's KV cache in blocks: a request of 45 tokens holds 64 of a cache of
+    32-token blocks. Priced as held, the requests the gateway lets through fit in the whole cache."""
+    _, url = stub_backend
+    caplog.set_level(logging.INFO, logger="tokengate.access")
+    blocks = await gateway_factory({"pools": stub_pools(url, capacity=4096, block_size=32)})
+    plain = await gateway_factory({"pools": stub_pools(url, capacity=4096)})
+    async with httpx.AsyncClient() as c:
+        for gw in (blocks, plain):
+            for body in (chat(max_tokens=13), chat(max_tokens=64), chat(max_tokens=13, n=2)):
+                r = await c.post(f"{gw.url}/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+    lines = [orjson.loads(m.getMessage()) for m in caplog.records if m.name == "tokengate.access"]
+    held, asked = [line["cost"] for line in lines[:3]], [line["cost"] for line in lines[3:]]
+    prompt = lines[3]["prefill"]
+    assert asked == [prompt + 13, prompt + 64, prompt + 26]  # block_size 1 (the default): as priced
+    # Rounded up to whole blocks per sequence: n=2 holds two sequences' blocks.
+    assert held == [-(-a // b) * b for a, b in zip(asked, (32, 32, 64), strict=True)]
+    assert all(line["prefill"] == prompt for line in lines)  # the padding is held as output room
+
+
+def test_block_size_is_validated_naming_the_field() -> None:
+    from gateway.fields import ConfigError
+
+    with pytest.raises(ConfigError, match=r"pools\.default\.backends\[0\]\.block_size"):
+        parse_config({"pools": stub_pools("http://127.0.0.1:9", block_size=0)})
