@@ -10,9 +10,13 @@ produced them: docs/benchmarks.md):
   waiting tenants and up to 1,000,000 waiting tickets, both stores (cycles/s, grant-pass and
   script-call p99, memory per tenant, ticket and lease).
 
+* ``python -m loadtest.bench.held_memory``: the gateway's memory against the request bodies it holds.
+* ``python -m loadtest.bench.vllm_closed_loop``: a real vLLM saturated, direct and through tokengate.
+
 ``servers`` holds the stub backend and the bare proxy the overhead benchmark measures against.
 Unlike the rest of ``loadtest``, which talks to tokengate only over HTTP, the store and pricing
-benchmarks call the library directly: they measure it in-process.
+benchmarks call the library directly: they measure it in-process. Instruments for research
+(instruction counts, Lua profiles) are in ``research/``, outside the package.
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ from collections.abc import Callable
 
 import pytest
 
-from loadtest.bench import redis_instructions, scale
+from loadtest.bench import scale
 from loadtest.redis_server import config_args
+from research import redis_instructions
 
 
 def test_name_value_settings_become_redis_server_arguments() -> None:

@@ -1,12 +1,12 @@
-"""The rounds benchmark (``python -m loadtest.bench.rounds``), run for real at a small size."""
+"""The rounds benchmark (``python -m research.rounds``), run for real at a small size."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from loadtest.bench import rounds
 from loadtest.bench.scale import IN_FLIGHT
+from research import rounds
 
 
 def test_a_round_serves_every_tenant_once_and_reports_its_worst_pass_and_the_newcomer(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """What Python's garbage collector costs the gateway: the start-up heap a full collection walks,
 and how often full collections come under load, with that heap frozen and without.
 
-Run: ``python -m loadtest.bench.gcheap`` (``--requests``, ``--concurrency``; ``--help``). It builds
+Run: ``python -m research.gcheap`` (``--requests``, ``--concurrency``; ``--help``). It builds
 the gateway as ``tokengate serve`` does with no config (two embedded simulated backends, real
 sockets to them, instant answers), runs its start-up, then:
 
@@ -125,7 +125,7 @@ async def run(requests: int, concurrency: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m loadtest.bench.gcheap",
+        prog="python -m research.gcheap",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,6 +1,6 @@
 """Instructions per request in the gateway process: a deterministic figure for the gateway's overhead.
 
-Run: ``python -m loadtest.bench.instructions`` (needs ``valgrind``; about three minutes on 2 cores).
+Run: ``python -m research.instructions`` (needs ``valgrind``; about three minutes on 2 cores).
 ``--tree DIR`` measures another checkout (e.g. a ``git worktree`` of an older commit) with this
 harness, so two commits are compared on the same footing.
 
@@ -116,7 +116,7 @@ def run_once(tree: Path, stub_url: str, requests: int, concurrency: int, tmp: Pa
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m loadtest.bench.instructions",
+        prog="python -m research.instructions",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -6,7 +6,7 @@ import asyncio
 import runpy
 from pathlib import Path
 
-HARNESS = Path(__file__).resolve().parents[2] / "loadtest" / "bench" / "cycle_instructions.py"
+HARNESS = Path(__file__).resolve().parents[2] / "research" / "cycle_instructions.py"
 
 
 def test_the_measured_cycles_run_on_a_clock_that_moves_per_read_not_with_wall_time() -> None:

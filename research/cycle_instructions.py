@@ -1,6 +1,6 @@
 """Instructions per release→grant cycle of the memory store: a deterministic figure for admission at scale.
 
-Run: ``python -m loadtest.bench.cycle_instructions`` (needs ``valgrind``; one to three minutes per
+Run: ``python -m research.cycle_instructions`` (needs ``valgrind``; one to three minutes per
 point on 2 cores). ``--tree DIR`` measures another checkout (a ``git worktree`` of an older commit)
 with this harness, so two versions of the policy are compared on the same footing.
 
@@ -13,7 +13,7 @@ process under ``valgrind --tool=callgrind`` (on uvloop, as ``tokengate serve`` r
 twice that, and exits at once after the last cycle. The difference of the two totals divided by
 ``--cycles`` is one cycle, with start-up and the filling of the queue cancelled out. The collector is off once the queue is full
 (with the thresholds ``tokengate serve`` sets it costs ~1 µs per cycle, measured by
-``loadtest.bench.gcheap``; its full collections would land in one run and not the other).
+``research.gcheap``; its full collections would land in one run and not the other).
 
 The store runs on a virtual clock that moves ``--clock-step`` seconds each time the store reads it
 (twice per waiting acquire and twice per cycle), so that a head's age counts operations, not wall
@@ -154,7 +154,7 @@ def _run(setup: Setup, cycles: int) -> dict[str, int]:
     )
     out = setup.keep / f"callgrind.{tenants}.{tickets}.{cycles}.out"
     env = dict(os.environ)
-    here = Path(__file__).resolve().parents[2]
+    here = Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = os.pathsep.join([str(tree), str(here), env.get("PYTHONPATH", "")])
     # The process ends with os._exit right after the last cycle (callgrind still writes its counts),
     # so both runs are start-up + filling the queue + their cycles, and nothing after.
@@ -195,7 +195,7 @@ def point(setup: Setup, cycles: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m loadtest.bench.cycle_instructions",
+        prog="python -m research.cycle_instructions",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.which("valgrind") is None:
         print("valgrind not found: install valgrind (apt-get install -y valgrind)", file=sys.stderr)
         return 2
-    trees = [t.resolve() for t in args.tree] if args.tree else [Path(__file__).resolve().parents[2]]
+    trees = [t.resolve() for t in args.tree] if args.tree else [Path(__file__).resolve().parents[1]]
     keep = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="tg-cycle-cg-"))
     keep.mkdir(parents=True, exist_ok=True)
     try:

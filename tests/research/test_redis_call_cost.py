@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from loadtest.bench import redis_call_cost
 from loadtest.redis_server import RedisServer
+from research import redis_call_cost
 
 
 def test_each_way_touches_the_same_fields_as_the_others() -> None:

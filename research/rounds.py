@@ -1,6 +1,6 @@
 """The worst single step of admission in a round of service: what one saturated pool costs at its worst moment.
 
-Run: ``python -m loadtest.bench.rounds`` (``--tenants 10000,100000``; ``--json FILE``). Results
+Run: ``python -m research.rounds`` (``--tenants 10000,100000``; ``--json FILE``). Results
 and commands: docs/benchmarks.md, "Every step bounded".
 
 The scale benchmark (``loadtest.bench.scale``) reports averages and a p99: a step that costs
@@ -15,7 +15,7 @@ the release). The clock moves ``--clock-step`` seconds per cycle, so that the he
 (the worst, the cycle it came in, p50 and p99), and, after the round, the enqueue of a tenant that
 was idle all along (its lift: the lowest counter among the backlogged tenants, every one of which
 rose during the round). The garbage collector is off during the round: its pauses, which depend on
-the process rather than on these structures, are ``loadtest.bench.gcheap``'s subject.
+the process rather than on these structures, are ``research.gcheap``'s subject.
 
 A lazy structure (an entry left behind at each change and dropped when it surfaces) is cheap on
 average and pays here: after such a round every backlogged tenant's outdated entry surfaces in one
@@ -51,7 +51,7 @@ def one_round(tenants: int, tickets_per_tenant: int, clock_step: float) -> dict[
     passes: list[float] = []
     served: set[str] = set()
     gc.collect()
-    gc.disable()  # its pauses are loadtest.bench.gcheap's subject, not this one's
+    gc.disable()  # its pauses are research.gcheap's subject, not this one's
     try:
         while len(served) < tenants and len(passes) < 2 * tenants + IN_FLIGHT:
             now += clock_step

@@ -1,9 +1,9 @@
 """Where the budget scripts' Lua spends its work, by function and line: a sampling profile in Redis.
 
-Run: ``python -m loadtest.bench.lua_profile --redis-server PATH [--sizes 10:100,10000:100000]``
+Run: ``python -m research.lua_profile --redis-server PATH [--sizes 10:100,10000:100000]``
 
 Redis' own counters see a script call whole (``INFO commandstats``, ``SLOWLOG``), and callgrind
-(``loadtest.bench.redis_instructions``) sees the Lua interpreter's C functions, not the Lua lines
+(``research.redis_instructions``) sees the Lua interpreter's C functions, not the Lua lines
 they run: in a batched cycle the interpreter is about half of what Redis executes. This tool loads
 the store's function library with a count hook in every function (``debug.sethook``, one sample
 every ``--every`` Lua VM instructions, counting the line it interrupts), runs the scale benchmark's
@@ -195,7 +195,7 @@ async def run(args: argparse.Namespace, server_args: list[str]) -> list[dict[str
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m loadtest.bench.lua_profile",
+        prog="python -m research.lua_profile",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,4 +1,4 @@
-"""The Lua profiler (``python -m loadtest.bench.lua_profile``): what it adds to the library, how it
+"""The Lua profiler (``python -m research.lua_profile``): what it adds to the library, how it
 names lines, and what it says to a stock redis-server, which takes ``debug`` away."""
 
 from __future__ import annotations
@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 
 from budgets.redis.scripts import Library, load_library
-from loadtest.bench import lua_profile, scale
+from loadtest.bench import scale
 from loadtest.redis_server import RedisServer
+from research import lua_profile
 
-LUA = Path(lua_profile.__file__).resolve().parents[2] / "budgets" / "redis" / "lua"
+LUA = Path(lua_profile.__file__).resolve().parents[1] / "budgets" / "redis" / "lua"
 
 
 def test_every_registered_function_samples_from_its_begin_to_its_return_and_the_lines_stay_put() -> None:

@@ -1,6 +1,6 @@
 """What one ``redis.call`` costs inside a Redis function, against the same work in fewer, wider calls.
 
-Run: ``python -m loadtest.bench.redis_call_cost [--fields 10000] [--calls 3200] [--rounds 200]``
+Run: ``python -m research.redis_call_cost [--fields 10000] [--calls 3200] [--rounds 200]``
 
 The budget scripts' cycle is some 46 Redis commands a cycle (``loadtest.bench.scale
 --commandstats``). Whether batching them (one ``HMGET`` or ``ZADD`` of many fields where a call makes
@@ -119,7 +119,7 @@ def report(rows: dict[str, list[float]]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m loadtest.bench.redis_call_cost", description=__doc__.split("\n\n")[0]
+        prog="python -m research.redis_call_cost", description=__doc__.split("\n\n")[0]
     )
     ap.add_argument("--fields", type=int, default=10_000, help="entries of the hash and the sorted set")
     ap.add_argument("--calls", type=int, default=3200, help="fields per function call")

@@ -1,6 +1,6 @@
 """Redis instructions per script call: a deterministic figure for what the Lua code costs Redis.
 
-Run: ``python -m loadtest.bench.redis_instructions`` (needs ``valgrind``; about a minute per point
+Run: ``python -m research.redis_instructions`` (needs ``valgrind``; about a minute per point
 on 2 cores). ``--tree DIR`` measures another checkout (a ``git worktree`` of an older commit that
 has ``loadtest/bench/scale.py`` with ``--lua``) with this harness, so two versions of the Lua code
 are compared on the same footing.
@@ -175,7 +175,7 @@ def _point(
     import json
 
     env = dict(os.environ)
-    here = Path(__file__).resolve().parents[2]
+    here = Path(__file__).resolve().parents[1]
     # The measured tree's packages first; this harness's own helpers (loadtest.processes, ...)
     # exist in every tree it supports.
     env["PYTHONPATH"] = os.pathsep.join([str(tree), str(here), env.get("PYTHONPATH", "")])
@@ -196,8 +196,7 @@ def _point(
         child += ["--keep", keep]
     if server_args:
         child += ["--server-args", json.dumps(server_args)]
-    # Run as a file (older trees lack this module), without its folder on sys.path: loadtest/bench
-    # has a redis.py that would shadow the redis package.
+    # Run as a file: the trees it compares with may lack this module.
     run = f"import runpy, sys; sys.argv = {[__file__, *child]!r}; runpy.run_path({__file__!r}, run_name='__main__')"
     cmd = [sys.executable, "-c", run]
     done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=3600)
@@ -208,7 +207,7 @@ def _point(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m loadtest.bench.redis_instructions",
+        prog="python -m research.redis_instructions",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -252,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         if shutil.which(tool) is None:
             print(f"{tool} not found: install valgrind (apt-get install -y valgrind)", file=sys.stderr)
             return 2
-    trees = [t.resolve() for t in args.tree] if args.tree else [Path(__file__).resolve().parents[2]]
+    trees = [t.resolve() for t in args.tree] if args.tree else [Path(__file__).resolve().parents[1]]
     modes = [m for m in args.modes.split(",") if m]
     for m in modes:
         if m not in MODES:
