@@ -1,4 +1,5 @@
-# Two commands matter: `make run` (tokengate on embedded defaults) and `make test` (everything).
+# Two commands matter: `make run` (tokengate on embedded defaults) and `make test` (the tests; the
+# soak runs, whole stacks under load for seconds each, are `make test-soak`, which CI runs too).
 # `make unit` is the developer's shortcut: lint, types and the tests not marked slow.
 # `make compose-test` runs compose.yaml for real (a container engine; .ci/run runs it after `make test`),
 # `make real-test` runs the gateway in front of real engines (.ci/run runs it too).
@@ -6,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 CONFIG ?=
 
-.PHONY: setup run test test-long lint typecheck unit demo bench clean deploy-tools compose-test real-test
+.PHONY: setup run test test-soak test-long lint typecheck unit demo bench clean deploy-tools compose-test real-test
 
 setup:
 	bash scripts/bootstrap.sh
@@ -22,13 +23,19 @@ typecheck: setup
 	$(BIN)/mypy
 
 unit: lint typecheck
-	$(BIN)/pytest -q -m "not slow"
+	$(BIN)/pytest -q -m "not slow and not soak"
 
 test: lint typecheck deploy-tools
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -m "not soak"
+
+# Whole stacks under load, a benchmark harness or a browser for seconds each (marker `soak`): what
+# `make test` leaves out to stay quick; CI runs them after it.
+test-soak: setup deploy-tools
+	$(BIN)/pytest -q -m soak
 
 # The exploration: property tests with fresh random seeds and ten times the examples, exhaustive
-# tests over a wider scope (tests/support.py, LONG). `make test` runs the same examples every time.
+# tests over a wider scope (tests/support.py, LONG), the soak runs too. `make test` runs the same
+# examples every time.
 test-long: lint typecheck deploy-tools
 	TOKENGATE_TEST_LONG=1 $(BIN)/pytest -q
 

@@ -85,6 +85,7 @@ async def test_fuzzing_the_admin_api_finds_no_server_error_and_no_hang(
         assert (await c.get("/admin/v1/state")).status_code == 200  # still answering
 
 
+@pytest.mark.soak
 @pytest.mark.parametrize("store", ["memory", "redis"])
 def test_the_spawned_stack_is_fuzzed_on_either_store(
     store: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]

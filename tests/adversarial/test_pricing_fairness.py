@@ -15,6 +15,7 @@ import random
 
 import httpx
 import orjson
+import pytest
 
 from tests.conftest import GatewayFactory, StubBackend, eventually, stub_pools
 
@@ -33,6 +34,7 @@ def chat(text: str) -> bytes:
     )
 
 
+@pytest.mark.soak
 async def test_a_flood_of_huge_prompts_does_not_delay_another_tenants_long_prompt(
     stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
 ) -> None:

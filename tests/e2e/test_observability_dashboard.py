@@ -128,6 +128,7 @@ class Browser:
         await self._stop_process()
 
 
+@pytest.mark.soak
 async def test_dashboard_renders_and_updates_under_load() -> None:
     assert CHROMIUM is not None
     async with reference_backends(2) as backends, aiohttp.ClientSession() as session:

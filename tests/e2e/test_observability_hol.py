@@ -159,6 +159,7 @@ def _hol(stats: dict[str, Any]) -> dict[str, Any]:
     return pairs.get(("short", "long"), {"correlation": 0.0, "windows": 0})
 
 
+@pytest.mark.soak
 async def test_hol_fingerprint_rises_on_a_shared_pool_and_falls_when_split() -> None:
     async with reference_backends(2) as backends, aiohttp.ClientSession() as session:
         urls = [b.url for b in backends]

@@ -16,6 +16,7 @@ from loadtest.processes import child_env, repo_root
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.soak
 def test_a_baseline_checkout_is_measured_in_the_same_rounds_as_the_gateway(tmp_path: Path) -> None:
     result = tmp_path / "overhead.json"
     # This checkout as its own baseline (an A/A run): what matters here is that the second gateway
@@ -38,6 +39,7 @@ def test_a_baseline_checkout_is_measured_in_the_same_rounds_as_the_gateway(tmp_p
     assert f"--baseline-tree {repo_root()}" in done.stdout
 
 
+@pytest.mark.soak
 def test_the_long_prompt_mode_sends_never_seen_prompts_beside_the_short_requests(tmp_path: Path) -> None:
     result = tmp_path / "overhead.json"
     done = subprocess.run(

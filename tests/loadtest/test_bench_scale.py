@@ -17,6 +17,7 @@ from loadtest.processes import child_env, repo_root
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.soak
 def test_both_stores_run_their_cycles_and_the_redis_rows_say_what_each_command_costs(tmp_path: Path) -> None:
     result = tmp_path / "scale.json"
     done = subprocess.run(

@@ -41,6 +41,7 @@ WORKLOAD = {
 }
 
 
+@pytest.mark.soak
 @pytest.mark.slow  # a whole compare run with plots
 async def test_compare_writes_consistent_json_markdown_and_plots(
     stub_factory: StubFactory, tmp_path: Path

@@ -63,6 +63,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
+@pytest.mark.soak
 def test_spawned_stack_runs_targets_and_cleans_up(tmp_path: Path) -> None:
     scenario = parse_scenario(_tiny("stack"))
     with spawned_stack(scenario, tmp_path) as stack:
@@ -89,6 +90,7 @@ def test_spawned_stack_runs_targets_and_cleans_up(tmp_path: Path) -> None:
     assert pids and not any(_alive(p) for p in pids)
 
 
+@pytest.mark.soak
 def test_demo_entry_point_on_tiny_scenarios(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
