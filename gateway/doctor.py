@@ -146,7 +146,10 @@ def report(stats: Mapping[str, Any], findings: list[Finding], url: str, out: Tex
     gates = stats.get("prefill_gates") or []
     if gates:
         out.write("\nPrefill gates (prompt tokens sent whose first token has not come back)\n")
-        rows = [["backend", "pool", "in gate", "limit", "requests", "waiting", "held so far"]]
+        rows = [
+            ["backend", "pool", "in gate", "limit", "reserve", "requests", "waiting", "held so far",
+             "short wait p99", "long wait p99"]
+        ]  # fmt: skip
         for g in gates:
             rows.append(
                 [
@@ -154,9 +157,12 @@ def report(stats: Mapping[str, Any], findings: list[Finding], url: str, out: Tex
                     str(g["pool"]),
                     str(g.get("tokens")),
                     str(g.get("limit")),
+                    str(g.get("reserve")),
                     str(g.get("requests")),
                     str(g.get("waiting")),
                     str(g.get("held_total")),
+                    fmt_s((g.get("short") or {}).get("wait_p99_s")),
+                    fmt_s((g.get("long") or {}).get("wait_p99_s")),
                 ]
             )
         _table(rows, out)

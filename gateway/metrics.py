@@ -27,6 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from budgets.types import StoreSnapshot
+from gateway.percentile import percentile
 from gateway.upstream.pools import Backend
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -81,6 +82,27 @@ class PrefillGateCollector(Collector):
         waited = CounterMetricFamily(
             "tokengate_prefill_gate_wait_seconds", "Time requests spent waiting at the gate", labels=labels
         )
+        # Per prompt class (short: fits in the reserve; long: the rest), so a short prompt's wait,
+        # which the reserve should make rare, is not lost among long ones'.
+        by_class = [*labels, "prompt"]
+        let_in = CounterMetricFamily(
+            "tokengate_prefill_gate_prompts", "Prompts let in by the prefill gate, by class", labels=by_class
+        )
+        class_held = CounterMetricFamily(
+            "tokengate_prefill_gate_prompts_held",
+            "Prompts let in by the prefill gate after waiting, by class",
+            labels=by_class,
+        )
+        class_waited = CounterMetricFamily(
+            "tokengate_prefill_gate_prompt_wait_seconds",
+            "Time prompts let in by the prefill gate spent waiting, by class",
+            labels=by_class,
+        )
+        class_p99 = GaugeMetricFamily(
+            "tokengate_prefill_gate_prompt_wait_p99_seconds",
+            "p99 wait at the prefill gate over the class's last 512 prompts",
+            labels=by_class,
+        )
         for b in gated:
             gate = b.gate
             assert gate is not None
@@ -91,7 +113,15 @@ class PrefillGateCollector(Collector):
             waiting.add_metric(lv, gate.waiting)
             held.add_metric(lv, gate.held_total)
             waited.add_metric(lv, gate.wait_s_total)
-        yield from (tokens, limit, inside, waiting, held, waited)
+            for name, st in (("short", gate.short_stats), ("long", gate.long_stats)):
+                cv = [*lv, name]
+                let_in.add_metric(cv, st.requests)
+                class_held.add_metric(cv, st.held)
+                class_waited.add_metric(cv, st.wait_s_total)
+                p99 = percentile((w for _, _, w in st.recent), 99)
+                if p99 is not None:
+                    class_p99.add_metric(cv, p99)
+        yield from (tokens, limit, inside, waiting, held, waited, let_in, class_held, class_waited, class_p99)
 
 
 class BufferedCounter:

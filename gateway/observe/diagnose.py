@@ -16,7 +16,7 @@ LEVELS = ("ok", "info", "warn", "crit")
 @dataclass(frozen=True, slots=True)
 class Finding:
     level: str  # ok | info | warn | crit
-    topic: str  # slo | hol | backend | one_server | kv | slots | split | queue | store | bodies | connections | encode | pricing
+    topic: str  # slo | hol | backend | one_server | gate | kv | slots | split | queue | store | bodies | connections | encode | pricing
     text: str
 
     def as_dict(self) -> dict[str, str]:
@@ -37,6 +37,7 @@ def diagnose(stats: Mapping[str, Any]) -> list[Finding]:
     out += _slos(stats)
     out += _hol(stats)
     out += _one_server(stats)
+    out += _gates(stats)
     out += _backends(stats)
     out += _usage(stats)
     out += _pools(stats)
@@ -298,6 +299,70 @@ def _one_server(stats: Mapping[str, Any]) -> list[Finding]:
         if o.get("all_in_effect"):
             text += " Every one of these is in effect: lower the chunk cap or the gate to tighten further."
         out.append(Finding(level, "one_server", text))
+    return out
+
+
+# A short prompt's wait at the prefill gate worth a word (p99): the reserve exists so that it is ~0.
+GATE_SHORT_WAIT_WARN_S = 0.05
+# A long prompt's wait at the gate worth a word (p99): one at a time, a stream of them queues.
+GATE_LONG_WAIT_INFO_S = 10.0
+
+
+def suggested_reserve(short: Mapping[str, Any], long: Mapping[str, Any] | None = None) -> int | None:
+    """The reserve a gate's short prompts need: the largest, plus the short tokens that arrive while
+    one is inside (its p99 time to first token, at most 1 s), and at least the most short tokens let
+    in within one second (their burst); rounded up to thousands, and at most half the smallest long
+    prompt (a prompt that fits in the reserve is short: long ones must stay well above it)."""
+    biggest = short.get("max_tokens")
+    if not biggest:
+        return None
+    burst = (short.get("tokens_per_s") or 0.0) * min(short.get("inside_p99_s") or 0.0, 1.0)
+    need = int(-(-max(biggest + burst, short.get("burst_tokens_1s") or 0) // 1000) * 1000)
+    smallest_long = (long or {}).get("min_tokens")
+    if smallest_long:
+        need = min(need, max(1000, smallest_long // 2 // 1000 * 1000))
+    return need
+
+
+def _gates(stats: Mapping[str, Any]) -> list[Finding]:
+    """A prefill gate that holds short prompts (its reserve is too small for them), or whose long
+    prompts wait long (the trade-off between them and the short class)."""
+    out = []
+    for g in stats.get("prefill_gates") or []:
+        where = f"the prefill gate of backend {g['backend']} (pool {g['pool']})"
+        short, long = g.get("short") or {}, g.get("long") or {}
+        wait = short.get("wait_p99_s")
+        if short.get("held") and wait is not None and wait > GATE_SHORT_WAIT_WARN_S:
+            reserve, limit = int(g["reserve"]), int(g["limit"])
+            want = max(suggested_reserve(short, long) or 0, reserve + 1000)
+            out.append(
+                Finding(
+                    "warn",
+                    "gate",
+                    f"{where} holds short prompts: p99 wait {fmt_s(wait)} over the last short prompts "
+                    f"({short['held']:,} of {short['requests']:,} waited). A short prompt (at most "
+                    f"{reserve:,} tokens) waits only while the short prompts inside fill the reserve: "
+                    f"raise prefill_gate_reserve_tokens from {reserve:,} to {want:,} (the largest short "
+                    f"prompt, {short.get('max_tokens') or 0:,} tokens, plus the "
+                    f"{short.get('tokens_per_s') or 0:,.0f} short tokens/s that arrive while one is "
+                    f"inside; at least their burst, {short.get('burst_tokens_1s') or 0:,} tokens within "
+                    f"one second) and prefill_gate_tokens from {limit:,} to {limit - reserve + want:,}, so "
+                    "the long prompts' lane stays the same.",
+                )
+            )
+        long_wait = long.get("wait_p99_s")
+        if long_wait is not None and long_wait > GATE_LONG_WAIT_INFO_S:
+            out.append(
+                Finding(
+                    "info",
+                    "gate",
+                    f"{where}: long prompts wait {fmt_s(long_wait)} at p99 there, prefilling one at a time "
+                    f"in a lane of {int(g['limit']) - int(g['reserve']):,} tokens. That is the price of "
+                    "the short class's TTFT: a lane of two long prompts shortens it and lets two long "
+                    "prefills stall short prompts at once; a larger budget for their tenant does not "
+                    "shorten it, a tighter one lengthens it.",
+                )
+            )
     return out
 
 

@@ -8,7 +8,13 @@ to split. There the controls have to work together on the one server:
 - the engine orders by priority and the gateway forwards each request's tier as ``priority``
   (``accepts_priority: true``), so the short class's tier goes first;
 - the gateway's prefill gate (``prefill_gate_tokens`` on the pool) keeps several long prompts from
-  prefilling at once and holds a long one back briefly while short ones prefill;
+  prefilling at once, and its reserve (``prefill_gate_reserve_tokens``) keeps room that only short
+  prompts use, so a short prompt never waits for a long one. :func:`suggested_gate` sizes both from
+  recent traffic: the lane (gate less reserve) at the largest request, so long prompts prefill one at
+  a time; the reserve at the short class's largest request plus the short tokens that arrive while
+  one of them is inside the gate (their arrival rate times their p99 time to first token, at most
+  ``MAX_STAY_S``), and at least the most short tokens the gate let in within one second when it is
+  on (its own measurements then replace the estimates);
 - the tenants' token budgets (already there) bound what the long class holds.
 
 :func:`one_server_plans` finds the pools that need it (a hot head-of-line pair whose two classes
@@ -32,7 +38,22 @@ from gateway.observe.scrape import BackendLoads
 from gateway.observe.shape import ShapeTracker, plain
 
 CHUNK_CAP = 512  # tokens of one request's prefill per step: measured ~1.8x solo p99 on one server
-_SHORT_ROOM = 16  # the gate leaves room for a burst of this many median requests beside the largest one
+_SHORT_ROOM = 16  # without a short-class arrival rate: room for a burst of this many median requests
+# The longest a short prompt is counted as staying inside the gate (its first token): its p99 TTFT
+# when head-of-line blocked is what the recipe removes, so it must not inflate the reserve.
+MAX_STAY_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class ShortLoad:
+    """What sizes the gate's reserve: the short class's largest request (tokens), the tokens per second
+    it sends, and how long one stays inside the gate (its p99 time to first token). None: unknown."""
+
+    max_tokens: int | None = None
+    tokens_per_s: float | None = None
+    stay_s: float | None = None
+    source: str = "recent requests"
+    burst_tokens: int | None = None  # the most tokens it sent within one second, when known
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +100,7 @@ class OneServerPlan:
     gateway_settings: tuple[Setting, ...]
     gate_tokens: int  # the suggested prefill_gate_tokens
     notes: tuple[str, ...] = ()
+    gate_reserve: int | None = None  # the suggested prefill_gate_reserve_tokens (None: the default)
 
     @property
     def settings(self) -> tuple[Setting, ...]:
@@ -99,6 +121,7 @@ class OneServerPlan:
             "engine_settings": [s.as_dict() for s in self.engine_settings],
             "gateway_settings": [s.as_dict() for s in self.gateway_settings],
             "prefill_gate_tokens": self.gate_tokens,
+            "prefill_gate_reserve_tokens": self.gate_reserve,
             "notes": list(self.notes),
             "all_in_effect": self.all_in_effect,
             "text": self.finding(),
@@ -126,6 +149,8 @@ class OneServerPlan:
                 b["accepts_priority"] = True
         pool["backends"] = backends
         pool["prefill_gate_tokens"] = self.gate_tokens
+        if self.gate_reserve is not None:
+            pool["prefill_gate_reserve_tokens"] = self.gate_reserve
         body = yaml.safe_dump({"pools": {self.pool: pool}}, sort_keys=False, default_flow_style=None)
         return "\n".join(head) + "\n" + body
 
@@ -150,6 +175,35 @@ def suggested_gate_tokens(max_cost: int | None, median_cost: float | None) -> in
     gate = int(math.ceil((max_cost + room) / 1000.0) * 1000)
     below_two = (2 * max_cost - 1) // 1000 * 1000
     return max(min(gate, below_two), max_cost)
+
+
+def _thousands(v: float) -> int:
+    return int(math.ceil(v / 1000.0) * 1000)
+
+
+def suggested_gate(
+    max_cost: int | None, short: ShortLoad, median_cost: float | None = None
+) -> tuple[int, int | None]:
+    """``(prefill_gate_tokens, prefill_gate_reserve_tokens)``: a lane for the largest request (one
+    long prompt prefills at a time: the lane stays below two of them) and a reserve for the short
+    class's largest request plus the short tokens that arrive while one stays inside the gate
+    (``tokens_per_s`` x ``stay_s``, ``stay_s`` at most ``MAX_STAY_S``; without a rate, a burst of
+    ``_SHORT_ROOM`` median requests), and at least ``burst_tokens`` (the most it sent within one
+    second, which the gate measures). Rounded up to thousands, and at most half the lane: a prompt
+    that fits in the reserve counts as short, so a reserve as large as the long prompts would let
+    them in as short ones, and short prompts would wait behind them. Without the short class's largest
+    request: the old single size, and the default reserve (None)."""
+    if not max_cost or not short.max_tokens:
+        return suggested_gate_tokens(max_cost, median_cost), None
+    lane = max(min(_thousands(max_cost), (2 * max_cost - 1) // 1000 * 1000), max_cost)
+    if short.tokens_per_s is not None and short.stay_s is not None:
+        burst = short.tokens_per_s * min(short.stay_s, MAX_STAY_S)
+    else:
+        burst = _SHORT_ROOM * (median_cost or 0.0)
+    reserve = _thousands(max(short.max_tokens + burst, short.burst_tokens or 0))
+    # A prompt that fits in the reserve is short: the long prompts must stay well above it.
+    reserve = max(1000, min(reserve, lane // 2 // 1000 * 1000))
+    return lane + reserve, reserve
 
 
 def _engine_settings(engine: str, sched: Mapping[str, str] | None) -> tuple[list[Setting], list[str]]:
@@ -220,10 +274,15 @@ def one_server_plans(
     shape: ShapeTracker,
     pools: Mapping[str, Mapping[str, Any]],
     loads: BackendLoads,
+    short_loads: Mapping[str, ShortLoad] | None = None,
+    gates: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> list[OneServerPlan]:
     """One plan per one-backend pool on which a hot head-of-line pair's two classes both run.
 
-    ``pools`` is the configured pools in config-file shape (``ConfigView.pools``).
+    ``pools`` is the configured pools in config-file shape (``ConfigView.pools``); ``short_loads``
+    the victim classes' arrival rates and times to first token (by class); ``gates`` the prefill
+    gates' ``/stats`` rows by backend name: where the backend has one, its short prompts' own
+    measurements size the reserve.
     """
     out: list[OneServerPlan] = []
     done: set[str] = set()
@@ -251,7 +310,25 @@ def one_server_plans(
             )
             engine_settings, notes = _engine_settings(engine, sched)
             reading = shape.reading(pool)
-            gate_tokens = suggested_gate_tokens(reading.max_cost, reading.median_cost)
+            short = _short_load(pair.victim, shape.samples(pool), (short_loads or {}).get(pair.victim))
+            gate_row = (gates or {}).get(name)
+            measured = (gate_row or {}).get("short") or {}
+            if measured.get("max_tokens") and measured.get("tokens_per_s") is not None:
+                short = ShortLoad(
+                    int(measured["max_tokens"]),
+                    float(measured["tokens_per_s"]),
+                    measured.get("inside_p99_s"),
+                    "the gate's short prompts",
+                    measured.get("burst_tokens_1s"),
+                )
+            gate_tokens, reserve = suggested_gate(reading.max_cost, short, reading.median_cost)
+            if reading.max_cost:
+                notes.append(
+                    f"keep the budgets of class {pair.aggressor}'s tenants large enough for the requests "
+                    f"they send at once (each up to {reading.max_cost:,} tokens): the gate already "
+                    "prefills them one at a time, so a tighter budget barely helps the short class and "
+                    "makes them wait at the gateway (loadtest/README.md, one_server_sustained)"
+                )
             configured = spec.get("prefill_gate_tokens")
             gateway_settings = [
                 Setting(
@@ -263,6 +340,20 @@ def one_server_plans(
                     None if configured is None else str(configured),
                 )
             ]
+            if reserve is not None:
+                now = _effective_reserve(spec)
+                gateway_settings.append(
+                    Setting(
+                        "gateway",
+                        f"pools.{pool}.prefill_gate_reserve_tokens:",
+                        str(reserve),
+                        f"room only short prompts use, so none waits for a long one: class {pair.victim}'s "
+                        f"largest request ({short.max_tokens:,} tokens) plus what it sends while one is "
+                        f"inside the gate (from {short.source})",
+                        now is not None and now >= reserve,
+                        None if now is None else str(now),
+                    )
+                )
             if engine != "tgi":
                 gateway_settings.append(
                     Setting(
@@ -286,6 +377,25 @@ def one_server_plans(
                     gateway_settings=tuple(gateway_settings),
                     gate_tokens=gate_tokens,
                     notes=tuple(notes),
+                    gate_reserve=reserve,
                 )
             )
     return out
+
+
+def _short_load(victim: str, samples: Sequence[tuple[int, str]], load: ShortLoad | None) -> ShortLoad:
+    """The victim class's largest recent request from the pool's samples, with its rate and stay."""
+    costs = [c for c, k in samples if k == victim]
+    biggest = max(costs) if costs else None
+    if load is None:
+        return ShortLoad(biggest)
+    return ShortLoad(biggest, load.tokens_per_s, load.stay_s, load.source)
+
+
+def _effective_reserve(spec: Mapping[str, Any]) -> int | None:
+    """The pool's gate reserve now: configured, or a quarter of its gate (None: no gate)."""
+    gate = spec.get("prefill_gate_tokens")
+    if gate is None:
+        return None
+    reserve = spec.get("prefill_gate_reserve_tokens")
+    return int(reserve) if reserve is not None else int(gate) // 4

@@ -36,7 +36,7 @@ from budgets.types import StoreSnapshot
 from classifiers import ClassRule
 from gateway.observe.diagnose import diagnose
 from gateway.observe.observer import Observer
-from gateway.observe.oneserver import OneServerPlan, one_server_plans
+from gateway.observe.oneserver import OneServerPlan, ShortLoad, one_server_plans
 from gateway.observe.shape import split_plan
 from gateway.observe.windows import Quantiles
 from gateway.upstream.pools import DEFAULT_PROBE, Backend, BackendPoolSpec
@@ -409,7 +409,7 @@ def _shape(src: StatsSources) -> list[dict[str, Any]]:
     return out
 
 
-def _one_server(src: StatsSources) -> list[OneServerPlan]:
+def _one_server(src: StatsSources, gate_rows: Sequence[Mapping[str, Any]] = ()) -> list[OneServerPlan]:
     obs = src.observer
     view = src.config_view() if src.config_view is not None else ConfigView()
     h = obs.settings.hol
@@ -420,7 +420,17 @@ def _one_server(src: StatsSources) -> list[OneServerPlan]:
         shape=obs.shape,
         pools=view.pools,
         loads=obs.loads,
+        short_loads={k: _short_load(obs, k) for k in obs.windows.classes()},
+        gates={g["backend"]: g for g in gate_rows},
     )
+
+
+def _short_load(obs: Observer, klass: str) -> ShortLoad:
+    """A class's admitted tokens per second over its closed windows and its recent p99 TTFT."""
+    history = obs.windows.history(klass)
+    span = sum(w.end - w.start for w in history)
+    rate = sum(w.admitted_cost_sum for w in history) / span if span > 0 else None
+    return ShortLoad(None, rate, obs.windows.recent(klass)["ttft"].p99)
 
 
 async def build_stats(src: StatsSources) -> dict[str, Any]:
@@ -434,6 +444,7 @@ async def build_stats(src: StatsSources) -> dict[str, Any]:
         except Exception as e:  # the page must still render when the store is down
             store_error = f"{type(e).__name__}: {e}"
     s = obs.settings
+    gates = _gates(src)
     stats: dict[str, Any] = {
         "version": STATS_VERSION,
         "time": src.wall(),
@@ -443,7 +454,7 @@ async def build_stats(src: StatsSources) -> dict[str, Any]:
         **_store(snap),
         "store_error": store_error,
         "backends": _backends(src),
-        "prefill_gates": _gates(src),
+        "prefill_gates": gates,
         "hol": {
             "threshold": s.hol.threshold,
             "lookback_windows": s.hol.lookback_windows,
@@ -451,7 +462,7 @@ async def build_stats(src: StatsSources) -> dict[str, Any]:
             "pairs": [p.as_dict() for p in obs.hol()],
         },
         "shape": _shape(src),
-        "one_server": [p.as_dict() for p in _one_server(src)],
+        "one_server": [p.as_dict() for p in _one_server(src, gates)],
         "shape_thresholds": {"split_at": s.shape.split_at, "two_services_at": s.shape.two_services_at},
         "reservations": _reservations(src.reservations, snap),
         "held_bodies": _held_bodies(src),
@@ -469,7 +480,7 @@ def insights_yaml(src: StatsSources) -> str:
     obs = src.observer
     obs.refresh()
     view = src.config_view() if src.config_view is not None else ConfigView()
-    docs = [p.to_yaml(view.pools) for p in _one_server(src)]
+    docs = [p.to_yaml(view.pools) for p in _one_server(src, _gates(src))]
     for r in obs.shape_readings():
         if r.advice == 0:
             continue

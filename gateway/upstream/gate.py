@@ -63,6 +63,16 @@ and below two long prompts for them to prefill one at a time; size ``reserve`` a
 largest short prompt (it is what makes a prompt short) plus the short prompts that arrive while a
 long one prefills. A reserve of 0 makes every prompt long: one first-come-first-served line.
 
+Statistics
+----------
+Per class (short, long), :class:`PromptStats` counts the prompts let in, those that had to wait and
+their total wait, and keeps the last ``RECENT`` prompts' waits, sizes and times inside (enter to
+first token): ``/stats`` shows their p99 wait, the largest prompt, the prompt tokens per second, the
+most prompt tokens let in within one second and the p99 time inside, so ``tokengate doctor`` can tell
+when short prompts wait (the reserve is too small for them) and what reserve they need: the largest
+short prompt plus the short prompt tokens that arrive while one stays inside, at least their
+one-second burst.
+
 One gate per backend, used only on the event loop: plain counters, no locks; a wake is O(waiters).
 """
 
@@ -72,7 +82,67 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from gateway.percentile import percentile
+
+RECENT = 512  # prompts per class whose waits, sizes and times inside the statistics read
+
+
+@dataclass(slots=True)
+class PromptStats:
+    """One class's prompts at the gate: totals since start, and the last ``RECENT`` of them."""
+
+    requests: int = 0  # let in
+    held: int = 0  # of which had to wait
+    wait_s_total: float = 0.0
+    # (time let in, tokens, wait) of the last RECENT let in; how long the last RECENT stayed inside
+    recent: deque[tuple[float, int, float]] = field(default_factory=lambda: deque(maxlen=RECENT))
+    inside: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+
+    def entered(self, now: float, tokens: int, waited_s: float) -> None:
+        self.requests += 1
+        if waited_s > 0:
+            self.held += 1
+            self.wait_s_total += waited_s
+        self.recent.append((now, tokens, waited_s))
+
+    def tokens_per_s(self, now: float) -> float | None:
+        """Prompt tokens let in per second over the recent prompts (None: fewer than two)."""
+        if len(self.recent) < 2:
+            return None
+        span = now - self.recent[0][0]
+        return sum(t for _, t, _ in self.recent) / span if span > 0 else None
+
+    def burst_tokens(self, window_s: float = 1.0) -> int:
+        """The most prompt tokens let in within any ``window_s`` over the recent prompts."""
+        best = total = 0
+        start = 0
+        recent = self.recent
+        for t, tokens, _ in recent:
+            total += tokens
+            while recent[start][0] <= t - window_s:
+                total -= recent[start][1]
+                start += 1
+            best = max(best, total)
+        return best
+
+    def as_dict(self, now: float) -> dict[str, float | int | None]:
+        waits = [w for _, _, w in self.recent]
+        rate = self.tokens_per_s(now)
+        p99_wait, p99_inside = percentile(waits, 99), percentile(self.inside, 99)
+        return {
+            "requests": self.requests,
+            "held": self.held,
+            "wait_s_total": round(self.wait_s_total, 3),
+            "wait_p99_s": None if p99_wait is None else round(p99_wait, 4),
+            "wait_max_s": round(max(waits), 4) if waits else None,
+            "max_tokens": max((t for _, t, _ in self.recent), default=None),
+            "min_tokens": min((t for _, t, _ in self.recent), default=None),
+            "tokens_per_s": None if rate is None else round(rate, 1),
+            "burst_tokens_1s": self.burst_tokens() if self.recent else None,
+            "inside_p99_s": None if p99_inside is None else round(p99_inside, 4),
+        }
 
 
 @dataclass(slots=True, eq=False)
@@ -87,19 +157,28 @@ class _Waiter:
 class GatePass:
     """A request's tokens in a gate; ``release`` returns them (once, whoever calls it first)."""
 
-    __slots__ = ("gate", "long", "tokens", "waited_s")
+    __slots__ = ("entered_at", "gate", "long", "tokens", "waited_s")
 
-    def __init__(self, gate: PrefillGate, tokens: int, waited_s: float, long: bool = False) -> None:
+    def __init__(
+        self,
+        gate: PrefillGate,
+        tokens: int,
+        waited_s: float,
+        long: bool = False,
+        entered_at: float | None = None,
+    ) -> None:
         self.gate: PrefillGate | None = gate
         self.tokens = tokens
         self.waited_s = waited_s
         self.long = long  # the class it entered as: it leaves from that counter
+        self.entered_at = entered_at  # the gate's clock when it was let in
 
     def release(self) -> None:
         gate = self.gate
         if gate is not None:
             self.gate = None
-            gate.leave(self.tokens, self.long)
+            inside = None if self.entered_at is None else gate.clock() - self.entered_at
+            gate.leave(self.tokens, self.long, inside)
 
     @property
     def released(self) -> bool:
@@ -121,9 +200,11 @@ class PrefillGate:
         "hold_s",
         "limit",
         "long_requests",
+        "long_stats",
         "long_tokens",
         "requests",
         "reserve",
+        "short_stats",
         "tokens",
         "wait_s_total",
     )
@@ -145,6 +226,8 @@ class PrefillGate:
         self.long_requests = 0
         self.held_total = 0  # requests that had to wait
         self.wait_s_total = 0.0
+        self.short_stats = PromptStats()  # per class: waits, sizes, times inside
+        self.long_stats = PromptStats()
         self._longs: deque[_Waiter] = deque()
         self._shorts: deque[_Waiter] = deque()
         self._seq = 0
@@ -225,7 +308,8 @@ class PrefillGate:
             fits = not self._shorts and self._short_fits(tokens, now)
         if fits:
             self._take(tokens, long)
-            return GatePass(self, tokens, 0.0, long)
+            (self.long_stats if long else self.short_stats).entered(now, tokens, 0.0)
+            return GatePass(self, tokens, 0.0, long, now)
         self._seq += 1
         waiter = _Waiter(tokens, long, self._seq, now, asyncio.get_running_loop().create_future())
         (self._longs if long else self._shorts).append(waiter)
@@ -238,11 +322,16 @@ class PrefillGate:
             else:
                 self._drop(waiter)
             raise
-        waited = self.clock() - now
+        entered_at = self.clock()
+        waited = entered_at - now
         self.wait_s_total += waited
-        return GatePass(self, tokens, waited, waiter.long)
+        (self.long_stats if waiter.long else self.short_stats).entered(entered_at, tokens, waited)
+        return GatePass(self, tokens, waited, waiter.long, entered_at)
 
-    def leave(self, tokens: int, long: bool) -> None:
+    def leave(self, tokens: int, long: bool, inside_s: float | None = None) -> None:
+        """``tokens`` leave the class they entered as; ``inside_s``: how long they were inside."""
+        if inside_s is not None:
+            (self.long_stats if long else self.short_stats).inside.append(inside_s)
         self.tokens -= tokens
         self.requests -= 1
         if long:
@@ -283,7 +372,8 @@ class PrefillGate:
                 self._take(w.tokens, w.long)
                 w.future.set_result(None)
 
-    def as_dict(self) -> dict[str, float | int | bool]:
+    def as_dict(self) -> dict[str, object]:
+        now = self.clock()
         return {
             "limit": self.limit,
             "reserve": self.reserve,
@@ -294,9 +384,11 @@ class PrefillGate:
             "requests": self.requests,
             "waiting": self.waiting,
             "waiting_long": len(self._longs),
-            "claimed": self.claimed(self.clock()),
+            "claimed": self.claimed(now),
             "held_total": self.held_total,
             "wait_s_total": round(self.wait_s_total, 3),
+            "short": self.short_stats.as_dict(now),
+            "long": self.long_stats.as_dict(now),
         }
 
 

@@ -18,8 +18,8 @@ from backends.engine.scheduler import SchedulerConfig
 from backends.reference.metrics import EngineMetrics
 from gateway import doctor
 from gateway.observe import ConfigView, Observer, ObserveSettings, StatsSources, observe_routes
-from gateway.observe.diagnose import diagnose
-from gateway.observe.oneserver import suggested_gate_tokens
+from gateway.observe.diagnose import diagnose, suggested_reserve
+from gateway.observe.oneserver import ShortLoad, one_server_plans, suggested_gate, suggested_gate_tokens
 from gateway.observe.scrape import ScrapeTarget, parse_engine_metrics
 from gateway.observe.stats import build_stats
 from tests.conftest import serve_asgi
@@ -43,7 +43,9 @@ class Clock:
         return self.t
 
 
-def view(*, backends: int = 1, gate: int | None = None, accepts_priority: bool = False) -> ConfigView:
+def view(
+    *, backends: int = 1, gate: int | None = None, reserve: int | None = None, accepts_priority: bool = False
+) -> ConfigView:
     pool: dict[str, Any] = {
         "backends": [
             {"url": u, "capacity_tokens": 200_000, **({"accepts_priority": True} if accepts_priority else {})}
@@ -52,6 +54,8 @@ def view(*, backends: int = 1, gate: int | None = None, accepts_priority: bool =
     }
     if gate is not None:
         pool["prefill_gate_tokens"] = gate
+    if reserve is not None:
+        pool["prefill_gate_reserve_tokens"] = reserve
     return ConfigView(
         classes=[
             {"name": "long", "when": {"min_prompt_tokens": 8000}, "pool": "shared"},
@@ -117,7 +121,11 @@ async def test_a_blocked_one_backend_pool_gets_the_recipe_for_vllm() -> None:
     gateway = {s["name"]: s for s in plan["gateway_settings"]}
     assert gateway["pools.shared.prefill_gate_tokens:"]["in_effect"] is False
     assert gateway[f"accepts_priority: true on backend {URL}"]["in_effect"] is False
-    assert plan["prefill_gate_tokens"] == suggested_gate_tokens(28_600, 1_200) == 48_000
+    # The lane: the largest request (one at a time); the reserve: the largest short one plus the
+    # short tokens sent while one is inside (24,000 tokens/s x a p99 TTFT of ~0.84 s: 21,400), but at
+    # most half the lane, so the long prompts stay long.
+    assert (plan["prefill_gate_tokens"], plan["prefill_gate_reserve_tokens"]) == (43_000, 14_000)
+    assert gateway["pools.shared.prefill_gate_reserve_tokens:"]["in_effect"] is False
     assert any("v0 engine" in n for n in plan["notes"])
     findings = {f.topic: f for f in diagnose(st)}
     assert findings["one_server"].level == "crit"
@@ -136,7 +144,7 @@ async def test_the_reference_engines_metrics_show_which_controls_are_in_effect()
 
     on = await stats_of(
         blocked_observer(reference_metrics(long_prefill_token_threshold=512, policy="priority")),
-        view(gate=34_000, accepts_priority=True),
+        view(gate=34_000, reserve=14_000, accepts_priority=True),
     )
     (plan,) = on["one_server"]
     assert plan["all_in_effect"]
@@ -186,7 +194,7 @@ async def test_insights_yaml_carries_the_gateway_edit_and_the_engine_flags() -> 
     assert "--long-prefill-token-threshold 512 --scheduling-policy priority" in first
     doc = yaml.safe_load(first)
     shared = doc["pools"]["shared"]
-    assert shared["prefill_gate_tokens"] == 48_000
+    assert (shared["prefill_gate_tokens"], shared["prefill_gate_reserve_tokens"]) == (43_000, 14_000)
     assert shared["backends"] == [{"url": URL, "capacity_tokens": 200_000, "accepts_priority": True}]
     assert body["one_server"][0]["pool"] == "shared"
     assert any(f["topic"] == "one_server" for f in body["findings"])
@@ -208,3 +216,70 @@ def test_the_suggested_gate_fits_the_largest_request_and_a_few_median_ones() -> 
     assert suggested_gate_tokens(9_000, 100.0) == 11_000
     # Never room for two of the largest: 8,000 + 16 x 2,000 would let a second 8,000 in.
     assert suggested_gate_tokens(8_000, 2_000.0) == 15_000
+
+
+def test_the_suggested_gate_has_a_lane_for_the_largest_and_a_reserve_for_the_short_class() -> None:
+    # Lane 29,000 (one 28,200 prompt at a time); reserve 6,500 + 8,000 tokens/s x 0.5 s, rounded up.
+    assert suggested_gate(28_200, ShortLoad(6_500, 8_000.0, 0.5)) == (40_000, 11_000)
+    # A blocked short class's TTFT counts for at most MAX_STAY_S (1 s): 4,500 + 8,000.
+    assert suggested_gate(28_200, ShortLoad(4_500, 8_000.0, 5.0)) == (42_000, 13_000)
+    # No rate: a burst of 16 median requests; no short class seen: the single size, default reserve.
+    assert suggested_gate(28_200, ShortLoad(4_500), 500.0) == (42_000, 13_000)
+    # At least the most short tokens sent within one second (the gate measures it), but at most half
+    # the lane: a reserve as large as the long prompts would make them short.
+    assert suggested_gate(28_207, ShortLoad(6_472, 2_000.0, 1.4, burst_tokens=11_500)) == (41_000, 12_000)
+    assert suggested_gate(28_207, ShortLoad(6_472, 6_600.0, 1.4, burst_tokens=27_658)) == (43_000, 14_000)
+    assert suggested_gate(28_200, ShortLoad(), 1_200.0) == (suggested_gate_tokens(28_200, 1_200.0), None)
+
+
+async def test_a_gate_on_the_backend_sizes_the_reserve_from_its_own_short_prompts() -> None:
+    obs = blocked_observer(VLLM)
+    h = obs.settings.hol
+    row = {"short": {"max_tokens": 6_400, "tokens_per_s": 7_000.0, "inside_p99_s": 0.4}}
+    (plan,) = one_server_plans(
+        obs.hol(),
+        threshold=h.threshold,
+        min_windows=h.min_windows,
+        shape=obs.shape,
+        pools=view(gate=40_000).pools,
+        loads=obs.loads,
+        gates={URL: row},
+    )
+    assert (plan.gate_tokens, plan.gate_reserve) == (29_000 + 10_000, 10_000)  # 6,400 + 2,800
+    reserve = {s.name: s for s in plan.gateway_settings}["pools.shared.prefill_gate_reserve_tokens:"]
+    assert (reserve.in_effect, reserve.seen) == (True, "10000")  # the default: a quarter of 40,000
+    assert "the gate's short prompts" in reserve.why
+    assert "prefill_gate_reserve_tokens: 10000" in plan.to_yaml(view(gate=40_000).pools)
+
+
+def gate_row(short: dict[str, Any], long: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {
+        "pool": "shared",
+        "backend": "b0",
+        "limit": 40_000,
+        "reserve": 10_000,
+        "short": short,
+        "long": long or {},
+    }
+
+
+def test_the_doctor_says_when_the_gate_holds_short_prompts_and_what_reserve_they_need() -> None:
+    short = {"requests": 800, "held": 40, "wait_p99_s": 0.26, "max_tokens": 6_400, "tokens_per_s": 7_000.0,
+             "inside_p99_s": 0.9}  # fmt: skip
+    (f,) = [f for f in diagnose({"prefill_gates": [gate_row(short)]}) if f.topic == "gate"]
+    assert f.level == "warn"
+    assert "holds short prompts: p99 wait 260 ms" in f.text
+    # 6,400 + 7,000 x 0.9 = 12,700 -> 13,000; the gate grows by as much, so the lane stays 30,000.
+    assert "from 10,000 to 13,000" in f.text and "from 40,000 to 43,000" in f.text
+    assert suggested_reserve(short) == 13_000
+    assert suggested_reserve({**short, "burst_tokens_1s": 17_600}) == 18_000  # a burst needs more
+    # ... but a prompt that fits in the reserve is short: it stays at most half the smallest long one.
+    assert suggested_reserve({**short, "burst_tokens_1s": 27_658}, {"min_tokens": 28_000}) == 14_000
+
+
+def test_no_gate_finding_while_short_prompts_pass_and_a_note_when_long_ones_wait_long() -> None:
+    quiet = {"requests": 800, "held": 0, "wait_p99_s": 0.0, "max_tokens": 6_400}
+    assert not [f for f in diagnose({"prefill_gates": [gate_row(quiet)]}) if f.topic == "gate"]
+    slow = gate_row(quiet, {"requests": 12, "held": 8, "wait_p99_s": 14.6})
+    (f,) = [f for f in diagnose({"prefill_gates": [slow]}) if f.topic == "gate"]
+    assert f.level == "info" and "14.60 s" in f.text and "lane of 30,000" in f.text

@@ -19,7 +19,7 @@ import pytest
 
 from gateway.config_loader import ConfigError, parse_config
 from gateway.observe.stats import config_view
-from gateway.upstream.gate import GatePass, PrefillGate
+from gateway.upstream.gate import RECENT, GatePass, PrefillGate, PromptStats
 from gateway.upstream.pools import Router
 from tests.conftest import GatewayFactory, RunningGateway, StubBackend, stub_pools
 from tests.gateway.gw_support import RawRequest, chat, dead_then_live
@@ -297,6 +297,60 @@ async def test_a_new_reserve_sorts_waiters_into_their_class_and_passes_leave_fro
     for p in (*shorts, waiter.result()):
         p.release()
     assert state(g) == (0, 0, 0, 0)
+
+
+async def test_the_gate_counts_each_classs_waits_sizes_rate_and_time_inside() -> None:
+    g, clock = gate(40_000, reserve=10_000)
+    first = await g.enter(28_000)  # long, at once
+    short = await g.enter(2_000)  # short, at once: the reserve is its own
+    second = asyncio.create_task(g.enter(28_000))
+    assert not await entered(second)
+    clock.t = 2.0
+    short.release()  # inside 2 s
+    first.release()  # the second long prompt enters now, after 2 s
+    assert await entered(second)
+    assert second.result().waited_s == 2.0
+    clock.t = 2.5
+    late = await g.enter(4_000)
+    clock.t = 3.0
+    second.result().release()
+    late.release()
+    d = g.as_dict()
+    assert d["long"] == {
+        "requests": 2,
+        "held": 1,
+        "wait_s_total": 2.0,
+        "wait_p99_s": pytest.approx(1.98),
+        "wait_max_s": 2.0,
+        "max_tokens": 28_000,
+        "min_tokens": 28_000,
+        "tokens_per_s": pytest.approx(18_666.7),  # 56,000 tokens let in over the 3 s since the first
+        "burst_tokens_1s": 28_000,  # 2 s apart: never two within one second
+        "inside_p99_s": pytest.approx(1.99),
+    }
+    assert d["short"]["requests"] == 2 and d["short"]["held"] == 0 and d["short"]["wait_p99_s"] == 0.0
+    assert (d["short"]["max_tokens"], d["short"]["tokens_per_s"]) == (4_000, 2_000.0)  # 6,000 in 3 s
+    assert d["short"]["inside_p99_s"] == pytest.approx(0.5 + 1.5 * 0.99)  # 2 s and 0.5 s inside
+    assert d["held_total"] == 1 and d["wait_s_total"] == 2.0
+
+
+def test_the_class_statistics_keep_only_the_recent_prompts() -> None:
+    stats = PromptStats()
+    for i in range(RECENT + 10):
+        stats.entered(float(i), 100 + i, 0.0 if i else 5.0)
+    assert stats.requests == RECENT + 10 and stats.held == 1 and stats.wait_s_total == 5.0
+    d = stats.as_dict(float(RECENT + 9))
+    assert d["wait_max_s"] == 0.0  # the one that waited is no longer among the recent ones
+    assert d["max_tokens"] == 100 + RECENT + 9
+    assert PromptStats().as_dict(0.0)["tokens_per_s"] is None  # fewer than two: no rate
+
+
+def test_the_burst_is_the_most_tokens_let_in_within_one_second() -> None:
+    stats = PromptStats()
+    for t, tokens in ((0.0, 1_000), (0.5, 2_000), (1.2, 3_000), (1.4, 4_000), (3.0, 500)):
+        stats.entered(t, tokens, 0.0)
+    assert stats.burst_tokens() == 9_000  # 0.5, 1.2 and 1.4 s: within (0.4, 1.4]
+    assert stats.as_dict(3.0)["burst_tokens_1s"] == 9_000
 
 
 def test_the_gate_is_configured_per_pool_and_off_by_default() -> None:
@@ -620,6 +674,12 @@ async def test_a_request_waits_at_the_gate_and_its_wait_is_queue_time(
     assert (row["reserve"], row["long_tokens"], row["short_tokens"], row["claimed"]) == (0, 0, 0, False)
     assert 'tokengate_prefill_gate_limit_tokens{backend="' in metrics
     assert "tokengate_prefill_gate_held_total" in metrics
+    assert (row["long"]["held"], row["short"]["requests"]) == (1, 0)  # a 1-token gate: every prompt is long
+    held_long = [
+        ln for ln in metrics.splitlines() if ln.startswith("tokengate_prefill_gate_prompts_held_total{")
+    ]
+    assert any('prompt="long"' in ln and ln.endswith(" 1.0") for ln in held_long)
+    assert "tokengate_prefill_gate_prompt_wait_p99_seconds" in metrics
     assert await gw.wait_idle() == ZERO
 
 

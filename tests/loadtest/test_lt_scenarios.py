@@ -190,3 +190,34 @@ def test_one_server_scenario_compares_each_arm_with_the_victim_alone_on_its_engi
         engine = backends_of[arm][0] if backends_of.get(arm) else engine_of[arm]
         assert backends_of[solo] == (engine,), (arm, solo)
     assert {"--long-prefill-token-threshold"} <= set(scenario.setup.args_of(3))
+
+
+def test_one_server_sustained_runs_every_arm_on_vllms_priority_scope_but_the_step_arm() -> None:
+    scenario = load_scenario("one_server_sustained", synthetic=True)
+    setup, iso = scenario.setup, scenario.workload.isolation
+    assert setup is not None and iso is not None
+    engine_of = {
+        t.name: (
+            t.backends[0] if t.direct and t.backends else t.gateway["pools"]["one"]["backends"][0]["backend"]
+        )
+        for t in setup.targets
+    }
+    scope = {}
+    for name, backend in engine_of.items():
+        args = list(setup.args_of(backend))
+        scope[name] = args[args.index("--priority-scope") + 1] if "--priority-scope" in args else None
+        assert args[args.index("--time-scale") + 1] == "2.5"
+    assert {n for n, s in scope.items() if s == "step"} == {"recipe-step", "solo-recipe-step"}
+    assert all(scope[n] == "queue" for n in ("recipe", "recipe-tight", "solo-recipe"))
+    for arm, solo in iso.solo.items():
+        assert engine_of[arm] == engine_of[solo], (arm, solo)
+    gates = {
+        t.name: t.gateway["pools"]["one"].get("prefill_gate_reserve_tokens")
+        for t in setup.targets
+        if not t.direct
+    }
+    assert gates == {"budgets": None, "recipe": 12_000, "recipe-tight": 12_000, "recipe-step": 12_000}
+    # Sustained: long prompts throughout the run, beside at least 150 s of the chat trace.
+    plan = build_schedule(scenario.workload)
+    noisy = [r.at_s for r in plan if r.group == "noisy"]
+    assert scenario.workload.duration_s >= 150 and max(noisy) > 0.8 * scenario.workload.duration_s
