@@ -1,7 +1,7 @@
 """The worst single step of admission in a round of service: what one saturated pool costs at its worst moment.
 
 Run: ``python -m research.rounds`` (``--tenants 10000,100000``; ``--json FILE``). Results
-and commands: docs/benchmarks.md, "Every step bounded".
+and commands: docs/benchmarks.md, "Every step bounded: the worst step of a round".
 
 The scale benchmark (``loadtest.bench.scale``) reports averages and a p99: a step that costs
 O(tenants) once per round hides in both. This one runs the round itself, on ``budgets.policy``

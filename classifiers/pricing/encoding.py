@@ -139,7 +139,7 @@ class Encoder:
         long text goes to the pool as the chunks its tokenizer counts apart (``cuts``), so a
         newcomer waits for one job per thread, not for a whole body. Chunks go in jobs of at least
         ``_JOB_CHARS`` characters: a body of 100,000 tiny texts is a few dozen jobs, not 100,000
-        (docs/benchmarks.md, "Pricing long prompts off the event loop"); and a request is one
+        (docs/benchmarks.md, "Many tiny texts"); and a request is one
         future, so the loop wakes once per request, not once per job."""
         pool = self.executor()
         off: OffLoopCounting = tok  # type: ignore[assignment]  # _first_pass checked offloadable
