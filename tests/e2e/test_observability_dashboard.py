@@ -134,7 +134,13 @@ async def test_dashboard_renders_and_updates_under_load() -> None:
     async with reference_backends(2) as backends, aiohttp.ClientSession() as session:
         config = gateway_config([b.url for b in backends], split=False)
         async with running_gateway(config) as (_gw, served, ops):
-            load = asyncio.create_task(Traffic(served.url, session).run(duration_s=14.0, short_rps=10.0))
+            # The load runs until the page has seen the charts grow and at least 14 s have passed
+            # (the head-of-line finding needs that many windows): a page that fills late, on a busy
+            # machine, still sees windows with requests in them close after it filled.
+            stop = asyncio.Event()
+            started = time.monotonic()
+            traffic = Traffic(served.url, session).run(duration_s=60.0, short_rps=10.0, stop=stop)
+            load = asyncio.create_task(traffic)
             try:
                 async with Browser(CHROMIUM) as b:
                     await b.send(
@@ -148,7 +154,7 @@ async def test_dashboard_renders_and_updates_under_load() -> None:
                     await b.send("Page.navigate", url=ops.url + "/dashboard")
                     first_updates = None
                     points: list[int] = []
-                    deadline = time.monotonic() + 30
+                    deadline = time.monotonic() + 55
                     while time.monotonic() < deadline:
                         await asyncio.sleep(1.0)
                         updates = await b.eval("Number(document.body.dataset.updates || 0)")
@@ -157,8 +163,15 @@ async def test_dashboard_renders_and_updates_under_load() -> None:
                         )
                         if first_updates is None and updates and all(points):
                             first_updates, first_points = updates, points
-                        elif first_updates is not None and updates >= first_updates + 3 and load.done():
+                        elif (
+                            first_updates is not None
+                            and updates >= first_updates + 3
+                            and points[0] > first_points[0]
+                            and time.monotonic() - started >= 14.0
+                        ):
                             break
+                    stop.set()
+                    await load
                     assert first_updates is not None, f"charts never filled: {points}"
                     assert updates >= first_updates + 3, "the page stopped polling /stats"
                     # the per-window charts grew while the page was open: they really update
@@ -190,4 +203,5 @@ async def test_dashboard_renders_and_updates_under_load() -> None:
                     (ARTIFACTS / "dashboard.png").write_bytes(png)
                     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
             finally:
+                stop.set()
                 await load

@@ -129,12 +129,20 @@ class Traffic:
             async for _ in r.content.iter_any():
                 pass
 
-    async def run(self, duration_s: float, short_rps: float = 16.0, period_s: float = 4.0) -> None:
+    async def run(
+        self,
+        duration_s: float,
+        short_rps: float = 16.0,
+        period_s: float = 4.0,
+        stop: asyncio.Event | None = None,
+    ) -> None:
+        """Sends for ``duration_s``, or until ``stop`` is set; returns when every request is done."""
         end = time.monotonic() + duration_s
+        stop = stop or asyncio.Event()
         tasks: set[asyncio.Task[None]] = set()
 
         async def long_worker() -> None:
-            while time.monotonic() < end:
+            while time.monotonic() < end and not stop.is_set():
                 phase = (time.monotonic() % period_s) / period_s
                 if phase < 0.5:
                     await self._complete(self.long_prompt, 4, NOISY_KEY)
@@ -143,7 +151,7 @@ class Traffic:
 
         workers = [asyncio.create_task(long_worker()) for _ in range(2)]
         i = 0
-        while time.monotonic() < end:
+        while time.monotonic() < end and not stop.is_set():
             t = asyncio.create_task(
                 self._complete(f"short question number {i} about the weather", 12, CHAT_KEY)
             )
