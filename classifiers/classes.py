@@ -3,7 +3,7 @@
 Rules are tried in order and the first whose conditions all hold wins; a rule without conditions
 matches everything. When none matches, the request gets the class ``default`` on the default pool
 (``None``: the pool that serves the request's model). The rules are read from the config file by
-the gateway (``gateway.class_rules``); this module only matches them.
+the gateway (``gateway.config.class_rules``); this module only matches them.
 
 YAML shape of one rule (every ``when`` key is optional; unknown keys are body fields)::
 

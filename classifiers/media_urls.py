@@ -79,7 +79,7 @@ class MediaUrls:
     schemes: tuple[str, ...] = DEFAULT_SCHEMES
     hosts: tuple[str, ...] = ()  # when set, the only http(s) hosts allowed: "name" or "*.name"
     private_hosts: bool = False  # True: private addresses and internal names allowed (no `hosts`)
-    # The gateway fetches allowed http(s) media itself and sends it inline (gateway/media_fetch.py):
+    # The gateway fetches allowed http(s) media itself and sends it inline (gateway/request/media_fetch.py):
     # names resolved once and checked, redirects checked, at most this many bytes within this time.
     fetch: bool = False
     fetch_max_bytes: int = 10 * 1024 * 1024
@@ -278,5 +278,5 @@ def _address_problem(ip: ipaddress.IPv4Address | ipaddress.IPv6Address, shown: s
 
 def is_public(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
     """Whether ``ip`` is a public address (nor carries a private IPv4 one): what a resolver's answer
-    for a media host must be (gateway/media_fetch.py)."""
+    for a media host must be (gateway/request/media_fetch.py)."""
     return _address_problem(ip, "") is None

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 # Routes whose prompt the engine renders through the model's chat template (a configured overhead
-# applies to them only): the values of gateway.exchange.RouteKind.
+# applies to them only): the values of gateway.request.exchange.RouteKind.
 TEMPLATE_ROUTES = frozenset({"chat", "responses"})
 
 HALF_LIFE = 64  # samples

@@ -17,7 +17,7 @@ rounded up to its bin's upper edge (bins grow by ~19 %), which errs on the side 
 Memory is bounded: at most ``max_keys`` keys, least recently used evicted first; a key is 64 floats.
 The state is per gateway process (not shared through the budget store): an estimate converges from a
 few dozen local samples, sharing it would cost a store write per request, and an estimate that is too
-low is corrected while the request runs (the lease grows, ``gateway.proxy``) — so replicas gain little
+low is corrected while the request runs (the lease grows, ``gateway.request.proxy``) — so replicas gain little
 from agreeing exactly.
 """
 

@@ -32,27 +32,27 @@ from starlette.routing import Route
 from budgets.types import BudgetLayout, BudgetStore
 from classifiers import Classifier, Pricer, TokenizerRegistry
 from classifiers.prompt_overhead import PromptOverheads
-from gateway import slots
-from gateway.accesslog import Record
 from gateway.admin.api import AdminApi
 from gateway.admin.control import Control, state_store_for
 from gateway.admin.tokens import Role, load_tokens
-from gateway.auth import Authenticator, visible_models
-from gateway.config import GatewayConfig
-from gateway.errors import ApiError, error_body, show_value
-from gateway.exchange import CancelReason, Exchange, Phase, Receive, RouteKind, Scope, Send
-from gateway.layout import build_layout
-from gateway.leases import LeaseKeeper
-from gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from gateway.modeltable import ModelTable
+from gateway.config.layout import build_layout
+from gateway.config.modeltable import ModelTable
+from gateway.config.schema import GatewayConfig
+from gateway.config.stores import build_store
 from gateway.observe import Observer, ReservationSources, ScrapeTarget, StatsSources, observe_routes
+from gateway.observe.accesslog import Record
+from gateway.observe.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.observe.stats import BackendHealth, config_view
-from gateway.passthrough import PassthroughRoutes
-from gateway.paths import path_problem
-from gateway.proxy import Proxy
-from gateway.requestid import from_client, new_id
-from gateway.reservations import Reservations
-from gateway.stores import build_store
+from gateway.request import slots
+from gateway.request.auth import Authenticator, visible_models
+from gateway.request.errors import ApiError, error_body, show_value
+from gateway.request.exchange import CancelReason, Exchange, Phase, Receive, RouteKind, Scope, Send
+from gateway.request.leases import LeaseKeeper
+from gateway.request.passthrough import PassthroughRoutes
+from gateway.request.paths import path_problem
+from gateway.request.proxy import Proxy
+from gateway.request.requestid import from_client, new_id
+from gateway.request.reservations import Reservations
 from gateway.upstream.client import make_session
 from gateway.upstream.health import HealthChecker, HealthSettings
 from gateway.upstream.pools import BreakerSettings, Router

@@ -15,7 +15,7 @@ _DELEGATES = {
     "backend": ("backends.reference.cli", "run the reference backend (simulated or torch executor)"),
     "demo": ("loadtest.demo", "the noisy-neighbour story end to end"),
     "loadtest": ("loadtest.cli", "run a load-test scenario against targets"),
-    "doctor": ("gateway.doctor", "diagnose a running gateway from its /stats"),
+    "doctor": ("gateway.observe.doctor", "diagnose a running gateway from its /stats"),
     "admin": ("gateway.admin.cli", "operate a running gateway: tenants, keys, pools, tiers, state"),
 }
 
@@ -45,7 +45,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from gateway.config_loader import ConfigError, check_workers, load_raw, parse_config
+    from gateway.config.loader import ConfigError, check_workers, load_raw, parse_config
 
     try:
         raw = load_raw(args.config) if args.config else {}
@@ -64,7 +64,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     host = args.host or config.listen.host
     port = args.port if args.port is not None else config.listen.port
 
-    from gateway.serve import serve, serve_workers, setup_logging
+    from gateway.process.serve import serve, serve_workers, setup_logging
 
     setup_logging(args.log_level, args.access_log, args.log_format)
     try:

@@ -12,14 +12,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from gateway.fields import ConfigError, check_keys, integer, positive_number
+from gateway.config.fields import ConfigError, check_keys, integer, positive_number
 
 # z-score of the 99th percentile of a standard normal: lognormal fits from (median, p99) use it.
 Z_P99 = 2.326347874
 
 
 # A workload or scenario file is malformed; the message names the field. The same toolkit and
-# error as the gateway's config (gateway.fields), so both read and complain alike.
+# error as the gateway's config (gateway.config.fields), so both read and complain alike.
 SpecError = ConfigError
 
 

@@ -354,7 +354,7 @@ def _auth(api_key: str | None) -> list[tuple[str, str]]:
 
 def _broken_json(raw: bytes, rng: random.Random) -> tuple[str, bytes]:
     kind = rng.randrange(9)
-    if kind == 7:  # JSON Python's json reads and orjson does not (gateway/proxy.py, pass-through)
+    if kind == 7:  # JSON Python's json reads and orjson does not (gateway/request/proxy.py, pass-through)
         return "lax-json", raw.replace(
             b'"hello', rng.choice([b"NaN", b"Infinity", b"1e400"]) + b', "x": "', 1
         )

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 import httpx
 
-from gateway.percentile import percentile
+from gateway.observe.percentile import percentile
 from loadtest.prompts import PromptFactory
 
 

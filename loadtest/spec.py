@@ -50,7 +50,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from gateway.fields import mapping, number
+from gateway.config.fields import mapping, number
 from loadtest.distributions import (
     Empirical,
     LengthDist,

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from gateway.percentile import percentile
+from gateway.observe.percentile import percentile
 from loadtest.records import RequestRecord, RunResult
 from loadtest.spec import Phase, WorkloadSpec
 

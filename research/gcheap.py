@@ -6,11 +6,11 @@ the gateway as ``tokengate serve`` does with no config (two embedded simulated b
 sockets to them, instant answers), runs its start-up, then:
 
 * **heap**: container objects the collector tracks, and the median time of a full collection
-  (``gc.collect()``, five times), before and after ``gateway.serve.freeze_startup_heap``;
+  (``gc.collect()``, five times), before and after ``gateway.process.serve.freeze_startup_heap``;
 * **under load**: ``--requests`` chat requests at ``--concurrency`` through the ASGI app (httpx's
   ASGI transport, the upstream over real sockets), first with nothing frozen on Python's default
   thresholds, then frozen, then frozen on the config's ``gc`` thresholds
-  (``gateway.serve.tune_collector``: what ``tokengate serve`` runs), each phase counting
+  (``gateway.process.serve.tune_collector``: what ``tokengate serve`` runs), each phase counting
   collections per generation and their time (``gc.callbacks``).
 
 Results and the command: docs/benchmarks.md, "Garbage collection".
@@ -30,9 +30,9 @@ from typing import Any
 import httpx
 
 from gateway.app import build_app
-from gateway.config_loader import parse_config
-from gateway.embedded import start_embedded, with_embedded_pool
-from gateway.serve import freeze_startup_heap, tune_collector
+from gateway.config.loader import parse_config
+from gateway.process.embedded import start_embedded, with_embedded_pool
+from gateway.process.serve import freeze_startup_heap, tune_collector
 
 
 def full_collection_ms(times: int = 5) -> float:

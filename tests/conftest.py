@@ -431,8 +431,8 @@ def stub_pools(url: str, capacity: int = 100_000, **backend: Any) -> dict[str, A
 async def gateway_factory() -> AsyncIterator[GatewayFactory]:
     """Start gateways from config dicts (parsed by the real loader); stopped at teardown."""
     from gateway.app import build_app
-    from gateway.config_loader import parse_config
-    from gateway.http_server import connection_limits, guarded_protocol
+    from gateway.config.loader import parse_config
+    from gateway.process.http_server import connection_limits, guarded_protocol
 
     started: list[Served] = []
 

@@ -21,7 +21,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from gateway.accesslog import Record
 from gateway.admin.openapi import document
 from gateway.admin.state import (
     KINDS,
@@ -35,9 +34,10 @@ from gateway.admin.state import (
     redacted,
 )
 from gateway.admin.tokens import Caller, Role
-from gateway.config import DEFAULT_TIERS, TENANT_KEYS
-from gateway.errors import ApiError, show_value
-from gateway.fields import ConfigError
+from gateway.config.fields import ConfigError
+from gateway.config.schema import DEFAULT_TIERS, TENANT_KEYS
+from gateway.observe.accesslog import Record
+from gateway.request.errors import ApiError, show_value
 
 if TYPE_CHECKING:
     from gateway.app import Gateway

@@ -19,10 +19,10 @@ import orjson
 from gateway.admin.persist import Conflict, MemoryStateStore, RedisStateStore, StateStore
 from gateway.admin.state import AdminState, effective_raw, key_expiries, redacted
 from gateway.admin.tokens import Caller
-from gateway.config import GatewayConfig
-from gateway.config_loader import load_raw, parse_config
-from gateway.errors import ApiError
-from gateway.fields import ConfigError
+from gateway.config.fields import ConfigError
+from gateway.config.loader import load_raw, parse_config
+from gateway.config.schema import GatewayConfig
+from gateway.request.errors import ApiError
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -145,7 +145,7 @@ def _view(state: AdminState, target: str) -> Any:
 
 
 def _write(caller: Caller | None, action: str, target: str, before: Any, after: Any) -> None:
-    """One audit line: the fields are keys of the JSON line (``gateway.logs``), or ``key=value`` in text.
+    """One audit line: the fields are keys of the JSON line (``gateway.process.logs``), or ``key=value`` in text.
 
     ``before`` and ``after`` go through JSON once here, so the line shows exactly what a JSON dump of
     the state would (and a value no formatter knows cannot break the line)."""

@@ -39,7 +39,7 @@ log = logging.getLogger("tokengate.observe")
 
 
 class RequestRecord(Protocol):
-    """The fields of the gateway's per-request record (gateway.accesslog.Record) read here."""
+    """The fields of the gateway's per-request record (gateway.observe.accesslog.Record) read here."""
 
     klass: str
     pool: str | None

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.fields import (
+from gateway.config.fields import (
     ConfigError,
     integer,
     mapping,

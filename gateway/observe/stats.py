@@ -111,7 +111,7 @@ class BackendHealth:
 
 @dataclass(frozen=True, slots=True)
 class ReservationSources:
-    """How well output reservations match what answers really use (``gateway.reservations``): the
+    """How well output reservations match what answers really use (``gateway.request.reservations``): the
     gateway's reservation metrics and live state, read at each /stats."""
 
     ratio: Collector  # tokengate_reservation_ratio{class, tenant}: output used / reserved at admission
@@ -134,11 +134,11 @@ class StatsSources:
     wall: Callable[[], float] = time.time
     backend_health: Callable[[], Sequence[BackendHealth]] | None = None
     reservations: ReservationSources | None = None
-    # Request bodies the process holds: (bytes now, the process's limit, per tenant) — gateway/held_bodies.py
+    # Request bodies the process holds: (bytes now, the process's limit, per tenant) — gateway/request/held_bodies.py
     held_bodies: Callable[[], tuple[int, int, Mapping[str, int]]] | None = None
     # Characters of long prompts waiting for a tokenizer thread, per tenant (classifiers.fair_pool)
     encode_backlog: Callable[[], Mapping[str, int]] | None = None
-    # Client connections per tenant, and the most one may hold (gateway/tenant_connections.py)
+    # Client connections per tenant, and the most one may hold (gateway/request/tenant_connections.py)
     tenant_connections: Callable[[], tuple[Mapping[str, int], int]] | None = None
     # The prompt-overhead learner's snapshot (classifiers.prompt_overhead.PromptOverheads.snapshot)
     prompt_overheads: Callable[[], Mapping[str, Any]] | None = None

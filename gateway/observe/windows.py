@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.percentile import percentile
+from gateway.observe.percentile import percentile
 
 SIGNALS = ("ttft", "queue_wait", "backend", "e2e")
 

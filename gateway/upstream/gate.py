@@ -84,7 +84,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gateway.percentile import percentile
+from gateway.observe.percentile import percentile
 
 RECENT = 512  # prompts per class whose waits, sizes and times inside the statistics read
 

@@ -60,7 +60,7 @@ class BackendSpec:
     # (num_gpu_blocks x block_size) without the engine running out of blocks first.
     block_size: int = 1
     # "client": a request's own cache_salt goes as sent; "tenant": the gateway sets it from the
-    # tenant, so no two tenants share the engine's prefix cache (gateway.cache_salt).
+    # tenant, so no two tenants share the engine's prefix cache (gateway.request.cache_salt).
     cache_salt: str = "client"
     # A header the gateway sets to the authenticated tenant's name on every request to this backend
     # (any value a client sent under that name is dropped): the fairness id of an llm-d / Gateway
@@ -148,7 +148,7 @@ class Backend:
     load: LoadSignal | None = None  # optional, from scraping the backend's /metrics
     gate: PrefillGate | None = None  # the pool's prefill gate, one per backend (None: off)
     # Metered answers (chat, completions, Responses) that carried usage, and that did not (their
-    # usage estimated: gateway.usage); /stats and the doctor name a backend that never reports it.
+    # usage estimated: gateway.request.usage); /stats and the doctor name a backend that never reports it.
     usage_reported: int = 0
     usage_missing: int = 0
     # Derived from the spec once (the proxy uses them per request).

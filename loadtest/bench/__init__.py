@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from gateway.percentile import percentile
+from gateway.observe.percentile import percentile
 
 
 def percentile_ms(seconds: Iterable[float], p: float) -> float:

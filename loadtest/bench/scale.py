@@ -66,8 +66,8 @@ from budgets.redis import RedisOptions, RedisStore
 from budgets.redis.keys import SEP, pack_demand
 from budgets.redis.scripts import Library, ScriptRunner
 from budgets.types import BudgetLayout, Demand, PolicySpec, PoolSpec, TenantSpec, TierSpec
-from gateway.config import GcConfig
-from gateway.serve import tune_collector
+from gateway.config.schema import GcConfig
+from gateway.process.serve import tune_collector
 from loadtest.bench import percentile_ms
 from loadtest.redis_server import RedisServer, add_redis_option, config_args, used_cpu_seconds
 

@@ -11,7 +11,7 @@ from time import perf_counter
 import httpx
 import pytest
 
-from gateway.accesslog import Record
+from gateway.observe.accesslog import Record
 from tests.adversarial.backends import LyingUsage
 from tests.conftest import GatewayFactory, serve_asgi, stub_pools
 

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.config import ENGINE_INTERNAL_FIELDS
+from gateway.config.schema import ENGINE_INTERNAL_FIELDS
 from tests.adversarial.backends import RoutingStack
 from tests.conftest import GatewayFactory, StubBackend, serve_asgi, stub_pools
 

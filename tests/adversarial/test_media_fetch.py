@@ -21,8 +21,8 @@ from aiohttp.abc import AbstractResolver, ResolveResult
 from PIL import Image
 
 from classifiers.media_urls import MediaUrls
-from gateway.errors import ApiError
-from gateway.media_fetch import CheckedResolver, MediaFetcher, PrivateAddress
+from gateway.request.errors import ApiError
+from gateway.request.media_fetch import CheckedResolver, MediaFetcher, PrivateAddress
 from tests.adversarial.backends import lifespan
 from tests.conftest import (
     GatewayFactory,

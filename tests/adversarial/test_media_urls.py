@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.config_loader import parse_config
+from gateway.config.loader import parse_config
 from tests.adversarial.backends import MediaFetching, lifespan
 from tests.conftest import GatewayFactory, Receive, Scope, Send, Served, serve_asgi, stub_pools
 

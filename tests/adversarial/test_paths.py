@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from yarl import URL
 
-from gateway.paths import path_problem
+from gateway.request.paths import path_problem
 from loadtest.raw_http import request, send_raw
 from tests.conftest import GatewayFactory, StubBackend, stub_pools
 

@@ -4,7 +4,7 @@ A cached prefix makes the first token come sooner; a tenant timing its own reque
 guessed prefix is cached, i.e. what others sent (CVE-2025-46570). vLLM keeps caches apart by
 ``cache_salt``, which a caller sets as it likes: a hostile tenant sends its victim's. On a backend
 with ``cache_salt: tenant`` the gateway sets the salt from the authenticated tenant on every JSON
-body (gateway.cache_salt). Checked on the salts the backend received, over real sockets."""
+body (gateway.request.cache_salt). Checked on the salts the backend received, over real sockets."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.cache_salt import tenant_cache_salt
-from gateway.config_loader import ConfigError, parse_config
+from gateway.config.loader import ConfigError, parse_config
+from gateway.request.cache_salt import tenant_cache_salt
 from tests.conftest import GatewayFactory, StubBackend, stub_pools
 
 CHAT: dict[str, Any] = {

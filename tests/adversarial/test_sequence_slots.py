@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.config_loader import ConfigError, parse_config
+from gateway.config.loader import ConfigError, parse_config
 from tests.conftest import GatewayFactory, StubBackend, stub_pools
 
 CAPACITY, SLOTS = 10_000, 4  # 2,500 tokens per sequence

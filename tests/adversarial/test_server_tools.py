@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.config_loader import parse_config
-from gateway.fields import ConfigError
+from gateway.config.fields import ConfigError
+from gateway.config.loader import parse_config
 from tests.conftest import GatewayFactory, StubBackend, stub_pools
 
 FUNCTION = {"type": "function", "name": "lookup", "parameters": {"type": "object"}}

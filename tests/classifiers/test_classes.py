@@ -5,7 +5,7 @@ from typing import Any
 import pytest
 
 from classifiers import Classifier, Cost, RequestClass
-from gateway.class_rules import parse_classes
+from gateway.config.class_rules import parse_classes
 
 
 def classify(rules: list[dict[str, Any]], cost: Cost = Cost(100, 100), **kw: Any) -> str:

@@ -14,8 +14,8 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
-from gateway.config import GatewayConfig
-from gateway.config_loader import load_config
+from gateway.config.loader import load_config
+from gateway.config.schema import GatewayConfig
 from tests.deploy import stack as st
 
 ROOT = st.ROOT

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import DEFAULT_CONTEXT_LENGTH
-from gateway.config_loader import load_config
+from gateway.config.loader import load_config
+from gateway.config.schema import DEFAULT_CONTEXT_LENGTH
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 ALL = sorted(EXAMPLES.glob("*.yaml"))

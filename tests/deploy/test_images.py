@@ -14,7 +14,7 @@ from types import ModuleType
 import pytest
 import yaml
 
-from gateway.config_loader import load_config, parse_config
+from gateway.config.loader import load_config, parse_config
 from tests.deploy import stack as st
 
 ROOT = st.ROOT

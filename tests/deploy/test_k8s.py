@@ -16,8 +16,8 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
-from gateway.config import GatewayConfig
-from gateway.config_loader import parse_config
+from gateway.config.loader import parse_config
+from gateway.config.schema import GatewayConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"

@@ -31,9 +31,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from backends.reference.server import BackendSettings
 from backends.reference.server import build_app as build_backend
-from gateway import doctor
 from gateway.app import Gateway, build_app
-from gateway.config_loader import parse_config
+from gateway.config.loader import parse_config
+from gateway.observe import doctor
 from tests.conftest import Served, serve_asgi
 
 pytestmark = pytest.mark.slow

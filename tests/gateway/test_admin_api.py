@@ -13,7 +13,7 @@ import pytest
 import yaml
 from openapi_spec_validator import validate
 
-from gateway.logs import JsonFormatter
+from gateway.process.logs import JsonFormatter
 from tests.conftest import GatewayFactory, RunningGateway, StubBackend, serve_asgi, stub_pools
 from tests.gateway.gw_support import chat
 

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.logs import JsonFormatter
+from gateway.process.logs import JsonFormatter
 from tests.conftest import GatewayFactory, RunningGateway, StubBackend, stub_pools
 from tests.gateway.gw_support import chat
 

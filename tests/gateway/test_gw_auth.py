@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.auth import Authenticator, bearer_key
-from gateway.config_loader import hash_key, parse_config
-from gateway.errors import ApiError
+from gateway.config.loader import hash_key, parse_config
+from gateway.request.auth import Authenticator, bearer_key
+from gateway.request.errors import ApiError
 
 CFG = parse_config(
     {

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from gateway.class_rules import parse_classes
-from gateway.fields import ConfigError
+from gateway.config.class_rules import parse_classes
+from gateway.config.fields import ConfigError
 
 POOLS = {"p", "long", "short"}
 

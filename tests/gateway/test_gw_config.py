@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from classifiers.images import ImageRule
-from gateway.config import DEFAULT_TIERS, GatewayConfig, GcConfig
-from gateway.config_loader import ConfigError, check_workers, hash_key, load_config, parse_config
+from gateway.config.loader import ConfigError, check_workers, hash_key, load_config, parse_config
+from gateway.config.schema import DEFAULT_TIERS, GatewayConfig, GcConfig
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -283,7 +283,7 @@ def test_errors_name_the_field(data: object, message: str) -> None:
 
 
 def test_the_order_inside_a_tenants_queue_is_fifo_by_default_and_reaches_the_budget_layout() -> None:
-    from gateway.layout import build_layout
+    from gateway.config.layout import build_layout
 
     default = parse_config({})
     assert default.fairness.tenant_queue_order == "fifo"
@@ -380,7 +380,7 @@ def test_environment_variables_fill_the_file_and_a_missing_one_names_the_field(
 
 
 def test_refused_fields_default_to_the_engine_internal_ones_and_an_empty_list_refuses_none() -> None:
-    from gateway.config import ENGINE_INTERNAL_FIELDS
+    from gateway.config.schema import ENGINE_INTERNAL_FIELDS
 
     assert parse_config({}).limits.refused_fields == ENGINE_INTERNAL_FIELDS
     assert "kv_transfer_params" in ENGINE_INTERNAL_FIELDS

@@ -12,9 +12,9 @@ import orjson
 import pytest
 
 from gateway.app import build_app
-from gateway.config_loader import parse_config
-from gateway.embedded import Embedded, start_embedded, with_embedded_pool
-from gateway.serve import startup_info
+from gateway.config.loader import parse_config
+from gateway.process.embedded import Embedded, start_embedded, with_embedded_pool
+from gateway.process.serve import startup_info
 from tests.conftest import Served, serve_asgi
 
 Start = Callable[[dict[str, Any]], Awaitable[tuple[Any, Served, Embedded]]]

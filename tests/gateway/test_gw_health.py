@@ -14,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from gateway.config_loader import ConfigError, parse_config
+from gateway.config.loader import ConfigError, parse_config
 from gateway.upstream.health import HealthChecker, HealthSettings
 from gateway.upstream.pools import DEFAULT_PROBE, Backend, BackendSpec, BreakerSettings, HealthProbe
 from tests.conftest import GatewayFactory, Receive, Scope, Send, StubBackend, serve_asgi, stub_pools

@@ -15,10 +15,10 @@ import httpx
 import orjson
 import pytest
 
-from gateway import accesslog
-from gateway.accesslog import Record
-from gateway.logs import JsonFormatter, TextFormatter
-from gateway.requestid import new_id
+from gateway.observe import accesslog
+from gateway.observe.accesslog import Record
+from gateway.process.logs import JsonFormatter, TextFormatter
+from gateway.request.requestid import new_id
 from tests.conftest import GatewayFactory, StubBackend, stub_pools
 from tests.gateway.gw_support import chat
 
@@ -177,7 +177,7 @@ def test_the_access_line_in_text_format(caplog: pytest.LogCaptureFixture) -> Non
 @pytest.fixture
 def fresh_logging(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """setup_logging changes process-wide logging: put everything back afterwards."""
-    from gateway.serve import ACCESS_LOG_ENV, LOG_FORMAT_ENV, LOG_LEVEL_ENV
+    from gateway.process.serve import ACCESS_LOG_ENV, LOG_FORMAT_ENV, LOG_LEVEL_ENV
 
     for name in (ACCESS_LOG_ENV, LOG_FORMAT_ENV, LOG_LEVEL_ENV):
         monkeypatch.setenv(name, "")
@@ -208,7 +208,7 @@ def test_setup_logging_sends_uvicorns_lines_and_ours_through_one_json_formatter(
 ) -> None:
     import uvicorn
 
-    from gateway.serve import setup_logging
+    from gateway.process.serve import setup_logging
 
     err = io.StringIO()
     monkeypatch.setattr(sys, "stderr", err)
@@ -228,7 +228,7 @@ def test_setup_logging_sends_uvicorns_lines_and_ours_through_one_json_formatter(
 def served_logging(fresh_logging: None, monkeypatch: pytest.MonkeyPatch) -> Callable[[], io.StringIO]:
     """Sets logging up as `tokengate serve --access-log` does, stdout (the access lines) captured.
     Called inside the test: pytest's own capture handlers differ between setup and call."""
-    from gateway.serve import setup_logging
+    from gateway.process.serve import setup_logging
 
     def setup() -> io.StringIO:
         out = io.StringIO()
@@ -312,7 +312,7 @@ async def test_the_request_id_goes_upstream_under_the_backends_header_or_not_at_
 
 
 def test_a_request_id_header_the_gateway_sets_itself_is_refused_naming_the_field() -> None:
-    from gateway.config_loader import ConfigError, parse_config
+    from gateway.config.loader import ConfigError, parse_config
 
     for bad, says in (("authorization", "sets itself"), ("x bad", "header name"), (3, "header name")):
         with pytest.raises(ConfigError, match=rf"pools\.default\.backends\[0\]\.request_id_header: .*{says}"):

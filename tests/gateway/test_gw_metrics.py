@@ -6,7 +6,7 @@ import random
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from gateway.metrics import _LATENCY_BUCKETS, BufferedCounter, BufferedHistogram, GatewayMetrics
+from gateway.observe.metrics import _LATENCY_BUCKETS, BufferedCounter, BufferedHistogram, GatewayMetrics
 
 
 def _exposition(reg: CollectorRegistry) -> list[str]:

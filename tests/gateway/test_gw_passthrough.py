@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from gateway.config_loader import ConfigError, parse_config
+from gateway.config.loader import ConfigError, parse_config
 from tests.conftest import GatewayFactory, StubBackend, stub_pools
 
 

@@ -12,8 +12,8 @@ import httpx
 import pytest
 import yaml
 
-from gateway.config_loader import parse_config
-from gateway.fields import ConfigError
+from gateway.config.fields import ConfigError
+from gateway.config.loader import parse_config
 from tests.conftest import GatewayFactory, RunningGateway, StubBackend, serve_asgi, stub_pools
 from tests.gateway.gw_support import chat
 

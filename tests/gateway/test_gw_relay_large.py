@@ -11,8 +11,8 @@ import httpx
 import orjson
 import pytest
 
-from gateway.errors import AnswerCut
-from gateway.relay import usage_in_tail
+from gateway.request.errors import AnswerCut
+from gateway.upstream.relay import usage_in_tail
 from tests.conftest import GatewayFactory, serve_asgi, stub_pools
 
 USAGE = {"prompt_tokens": 9, "completion_tokens": 1234, "total_tokens": 1243, "details": {"cached": 0}}

@@ -142,7 +142,7 @@ async def test_a_hang_up_cancels_the_request_under_a_plain_asgi_server_too(
     # Without the gateway's protocol there are no request signals: a task per request watches
     # receive() for the disconnect instead.
     from gateway.app import build_app
-    from gateway.config_loader import parse_config
+    from gateway.config.loader import parse_config
 
     stub, url = stub_backend
     app = build_app(parse_config({"pools": stub_pools(url)}))

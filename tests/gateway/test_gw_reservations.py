@@ -9,7 +9,7 @@ import httpx
 
 from classifiers import Cost
 from classifiers.reservation import ReservationSettings
-from gateway.reservations import ReservationConfig, Reservations
+from gateway.request.reservations import ReservationConfig, Reservations
 from tests.conftest import GatewayFactory, RunningGateway, StubBackend, stub_pools
 from tests.gateway.gw_support import chat
 from tests.support import eventually

@@ -10,8 +10,8 @@ import httpx
 import orjson
 import pytest
 
-from gateway.config_loader import parse_config
-from gateway.slots import load_warnings, sequence_tokens
+from gateway.config.loader import parse_config
+from gateway.request.slots import load_warnings, sequence_tokens
 from tests.conftest import GatewayFactory, StubBackend, stub_pools
 from tests.gateway.gw_support import chat
 
@@ -99,7 +99,7 @@ async def test_each_sequence_is_priced_in_whole_kv_blocks_as_the_engine_holds_it
 
 
 def test_block_size_is_validated_naming_the_field() -> None:
-    from gateway.fields import ConfigError
+    from gateway.config.fields import ConfigError
 
     with pytest.raises(ConfigError, match=r"pools\.default\.backends\[0\]\.block_size"):
         parse_config({"pools": stub_pools("http://127.0.0.1:9", block_size=0)})

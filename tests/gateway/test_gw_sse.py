@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway import sse
-from gateway.sse import UsageRelay, usage_counts
+from gateway.upstream import sse
+from gateway.upstream.sse import UsageRelay, usage_counts
 from tests.support import examples
 
 USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}

@@ -8,8 +8,8 @@ import pytest
 
 from budgets.memory import MemoryStore
 from budgets.redis import RedisStore
-from gateway.fields import ConfigError
-from gateway.stores import build_store, parse_store
+from gateway.config.fields import ConfigError
+from gateway.config.stores import build_store, parse_store
 from tests.budgets.support import layout, shared
 
 

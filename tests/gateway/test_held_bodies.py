@@ -1,11 +1,11 @@
-"""`HeldBodies`: bytes of request bodies held per tenant and in all (gateway/held_bodies.py)."""
+"""`HeldBodies`: bytes of request bodies held per tenant and in all (gateway/request/held_bodies.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.errors import ApiError
-from gateway.held_bodies import HeldBodies
+from gateway.request.errors import ApiError
+from gateway.request.held_bodies import HeldBodies
 
 
 def test_a_tenant_over_its_share_gets_a_429_and_anyone_over_the_whole_a_503() -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from gateway.app import build_app
-from gateway.config_loader import parse_config
+from gateway.config.loader import parse_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "tokengate.json"

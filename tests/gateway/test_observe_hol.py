@@ -8,8 +8,8 @@ import random
 import pytest
 
 from gateway.observe.hol import hol_pairs, pearson
+from gateway.observe.percentile import percentile
 from gateway.observe.windows import ClassWindows
-from gateway.percentile import percentile
 
 
 class Clock:

@@ -16,8 +16,7 @@ from starlette.applications import Starlette
 from backends.engine.kv_cache import BlockManager
 from backends.engine.scheduler import SchedulerConfig
 from backends.reference.metrics import EngineMetrics
-from gateway import doctor
-from gateway.observe import ConfigView, Observer, ObserveSettings, StatsSources, observe_routes
+from gateway.observe import ConfigView, Observer, ObserveSettings, StatsSources, doctor, observe_routes
 from gateway.observe.diagnose import diagnose, suggested_reserve
 from gateway.observe.oneserver import ShortLoad, one_server_plans, suggested_gate, suggested_gate_tokens
 from gateway.observe.scrape import ScrapeTarget, parse_engine_metrics

@@ -14,8 +14,7 @@ import yaml
 from starlette.applications import Starlette
 
 from budgets.types import PoolState, StoreSnapshot
-from gateway import doctor
-from gateway.observe import ConfigView, Observer, ObserveSettings, StatsSources, observe_routes
+from gateway.observe import ConfigView, Observer, ObserveSettings, StatsSources, doctor, observe_routes
 from gateway.observe.diagnose import diagnose
 from gateway.observe.scrape import ScrapeTarget, parse_engine_metrics
 from tests.conftest import GatewayFactory, StubBackend, serve_asgi, stub_pools
@@ -261,7 +260,7 @@ async def test_store_down_is_a_metric_and_a_finding() -> None:
 
 
 def test_records_drive_in_flight_and_windows() -> None:
-    from gateway.accesslog import Record
+    from gateway.observe.accesslog import Record
 
     clock = Clock()
     obs = Observer(ObserveSettings.from_dict({"window_s": 1}), clock=clock)

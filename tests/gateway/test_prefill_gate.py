@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.config_loader import ConfigError, parse_config
+from gateway.config.loader import ConfigError, parse_config
 from gateway.observe.stats import config_view
 from gateway.upstream.gate import RECENT, GatePass, PrefillGate, PromptStats
 from gateway.upstream.pools import Router

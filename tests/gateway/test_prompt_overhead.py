@@ -10,9 +10,9 @@ import httpx
 import pytest
 
 from classifiers.prompt_overhead import MIN_SAMPLES
-from gateway import doctor
-from gateway.config_loader import parse_config
-from gateway.fields import ConfigError
+from gateway.config.fields import ConfigError
+from gateway.config.loader import parse_config
+from gateway.observe import doctor
 from gateway.observe.diagnose import diagnose
 from tests.conftest import GatewayFactory, StubBackend, serve_asgi, stub_pools
 

@@ -1,12 +1,12 @@
-"""`TenantConnections`: client connections counted per tenant (gateway/tenant_connections.py)."""
+"""`TenantConnections`: client connections counted per tenant (gateway/request/tenant_connections.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.errors import ApiError
-from gateway.signals import Connection
-from gateway.tenant_connections import TenantConnections
+from gateway.process.signals import Connection
+from gateway.request.errors import ApiError
+from gateway.request.tenant_connections import TenantConnections
 
 
 def test_a_tenant_past_its_share_gets_a_429_that_closes_the_connection() -> None:

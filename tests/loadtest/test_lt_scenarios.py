@@ -18,7 +18,7 @@ def test_the_five_scenarios_are_shipped() -> None:
 
 
 def test_the_reservations_arms_share_a_backend_whose_kv_cache_is_the_pools_capacity() -> None:
-    config_loader = pytest.importorskip("gateway.config_loader")
+    config_loader = pytest.importorskip("gateway.config.loader")
     scenario = load_scenario("reservations", synthetic=True)
     setup = scenario.setup
     assert setup is not None and scenario.workload.send_max_tokens == 4096
@@ -74,7 +74,7 @@ def test_shipped_scenario_loads_and_plans(name: str, synthetic: bool) -> None:
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_generated_gateway_configs_pass_the_gateway_loader(name: str) -> None:
-    config_loader = pytest.importorskip("gateway.config_loader")
+    config_loader = pytest.importorskip("gateway.config.loader")
     scenario = load_scenario(name, synthetic=True)
     assert scenario.setup is not None
     urls = [f"http://127.0.0.1:{9000 + i}" for i in range(scenario.setup.backend_count)]

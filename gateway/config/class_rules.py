@@ -17,7 +17,16 @@ from types import MappingProxyType
 from typing import Any
 
 from classifiers import BOUNDS, SCALAR, ClassRule
-from gateway.fields import ConfigError, did_you_mean, mapping, opt_integer, opt_string, section, show, string
+from gateway.config.fields import (
+    ConfigError,
+    did_you_mean,
+    mapping,
+    opt_integer,
+    opt_string,
+    section,
+    show,
+    string,
+)
 
 _RULE_KEYS = (
     "name",

@@ -27,15 +27,15 @@ from typing import Any
 
 import uvicorn
 
-from gateway import accesslog
-from gateway.accesslog import LineHandler
 from gateway.app import Gateway, build_app
-from gateway.config import GatewayConfig, GcConfig
-from gateway.config_loader import load_raw, parse_config
-from gateway.embedded import Embedded, start_embedded, with_embedded_pool
-from gateway.fields import ConfigError
-from gateway.http_server import GuardedHttpToolsProtocol, connection_limits, guarded_protocol
-from gateway.logs import LogFormat, dumps, formatter
+from gateway.config.fields import ConfigError
+from gateway.config.loader import load_raw, parse_config
+from gateway.config.schema import GatewayConfig, GcConfig
+from gateway.observe import accesslog
+from gateway.observe.accesslog import LineHandler
+from gateway.process.embedded import Embedded, start_embedded, with_embedded_pool
+from gateway.process.http_server import GuardedHttpToolsProtocol, connection_limits, guarded_protocol
+from gateway.process.logs import LogFormat, dumps, formatter
 
 log = logging.getLogger("tokengate")
 
@@ -429,7 +429,7 @@ def serve_workers(
 ) -> int:
     """Several worker processes (needs a shared store; checked by the caller). Each worker drains
     in its lifespan shutdown, after uvicorn's graceful wait (bounded by the drain timeout)."""
-    from gateway.config_loader import load_config
+    from gateway.config.loader import load_config
 
     config = load_config(config_path)
     # uvicorn binds in the supervisor after its own start-up lines; a busy port is said here first.
@@ -437,7 +437,7 @@ def serve_workers(
     if config_path:
         os.environ[CONFIG_ENV] = os.path.abspath(config_path)
     uvicorn.run(
-        "gateway.serve:app_from_env",
+        "gateway.process.serve:app_from_env",
         factory=True,
         host=host,
         port=port,
@@ -446,7 +446,7 @@ def serve_workers(
         log_config=None,
         access_log=False,
         lifespan="on",
-        http="gateway.http_server:GuardedHttpToolsProtocol",
+        http="gateway.process.http_server:GuardedHttpToolsProtocol",
         loop="uvloop",
         timeout_graceful_shutdown=int(config.drain_timeout_s) + 1,
         server_header=False,

@@ -9,14 +9,14 @@ A connection belongs to the tenant of the latest request on it (an API server th
 customers' keys over one pool of connections moves them between tenants as it goes). A request
 that would make its tenant hold more than ``most`` connections is a 429 ``too_many_connections``
 answered with ``connection: close``, so the slot it came on is given back at once. A connection is
-released when it closes (`gateway.signals.Connection.closed`, called by the gateway's protocol).
+released when it closes (`gateway.process.signals.Connection.closed`, called by the gateway's protocol).
 Not in open mode, where one tenant is everyone.
 """
 
 from __future__ import annotations
 
-from gateway.errors import ApiError
-from gateway.signals import Connection
+from gateway.process.signals import Connection
+from gateway.request.errors import ApiError
 
 
 class TenantConnections:

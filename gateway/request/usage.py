@@ -15,9 +15,9 @@ charges its whole reservation, as for any unmeasured request).
 
 from __future__ import annotations
 
-from gateway.exchange import Exchange, RouteKind
-from gateway.sse import usage_counts
+from gateway.request.exchange import Exchange, RouteKind
 from gateway.upstream.pools import Backend
+from gateway.upstream.sse import usage_counts
 
 # The kinds whose answers carry token usage (pass-through routes are not read).
 _METERED = (RouteKind.CHAT, RouteKind.COMPLETION, RouteKind.RESPONSES)

@@ -1,4 +1,4 @@
-"""Load and validate the YAML configuration into :class:`gateway.config.GatewayConfig`.
+"""Load and validate the YAML configuration into :class:`gateway.config.schema.GatewayConfig`.
 
 Every error names the field by its path (``tenants.acme.budget_tokens``,
 ``pools.short.backends[0].url``) and says what was expected and what was found; unknown keys
@@ -18,15 +18,34 @@ from typing import Any, cast
 
 import yaml
 
-from backends.reference.server import BackendSettings
+from backends.reference.settings import BackendSettings
 from budgets.types import QUEUE_ORDERS, QueueOrder
 from classifiers import PricingSettings, load_tokenizer
 from classifiers.images import ImageRule
 from classifiers.media_urls import MediaUrls
 from classifiers.reservation import ReservationSettings
-from gateway import stores
-from gateway.class_rules import parse_classes
-from gateway.config import (
+from gateway.config import stores
+from gateway.config.class_rules import parse_classes
+from gateway.config.fields import (
+    ConfigError,
+    boolean,
+    check_keys,
+    choice,
+    did_you_mean,
+    integer,
+    join,
+    mapping,
+    number,
+    opt_integer,
+    opt_string,
+    positive_number,
+    section,
+    show,
+    string,
+    string_list,
+    valid_name,
+)
+from gateway.config.schema import (
     DEFAULT_CONTEXT_LENGTH,
     DEFAULT_TIERS,
     TENANT_KEYS,
@@ -51,30 +70,11 @@ from gateway.config import (
     TimeoutsConfig,
     UpstreamConfig,
 )
-from gateway.fields import (
-    ConfigError,
-    boolean,
-    check_keys,
-    choice,
-    did_you_mean,
-    integer,
-    join,
-    mapping,
-    number,
-    opt_integer,
-    opt_string,
-    positive_number,
-    section,
-    show,
-    string,
-    string_list,
-    valid_name,
-)
 from gateway.observe.settings import ObserveConfigError, ObserveSettings
-from gateway.passthrough import DEFAULT_ROUTES, PassthroughRoute
-from gateway.paths import path_problem
-from gateway.reservations import ReservationConfig
-from gateway.server_tools import entry_problem
+from gateway.request.passthrough import DEFAULT_ROUTES, PassthroughRoute
+from gateway.request.paths import path_problem
+from gateway.request.reservations import ReservationConfig
+from gateway.request.server_tools import entry_problem
 from gateway.upstream.client import header_pattern_problem
 from gateway.upstream.pools import DEFAULT_PROBE, HealthProbe
 

@@ -1,6 +1,6 @@
 """One request inside the gateway: the ``Exchange`` every step of the request path reads and fills.
 
-The proxy's steps (``gateway.proxy``) each take the exchange and fill in their part: authenticate ->
+The proxy's steps (``gateway.request.proxy``) each take the exchange and fill in their part: authenticate ->
 tenant, tier, forwarded headers; read -> the raw body; price -> model, body, cost; classify -> class
 and pool; admit -> lease; forward -> backend and the usage it reported. Drain and the disconnect
 watcher see the same object (its phase, and ``cancel``), so there is exactly one per-request object.
@@ -16,11 +16,11 @@ from typing import Any
 
 from budgets.types import Lease
 from classifiers import Cost
-from gateway.accesslog import Record
-from gateway.config import TenantConfig, TierConfig
-from gateway.metrics import Bound
-from gateway.passthrough import PassthroughRoute
-from gateway.reservations import Reserved
+from gateway.config.schema import TenantConfig, TierConfig
+from gateway.observe.accesslog import Record
+from gateway.observe.metrics import Bound
+from gateway.request.passthrough import PassthroughRoute
+from gateway.request.reservations import Reserved
 from gateway.upstream.client import HeaderNames
 from gateway.upstream.gate import GatePass
 

@@ -21,12 +21,12 @@ from typing import Any
 import aiohttp
 import orjson
 
-from gateway.errors import ApiError
-from gateway.exchange import Exchange
-from gateway.sse import UsageRelay
+from gateway.request.errors import ApiError
+from gateway.request.exchange import Exchange
+from gateway.request.usage import reported
 from gateway.upstream.client import UpstreamFailure, classify_error, response_headers
 from gateway.upstream.pools import Backend
-from gateway.usage import reported
+from gateway.upstream.sse import UsageRelay
 
 log = logging.getLogger("tokengate.proxy")
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from classifiers.bymodel import ByModel
 from classifiers.images import ImageRule
 from classifiers.prompt_overhead import NO_SETTING, OverheadSetting
-from gateway.config import DEFAULT_CONTEXT_LENGTH, ModelConfig
+from gateway.config.schema import DEFAULT_CONTEXT_LENGTH, ModelConfig
 
 
 class ModelTable:

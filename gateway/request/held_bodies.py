@@ -12,7 +12,7 @@ when it is chunked, trimmed to the real size once read) and gives them back when
 
 from __future__ import annotations
 
-from gateway.errors import ApiError
+from gateway.request.errors import ApiError
 
 
 class HeldBodies:

@@ -3,7 +3,7 @@
 Every key is optional; ``GatewayConfig()`` is the embedded default (memory store, three tiers,
 one open tenant, no pools -> ``tokengate serve`` starts two simulated reference backends
 in-process as pools ``short`` and ``long`` with a class rule between them, see
-:mod:`gateway.embedded`). Parsing and validation live in :mod:`gateway.config_loader`; nothing
+:mod:`gateway.process.embedded`). Parsing and validation live in :mod:`gateway.config.loader`; nothing
 here reads files.
 """
 
@@ -20,8 +20,8 @@ from classifiers import ClassRule, PricingSettings
 from classifiers.images import ImageRule
 from classifiers.reservation import ReservationSettings
 from gateway.observe.settings import ObserveSettings
-from gateway.passthrough import DEFAULT_ROUTES, PassthroughRoute
-from gateway.reservations import ReservationConfig
+from gateway.request.passthrough import DEFAULT_ROUTES, PassthroughRoute
+from gateway.request.reservations import ReservationConfig
 from gateway.upstream.client import PRIVATE_HEADERS
 from gateway.upstream.pools import BackendPoolSpec, BackendSpec, Timeouts
 
@@ -39,7 +39,7 @@ class ListenConfig:
 @dataclass(frozen=True, slots=True)
 class StoreConfig:
     kind: Literal["memory", "redis"] = "memory"
-    redis: RedisOptions | None = None  # the redis section, typed (gateway.stores.parse_store)
+    redis: RedisOptions | None = None  # the redis section, typed (gateway.config.stores.parse_store)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +118,7 @@ class TenantConfig:
     max_max_tokens: int | None = None  # larger per-choice requests are a 400
     max_queue_len: int = 64
     models: tuple[str, ...] = ()  # model globs this tenant may use; empty = every served model
-    # Server-run Responses tools it may use (gateway/server_tools.py): tool types, "mcp:<label>",
+    # Server-run Responses tools it may use (gateway/request/server_tools.py): tool types, "mcp:<label>",
     # "mcp:*"; () none; None whatever the engine runs.
     server_tools: tuple[str, ...] | None = None
 
@@ -153,10 +153,10 @@ class LimitsConfig:
     body_idle_timeout_s: float = 5.0  # and no gap longer than this between two body chunks
     max_connections: int = 4096  # open client connections per process; beyond: 503 at once
     # ...of which one tenant may hold (0: no bound): its request on one more is a 429, and that
-    # connection is closed (gateway/tenant_connections.py). Not in open mode.
+    # connection is closed (gateway/request/tenant_connections.py). Not in open mode.
     max_connections_per_tenant: int = 1024
     # Bytes of request bodies one process holds at once (read, queued or forwarded; 0: no bound):
-    # beyond the tenant's share a 429, beyond the whole a 503 (gateway/held_bodies.py). Each body
+    # beyond the tenant's share a 429, beyond the whole a 503 (gateway/request/held_bodies.py). Each body
     # is counted once; the process holds ~2.5x that (parsed, and serialized to send): 256 MiB fits
     # the 1 GiB container of deploy/k8s beside the process's own ~100 MiB.
     max_held_body_bytes: int = 256 * 1024 * 1024
@@ -238,7 +238,7 @@ class UpstreamConfig:
 
 @dataclass(frozen=True, slots=True)
 class EmbeddedBackendConfig:
-    """The simulated backends ``tokengate serve`` starts when no pools are configured (gateway.embedded)."""
+    """The simulated backends ``tokengate serve`` starts when no pools are configured (gateway.process.embedded)."""
 
     host: str = "127.0.0.1"
     port: int = 8001  # 0 = a free port; with split, pool long is on the next port
@@ -264,16 +264,16 @@ class GatewayConfig:
     tiers: tuple[TierConfig, ...] = DEFAULT_TIERS
     fairness: FairnessConfig = FairnessConfig()
     leases: LeasesConfig = LeasesConfig()
-    classes: tuple[ClassRule, ...] = ()  # first match wins (gateway.class_rules)
+    classes: tuple[ClassRule, ...] = ()  # first match wins (gateway.config.class_rules)
     pools: tuple[PoolConfig, ...] = ()
     models: tuple[ModelConfig, ...] = ()
     pricing: PricingConfig = PricingConfig()
     tenants: tuple[TenantConfig, ...] = ()
     limits: LimitsConfig = LimitsConfig()
-    # /v1 routes forwarded besides the priced ones (gateway.passthrough); anything else is a 404.
+    # /v1 routes forwarded besides the priced ones (gateway.request.passthrough); anything else is a 404.
     passthrough: tuple[PassthroughRoute, ...] = DEFAULT_ROUTES
     admin: AdminConfig = AdminConfig()
-    # Output tokens each request reserves (gateway.reservations): the default, and overrides of
+    # Output tokens each request reserves (gateway.request.reservations): the default, and overrides of
     # its settings per pool and per class.
     reservation: ReservationConfig = field(default_factory=ReservationConfig)
     reservation_by_pool: Mapping[str, ReservationSettings] = field(default_factory=dict)

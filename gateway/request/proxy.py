@@ -2,7 +2,7 @@
 
     authenticate -> read -> price -> classify -> admit -> forward -> release (in ``finally``)
 
-Each step is one method over the request's :class:`~gateway.exchange.Exchange`. Release runs on every
+Each step is one method over the request's :class:`~gateway.request.exchange.Exchange`. Release runs on every
 path once a lease is granted. A client disconnect is noticed by a small watcher task that waits on
 ASGI ``receive()`` and cancels the request task; the cancellation unwinds through the upstream read
 (closing the aiohttp response, which closes the backend connection: that is how vLLM learns to abort)
@@ -28,23 +28,23 @@ from budgets.types import AdmissionError, Demand, NeverFits, backend_pool, class
 from classifiers import Cost, InvalidRequest
 from classifiers.pricing import MAX_JSON_DEPTH
 from classifiers.prompt_overhead import corrected
-from gateway import server_tools, slots, usage
-from gateway.accesslog import Record
-from gateway.auth import bearer_key, may_use, visible_models
-from gateway.cache_salt import tenant_cache_salt
-from gateway.config import TenantConfig
-from gateway.errors import AnswerCut, ApiError, from_admission, show_value
-from gateway.exchange import CancelReason, Exchange, Phase, Placement, Receive, RouteKind, Scope, Send
-from gateway.held_bodies import HeldBodies
-from gateway.media_fetch import MediaFetcher
-from gateway.passthrough import PassthroughRoute
-from gateway.relay import UPSTREAM_ERRORS, Grow, relay_raw, relay_sse, relay_whole, upstream_failed
-from gateway.requestid import from_client, new_id
-from gateway.reservations import with_decode
-from gateway.signals import RequestSignals, request_signals
-from gateway.tenant_connections import TenantConnections
+from gateway.config.schema import TenantConfig
+from gateway.observe.accesslog import Record
+from gateway.process.signals import RequestSignals, request_signals
+from gateway.request import server_tools, slots, usage
+from gateway.request.auth import bearer_key, may_use, visible_models
+from gateway.request.cache_salt import tenant_cache_salt
+from gateway.request.errors import AnswerCut, ApiError, from_admission, show_value
+from gateway.request.exchange import CancelReason, Exchange, Phase, Placement, Receive, RouteKind, Scope, Send
+from gateway.request.held_bodies import HeldBodies
+from gateway.request.media_fetch import MediaFetcher
+from gateway.request.passthrough import PassthroughRoute
+from gateway.request.requestid import from_client, new_id
+from gateway.request.reservations import with_decode
+from gateway.request.tenant_connections import TenantConnections
 from gateway.upstream.client import REQUEST_DROP, HeaderNames, classify_error
 from gateway.upstream.pools import Backend, NoBackend
+from gateway.upstream.relay import UPSTREAM_ERRORS, Grow, relay_raw, relay_sse, relay_whole, upstream_failed
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -530,7 +530,7 @@ class Proxy:
 
     async def _inline_media(self, x: Exchange, body: dict[str, Any]) -> None:
         """With ``pricing.media_urls.fetch``, the body's http(s) media fetched by the gateway and sent
-        inline (gateway/media_fetch.py); the most the fetches can bring is held before they start
+        inline (gateway/request/media_fetch.py); the most the fetches can bring is held before they start
         (a 429 / 503 past the limits), then what they brought."""
         tenant = x.tenant
         assert tenant is not None
@@ -945,7 +945,7 @@ class Proxy:
         return headers
 
     def _upstream_url(self, backend: Backend, scope: Scope) -> URL:
-        """The backend's base URL + the request's raw path (checked by ``gateway.paths``), sent as is."""
+        """The backend's base URL + the request's raw path (checked by ``gateway.request.paths``), sent as is."""
         raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
         qs: bytes = scope.get("query_string") or b""
         if not qs:

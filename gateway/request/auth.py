@@ -12,8 +12,8 @@ import time
 from collections.abc import Iterable, Mapping
 from fnmatch import fnmatchcase
 
-from gateway.config import OPEN_TENANT, GatewayConfig, TenantConfig, TierConfig
-from gateway.errors import ApiError, show_value
+from gateway.config.schema import OPEN_TENANT, GatewayConfig, TenantConfig, TierConfig
+from gateway.request.errors import ApiError, show_value
 
 
 def _digest(key: str) -> bytes:

@@ -24,8 +24,17 @@ from typing import Any
 from budgets.memory import MemoryStore
 from budgets.redis import RedisOptions, RedisStore
 from budgets.types import BudgetLayout, BudgetStore
-from gateway.config import StoreConfig
-from gateway.fields import ConfigError, choice, integer, mapping, positive_number, section, show, string
+from gateway.config.fields import (
+    ConfigError,
+    choice,
+    integer,
+    mapping,
+    positive_number,
+    section,
+    show,
+    string,
+)
+from gateway.config.schema import StoreConfig
 
 KINDS = ("memory", "redis")
 _REDIS_KEYS = (

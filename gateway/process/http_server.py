@@ -12,9 +12,9 @@ same protocol with three limits added, each answered in OpenAI's error shape and
 * ``max_connections``: a connection beyond this many open ones -> 503 at once.
 
 The request body's own deadline (``body_timeout_s``) is enforced where the body is read
-(``gateway.proxy.read_body``), because only the app knows when it wants the body.
+(``gateway.request.proxy.read_body``), because only the app knows when it wants the body.
 
-Each request also gets its ``RequestSignals`` (``gateway.signals``) in ``scope["extensions"]``:
+Each request also gets its ``RequestSignals`` (``gateway.process.signals``) in ``scope["extensions"]``:
 whether its body is complete, and a callback for a lost connection, so the app needs neither a
 body timer for a body that came with the headers nor a task per request to watch for a hang-up.
 
@@ -33,9 +33,9 @@ from typing import Any, ClassVar
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from gateway.config import GatewayConfig
-from gateway.errors import ApiError, quiet_answer_cuts
-from gateway.signals import SIGNALS, Connection, RequestSignals
+from gateway.config.schema import GatewayConfig
+from gateway.process.signals import SIGNALS, Connection, RequestSignals
+from gateway.request.errors import ApiError, quiet_answer_cuts
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +73,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         # One per request parsed and not yet answered, oldest first (more than one only when a
         # client pipelines): a lost connection is every one of them's hang-up.
         self._signals: deque[RequestSignals] = deque()
-        self._connection = Connection()  # which tenant uses it (gateway.tenant_connections)
+        self._connection = Connection()  # which tenant uses it (gateway.request.tenant_connections)
 
     # ---- connection ----
 

@@ -6,7 +6,7 @@ lines hold as keys and text lines append as ``key=value``. uvicorn's own loggers
 handler (``setup_logging``), so a log collector never meets a line it cannot parse.
 
 The access log (``tokengate.access``) does not go through these formatters: it builds its whole line
-itself, once per request, and is written by its own buffered handler (``gateway.accesslog``).
+itself, once per request, and is written by its own buffered handler (``gateway.observe.accesslog``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The configuration's field toolkit: typed getters whose errors name the field by its path.
 
-Every section of the YAML file is read with these (``gateway.config_loader``, the observability
+Every section of the YAML file is read with these (``gateway.config.loader``, the observability
 settings, the store and class-rule sections), so every error reads the same way:
 ``tenants.acme.budget_tokens: expected a positive integer, got -5``, and an unknown key gets a
 did-you-mean. The sections' types are owned by the packages that use them (``classifiers``,

@@ -4,7 +4,7 @@ ASGI only offers ``receive()``: an app learns that its body is complete by readi
 client hung up by having a task wait on ``receive()`` for ``http.disconnect``. Both cost every
 request a timer (the body deadline is armed even when the body came with the headers) and a task
 (the disconnect watcher, woken and cancelled once per request). The gateway's own protocol
-(``gateway.http_server``) knows both facts as they happen, so it puts a ``RequestSignals`` into
+(``gateway.process.http_server``) knows both facts as they happen, so it puts a ``RequestSignals`` into
 the request's ``scope["extensions"]`` under ``SIGNALS``:
 
 * ``body_complete``: the whole body has been parsed (set before the app runs for a body that
@@ -12,7 +12,7 @@ the request's ``scope["extensions"]`` under ``SIGNALS``:
 * ``on_disconnect``: the app sets a callback; the protocol calls it once when the connection is
   lost;
 * ``connection``: the `Connection` the request came on, one per client connection, which the app
-  marks with the tenant using it (gateway.tenant_connections) and the protocol closes when it goes.
+  marks with the tenant using it (gateway.request.tenant_connections) and the protocol closes when it goes.
 
 Under any other ASGI server the key is absent and the app falls back to the timer and the task.
 """

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from classifiers.pricing import CLIENT_TOOLS
-from gateway.errors import ApiError, show_value
+from gateway.request.errors import ApiError, show_value
 
 _ENTRY = re.compile(r"[a-z][a-z0-9_]*|mcp:(?:\*|[^\s*]+)")
 

@@ -22,7 +22,7 @@ from budgets.types import (
     tenant_pool,
 )
 from classifiers import ClassRule
-from gateway.config import GatewayConfig, TenantConfig
+from gateway.config.schema import GatewayConfig, TenantConfig
 
 
 def build_layout(

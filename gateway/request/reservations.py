@@ -8,7 +8,7 @@ default), a fixed number, or a learned quantile. Two safety valves:
 * **KV feedback.** While a pool's backends report KV-cache usage at or above ``kv_high`` (scraped from
   their ``/metrics``), new requests to it reserve their limit again, until every backend of the pool
   is back at or below ``kv_low``: when the engine is short of memory, estimates are not gambled on.
-* **Growth.** A stream whose output outgrows its reservation extends its lease (``gateway.proxy``), up
+* **Growth.** A stream whose output outgrows its reservation extends its lease (``gateway.request.proxy``), up
   to the limit; a non-streaming request settles at release (its real output is recorded).
 * **The tenant's budget holds the limit.** For a tenant with ``budget_tokens`` the demand carries the
   limit (``Demand.decode_limit``): its budget holds what the request may produce, the shared pools

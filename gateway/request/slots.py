@@ -16,7 +16,7 @@ import math
 from collections.abc import Iterable
 
 from budgets.types import NeverFits
-from gateway.config import GatewayConfig, PoolConfig, TenantConfig, TierConfig
+from gateway.config.schema import GatewayConfig, PoolConfig, TenantConfig, TierConfig
 
 
 def sequence_tokens(pool: PoolConfig) -> int:

@@ -27,7 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from budgets.types import StoreSnapshot
-from gateway.percentile import percentile
+from gateway.observe.percentile import percentile
 from gateway.upstream.pools import Backend
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -234,8 +234,8 @@ class _FlushBuffered(Collector):
 
 class _FrozenHeap(Collector):
     """How many objects start-up froze out of the garbage collector's full collections
-    (gateway.serve.freeze_startup_heap; 0 when the app is not run by ``tokengate serve``), and the
-    collector's thresholds (gateway.serve.tune_collector)."""
+    (gateway.process.serve.freeze_startup_heap; 0 when the app is not run by ``tokengate serve``), and the
+    collector's thresholds (gateway.process.serve.tune_collector)."""
 
     def describe(self) -> Sequence[Any]:
         return []

@@ -23,8 +23,8 @@ from typing import Any
 import uvicorn
 
 from classifiers import ClassRule
-from gateway.class_rules import parse_classes
-from gateway.config import EmbeddedBackendConfig, GatewayConfig
+from gateway.config.class_rules import parse_classes
+from gateway.config.schema import EmbeddedBackendConfig, GatewayConfig
 from gateway.upstream.pools import BackendPoolSpec, BackendSpec
 
 
@@ -118,7 +118,7 @@ async def _start_one(emb: EmbeddedBackendConfig, pool: str, port: int, log_level
         uvicorn.Config(
             build_app(settings),
             log_level=log_level,
-            log_config=None,  # the gateway's logging (gateway.serve.setup_logging) formats its lines
+            log_config=None,  # the gateway's logging (gateway.process.serve.setup_logging) formats its lines
             access_log=False,
             lifespan="on",
             timeout_graceful_shutdown=2,

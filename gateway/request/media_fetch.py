@@ -12,7 +12,7 @@ as a ``data:`` URL instead:
 * a redirect is followed (at most ``_MOST_REDIRECTS``) only to a URL the policy allows, through the
   same resolver; cookies are neither sent nor kept;
 * at most ``fetch_max_bytes`` per URL, within ``fetch_timeout_s``; the fetched bytes count against
-  the request's held body bytes (gateway/held_bodies.py);
+  the request's held body bytes (gateway/request/held_bodies.py);
 * a tenant runs at most ``fetch_per_tenant`` fetches at once; its others wait for one of its own.
   The connection pool is shared (``_CONNECTIONS``), and its queue is first come, first served: a
   tenant whose media server is a tar pit (slow to answer, or never) filled it, and every other
@@ -38,7 +38,7 @@ import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
 
 from classifiers.media_urls import MediaUrls, TooManyElements, is_public, media_refs
-from gateway.errors import ApiError
+from gateway.request.errors import ApiError
 
 _MOST_REDIRECTS = 3
 # Connections the fetcher opens at most (all tenants): sixteen tenants' default share.

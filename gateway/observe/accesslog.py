@@ -3,7 +3,7 @@
 The record is filled along the request's path and dumped once with orjson at the end; when
 the logger is disabled nothing is formatted. Keys never appear in it. The line is the whole log
 line, ``timestamp``, ``level``, ``logger`` and ``message`` included (like every other line, see
-``gateway.logs``), so its handler writes it as it is; ``set_format("text")`` makes it a
+``gateway.process.logs``), so its handler writes it as it is; ``set_format("text")`` makes it a
 ``key=value`` line for humans instead.
 """
 
@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
-from gateway.logs import LogFormat, dumps, iso_timestamp, text_value
+from gateway.process.logs import LogFormat, dumps, iso_timestamp, text_value
 
 access_log = logging.getLogger("tokengate.access")
 _NAME = access_log.name
@@ -37,7 +37,7 @@ class Record:
     method: str
     path: str
     start: float  # perf_counter at arrival
-    request_id: str = "-"  # ours, or the client's when trusted (gateway.requestid)
+    request_id: str = "-"  # ours, or the client's when trusted (gateway.request.requestid)
     client_request_id: str | None = None  # a client's x-request-id we did not adopt, sanitised
     tenant: str = "-"
     tier: str = "-"
@@ -56,7 +56,7 @@ class Record:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     # The engine sent no usage: prompt_tokens is the priced prompt, completion_tokens the output
-    # events the stream relayed (gateway.usage).
+    # events the stream relayed (gateway.request.usage).
     usage_estimated: bool = False
     extended: int = 0  # output tokens a stream's lease grew by (its reservation was outgrown)
     slot_tokens: int = 0  # of decode, held beyond the reservation: its share of the engine's sequence slots
