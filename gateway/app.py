@@ -29,30 +29,25 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from budgets.types import BudgetLayout, BudgetStore
-from classifiers import Classifier, Pricer, TokenizerRegistry
-from classifiers.prompt_overhead import PromptOverheads
-from gateway.admin.api import AdminApi
-from gateway.admin.control import Control, state_store_for
+from budgets.types import BudgetStore
+from classifiers import Pricer
+from gateway.admin.api import AdminApi, AdminParts
+from gateway.admin.control import ConfigSource, Control, state_store_for
 from gateway.admin.tokens import Role, load_tokens
-from gateway.config.layout import build_layout
-from gateway.config.modeltable import ModelTable
-from gateway.config.schema import GatewayConfig
+from gateway.config.schema import GatewayConfig, TenantConfig
 from gateway.config.stores import build_store
+from gateway.live import LiveParts, build_live
 from gateway.observe import Observer, ReservationSources, ScrapeTarget, StatsSources, observe_routes
 from gateway.observe.accesslog import Record
 from gateway.observe.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.observe.stats import BackendHealth, config_view
-from gateway.request import slots
-from gateway.request.auth import Authenticator, visible_models
+from gateway.request.auth import visible_models
 from gateway.request.errors import ApiError, error_body, show_value
 from gateway.request.exchange import CancelReason, Exchange, Phase, Receive, RouteKind, Scope, Send
 from gateway.request.leases import LeaseKeeper
-from gateway.request.passthrough import PassthroughRoutes
 from gateway.request.paths import path_problem
-from gateway.request.proxy import Proxy
+from gateway.request.proxy import Proxy, ProxyParts
 from gateway.request.requestid import from_client, new_id
-from gateway.request.reservations import Reservations
 from gateway.upstream.client import make_session
 from gateway.upstream.health import HealthChecker, HealthSettings
 from gateway.upstream.pools import BreakerSettings, Router
@@ -76,11 +71,11 @@ _OPEN_OPS = frozenset({"/healthz", "/readyz"})
 class OpsApp:
     """The ops listener's ASGI app (an object: servers tell ASGI 3 apps by their ``__call__``)."""
 
-    def __init__(self, gw: Gateway) -> None:
-        self.gw = gw
+    def __init__(self, serve: Callable[[Scope, Receive, Send], Any]) -> None:
+        self.serve = serve
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self.gw.serve_ops(scope, receive, send)
+        await self.serve(scope, receive, send)
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -137,16 +132,12 @@ class Gateway:
                 "no backend pools configured: configure `pools`, or run `tokengate serve`, which starts "
                 "the embedded reference backend when there are none"
             )
-        # The live parts: rebuilt by `apply` (reload, admin API) while requests flow.
+        # The live parts: rebuilt by `apply` (reload, admin API) while requests flow, swapped as one.
         self._expiries: Mapping[str, float] = {}
-        self.models: ModelTable
-        self.pricer: Pricer
-        self.prompt_overheads: PromptOverheads
-        self.reservations: Reservations
+        self.live = LiveParts(build_live(config, None, self._expiries, self._kv_usage))
+        # Everything else lives as long as the process (the router reconfigures itself in place).
         self.router = Router(config.pools, _breaker(config))
-        layout = self._configure(config)
-        # Everything else lives as long as the process.
-        self.store: BudgetStore = store or build_store(config.store, layout, clock)
+        self.store: BudgetStore = store or build_store(config.store, self.live.current.layout, clock)
         self.metrics = GatewayMetrics(
             tenants=[t.name for t in self.tenants], top_tenants=config.metrics.top_tenants
         )
@@ -192,8 +183,8 @@ class Gateway:
                 flush=self.metrics.flush,
                 used_tokens=self._used_tokens,
                 # Through self: a reconfiguration replaces the Reservations object.
-                learned=lambda: self.reservations.learned(),
-                tight_pools=lambda: self.reservations.tight_pools(),
+                learned=lambda: self.live.current.reservations.learned(),
+                tight_pools=lambda: self.live.current.reservations.tight_pools(),
             ),
             held_bodies=self._held_bodies,
             # Through self: a reconfiguration may replace the Pricer.
@@ -207,14 +198,15 @@ class Gateway:
         self._proxy: Proxy | None = None
         self._discovery: asyncio.Task[None] | None = None
         self._applying = asyncio.Lock()
-        # Where `reload` reads the config from, and what `tokengate serve` adds to it (the embedded
-        # backend's pool); set by the server, None in tests that build the app from a dict.
-        self.config_path: str | None = None
-        self.prepare: Callable[[GatewayConfig], GatewayConfig] = lambda c: c
+        # Where `reload` reads the config from, and what `tokengate serve` adds to it; set by the server.
+        self.source = ConfigSource()
         self.tokens = load_tokens(config.admin.tokens_file)
-        self.control = Control(self, state_store_for(config), raw)
-        self.admin_api = AdminApi(self)
-        self.ops_app = OpsApp(self)  # the ASGI app of the ops listener
+        self.control = Control(self.apply, self.source, state_store_for(config), raw)
+        self.admin_api = AdminApi(
+            AdminParts(self.control, self.tokens, self.live, self.router, self.store, self.exchanges)
+        )
+        self.request_hooks.append(self.admin_api.recent)
+        self.ops_app = OpsApp(self.serve_ops)  # the ASGI app of the ops listener
         self.ops = Starlette(
             routes=[
                 Route("/metrics", self._metrics, methods=["GET"]),
@@ -228,40 +220,28 @@ class Gateway:
 
     # ---- configuration, live ----
 
-    def _configure(self, config: GatewayConfig) -> BudgetLayout:
-        """Build the parts that follow the config; returns the budget layout they imply."""
-        previous: GatewayConfig | None = getattr(self, "config", None)
-        self.config = config
-        self.auth = Authenticator(config, self._expiries)
-        self.tenants = config.tenants or ((self.auth.open_tenant,) if self.auth.open_tenant else ())
-        self.classifier = Classifier(config.classes) if config.classes else None
-        if previous is None or previous.models != config.models or previous.pricing != config.pricing:
-            # Rebuilt only on change: the pricer's tokenizer caches are worth keeping.
-            self.models = ModelTable(config.models)
-            if previous is not None:
-                self.pricer.close()  # its queued encodes fall back to counting inline; none fails
-            self.pricer = Pricer(
-                TokenizerRegistry(models=self.models.tokenizer_specs()),
-                config.pricing.settings,
-                self.models.image_rules(),
-                self.models.vocab_sizes(),
-            )
-            # What engines count beyond the prices is learned again against the new pricer.
-            self.prompt_overheads = PromptOverheads()
-        self.passthrough = PassthroughRoutes(config.passthrough)
-        reservations = Reservations(
-            config.reservation,
-            dict(config.reservation_by_pool),
-            dict(config.reservation_by_class),
-            lambda pool: self.observer.loads.kv_usage(pool),
-        )
-        if previous is not None:
-            reservations.carry_over(self.reservations)  # what was learned stays
-        self.reservations = reservations
-        self.layout = build_layout(config, config.classes, self.tenants)
-        for warning in slots.load_warnings(config):
-            log.warning("config: %s", warning)
-        return self.layout
+    @property
+    def config(self) -> GatewayConfig:
+        return self.live.current.config
+
+    @property
+    def tenants(self) -> tuple[TenantConfig, ...]:
+        return self.live.current.tenants
+
+    @property
+    def pricer(self) -> Pricer:
+        return self.live.current.pricer
+
+    @property
+    def config_path(self) -> str | None:
+        return self.source.path
+
+    @config_path.setter
+    def config_path(self, path: str | None) -> None:
+        self.source.path = path
+
+    def _kv_usage(self, pool: str) -> float | None:
+        return self.observer.loads.kv_usage(pool)
 
     def _scrape_targets(self) -> list[ScrapeTarget]:
         return [
@@ -295,20 +275,19 @@ class Gateway:
                 log.warning("config change needs a restart to take effect: %s", ", ".join(kept))
             if key_expiries is not None:
                 self._expiries = key_expiries
+            live = build_live(config, self.live.current, self._expiries, self._kv_usage)
             changed = self.router.reconfigure(config.pools, _breaker(config))
-            layout = self._configure(config)
-            self.metrics.set_tenants([t.name for t in self.tenants])
+            self.metrics.set_tenants([t.name for t in live.tenants])
             self.health.set_backends(list(self.router.backends))
             await self.observer.retarget(self._scrape_targets())
             self._attach_loads()
-            await self.store.apply_layout(layout)
-            if self._proxy is not None:
-                self._proxy.bind(self)
+            await self.store.apply_layout(live.layout)
+            self.live.swap(live)  # the one place the running config changes
             if any(not b.spec.models for b in changed.added) and self.session is not None:
                 await self.health.discover_models()
             log.info(
                 "configuration applied: %d tenants, %d pools (%d backends added, %d removed)",
-                len(self.tenants),
+                len(live.tenants),
                 len(self.router.pools),
                 len(changed.added),
                 len(changed.removed),
@@ -333,7 +312,19 @@ class Gateway:
         await self.observer.start()
         # Off the hot path and best effort: /v1/models lists what model-agnostic backends serve.
         self._discovery = asyncio.create_task(self.health.discover_models(), name="tokengate-discovery")
-        self._proxy = Proxy(self, self.session)
+        parts = ProxyParts(
+            store=self.store,
+            keeper=self.keeper,
+            metrics=self.metrics,
+            observer=self.observer,
+            router=self.router,
+            exchanges=self.exchanges,
+            hooks=self.request_hooks,
+            limits=self.config.limits,
+            cooldown_s=self.config.health.cooldown_s,
+            draining=lambda: self.draining,
+        )
+        self._proxy = Proxy(parts, self.live, self.session)
 
     async def shutdown(self) -> None:
         await self.drain(self.config.drain_timeout_s)
@@ -400,7 +391,7 @@ class Gateway:
                 if path == "/v1/models" or path.startswith("/v1/models/"):
                     await self._models(scope, send, path)
                     return
-                route = self.passthrough.match(scope["method"], path)
+                route = self.live.current.passthrough.match(scope["method"], path)
                 if route is None:
                     await self._refuse(scope, send, self._unrouted(scope["method"], path))
                     return
@@ -542,7 +533,7 @@ class Gateway:
                     break
                 if name in (b"api-key", b"x-api-key"):
                     key = value.decode("latin-1").strip()
-            tenant = self.auth.authenticate(key)
+            tenant = self.live.current.auth.authenticate(key)
             rec.tenant = tenant.name
             visible = visible_models(tenant, self.router.served_models())
             if path == "/v1/models":
@@ -587,7 +578,8 @@ class Gateway:
 
     def _prompt_overheads(self) -> dict[str, object]:
         """The learned prompt overheads with the model settings that apply them (/stats, /metrics)."""
-        return self.prompt_overheads.snapshot(self.models.prompt_overhead)
+        live = self.live.current
+        return live.prompt_overheads.snapshot(live.models.prompt_overhead)
 
     def _tenant_connections(self) -> tuple[dict[str, int], int]:
         most = self.config.limits.max_connections_per_tenant

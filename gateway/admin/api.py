@@ -12,15 +12,17 @@ from __future__ import annotations
 import secrets
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
+from budgets.types import BudgetStore
+from gateway.admin.control import Control
 from gateway.admin.openapi import document
 from gateway.admin.state import (
     KINDS,
@@ -33,14 +35,13 @@ from gateway.admin.state import (
     key_prefix,
     redacted,
 )
-from gateway.admin.tokens import Caller, Role
+from gateway.admin.tokens import AdminTokens, Caller, Role
 from gateway.config.fields import ConfigError
 from gateway.config.schema import DEFAULT_TIERS, TENANT_KEYS
+from gateway.live import LiveParts
 from gateway.observe.accesslog import Record
 from gateway.request.errors import ApiError, show_value
-
-if TYPE_CHECKING:
-    from gateway.app import Gateway
+from gateway.upstream.pools import Router
 
 Handler = Callable[[Request, Caller], Awaitable[Response]]
 
@@ -90,11 +91,25 @@ class RecentErrors:
             )
 
 
+@dataclass(frozen=True)
+class AdminParts:
+    """What the admin API reads and changes, and nothing else of the gateway."""
+
+    control: Control  # every change goes through it; it knows the config file
+    tokens: AdminTokens
+    live: LiveParts  # the running config: tenants, tiers, pools
+    router: Router  # the pools and backends as they run
+    store: BudgetStore
+    exchanges: Collection[object]  # the requests in the gateway now (counted in the live state)
+
+
 class AdminApi:
-    def __init__(self, gw: Gateway) -> None:
-        self.gw = gw
+    """The admin routes over :class:`AdminParts`. ``recent`` is a request hook the gateway calls with
+    every finished request: the live state's recent errors and served tokens."""
+
+    def __init__(self, parts: AdminParts) -> None:
+        self.parts = parts
         self.recent = RecentErrors()
-        gw.request_hooks.append(self.recent)
 
     # ---- plumbing ----
 
@@ -151,7 +166,7 @@ class AdminApi:
         return endpoint
 
     def _caller(self, request: Request) -> Caller:
-        tokens = self.gw.tokens
+        tokens = self.parts.tokens
         if not tokens.enabled:
             raise ApiError(
                 404,
@@ -183,13 +198,13 @@ class AdminApi:
 
     def _raw(self) -> dict[str, Any]:
         """The effective config in file shape (the file with the admin state over it)."""
-        control = self.gw.control
+        control = self.parts.control
         return effective_raw(control.file_raw or {}, control.state)
 
     # ---- tenants ----
 
     def _tenant_view(self, name: str) -> dict[str, Any]:
-        for t in self.gw.config.tenants:
+        for t in self.parts.live.current.config.tenants:
             if t.name == name:
                 d = asdict(t)
                 d.pop("keys")
@@ -200,14 +215,14 @@ class AdminApi:
         raise ApiError(404, f"No tenant {show_value(name)}", code="tenant_not_found")
 
     def _source(self, kind: str, name: str) -> str:
-        control = self.gw.control
+        control = self.parts.control
         in_file = name in ((control.file_raw or {}).get(kind) or {})
         if name in control.state.overrides.get(kind, {}):
             return "admin" if not in_file else "admin (over the file)"
         return "file"
 
     async def list_tenants(self, request: Request, caller: Caller) -> Response:
-        return _json({"tenants": [self._tenant_view(t.name) for t in self.gw.config.tenants]})
+        return _json({"tenants": [self._tenant_view(t.name) for t in self.parts.live.current.config.tenants]})
 
     async def get_tenant(self, request: Request, caller: Caller) -> Response:
         return _json(self._tenant_view(request.path_params["name"]))
@@ -220,7 +235,7 @@ class AdminApi:
         if name in (self._raw().get("tenants") or {}):
             raise ApiError(409, f"Tenant {show_value(name)} exists; PATCH it instead", code="tenant_exists")
         section = _tenant_section(body)
-        await self.gw.control.change(
+        await self.parts.control.change(
             caller, "tenant.create", f"tenants/{name}", lambda s: s.with_override("tenants", name, section)
         )
         return _json(self._tenant_view(name), 201)
@@ -234,7 +249,7 @@ class AdminApi:
         merged = {k: v for k, v in current.items() if k != "keys"}
         merged.update(_tenant_section(body))
         merged = {k: v for k, v in merged.items() if v is not None}
-        await self.gw.control.change(
+        await self.parts.control.change(
             caller, "tenant.update", f"tenants/{name}", lambda s: s.with_override("tenants", name, merged)
         )
         return _json(self._tenant_view(name))
@@ -243,7 +258,7 @@ class AdminApi:
         name = request.path_params["name"]
         if name not in (self._raw().get("tenants") or {}):
             raise ApiError(404, f"No tenant {show_value(name)}", code="tenant_not_found")
-        await self.gw.control.change(
+        await self.parts.control.change(
             caller, "tenant.delete", f"tenants/{name}", lambda s: s.with_override("tenants", name, None)
         )
         return _json({"deleted": name})
@@ -251,7 +266,7 @@ class AdminApi:
     # ---- keys ----
 
     def _keys_of(self, tenant: str) -> list[dict[str, Any]]:
-        control = self.gw.control
+        control = self.parts.control
         out: list[dict[str, Any]] = []
         file_tenant = ((control.file_raw or {}).get("tenants") or {}).get(tenant)
         listed = file_tenant.get("keys") if isinstance(file_tenant, Mapping) else None
@@ -280,11 +295,13 @@ class AdminApi:
         if label is not None and not isinstance(label, str):
             raise ApiError(400, "'name' must be a string", param="name", code="invalid_type")
         key, record = _new_key(tenant, label)
-        await self.gw.control.change(caller, "key.create", f"keys/{record.id}", lambda s: s.with_key(record))
+        await self.parts.control.change(
+            caller, "key.create", f"keys/{record.id}", lambda s: s.with_key(record)
+        )
         return _json({**record.public(), "key": key}, 201)
 
     def _find_key(self, key_id: str) -> KeyRecord:
-        control = self.gw.control
+        control = self.parts.control
         record = control.state.keys.get(key_id)
         if record is not None:
             return record
@@ -304,7 +321,9 @@ class AdminApi:
         if record.revoked_at is not None:
             return _json(record.public())
         revoked = KeyRecord(**{**asdict(record), "revoked_at": time.time()})
-        await self.gw.control.change(caller, "key.revoke", f"keys/{record.id}", lambda s: s.with_key(revoked))
+        await self.parts.control.change(
+            caller, "key.revoke", f"keys/{record.id}", lambda s: s.with_key(revoked)
+        )
         return _json(revoked.public())
 
     async def rotate_key(self, request: Request, caller: Caller) -> Response:
@@ -332,7 +351,7 @@ class AdminApi:
         def mutate(s: AdminState) -> AdminState:
             return s.with_key(ending).with_key(new)
 
-        await self.gw.control.change(caller, "key.rotate", f"keys/{old.id}", mutate)
+        await self.parts.control.change(caller, "key.rotate", f"keys/{old.id}", mutate)
         return _json(
             {**new.public(), "key": key, "replaces": old.id, "old_key_expires_at": ending.expires_at}, 201
         )
@@ -340,10 +359,10 @@ class AdminApi:
     # ---- pools and backends ----
 
     def _pool_view(self, name: str) -> dict[str, Any]:
-        pool = self.gw.router.pools.get(name)
+        pool = self.parts.router.pools.get(name)
         if pool is None:
             raise ApiError(404, f"No pool {show_value(name)}", code="pool_not_found")
-        spec = next(p for p in self.gw.config.pools if p.name == name)
+        spec = next(p for p in self.parts.live.current.config.pools if p.name == name)
         return {
             "name": name,
             "budget_tokens": spec.budget_tokens,
@@ -365,7 +384,7 @@ class AdminApi:
         }
 
     async def list_pools(self, request: Request, caller: Caller) -> Response:
-        return _json({"pools": [self._pool_view(p) for p in self.gw.router.pools]})
+        return _json({"pools": [self._pool_view(p) for p in self.parts.router.pools]})
 
     async def get_pool(self, request: Request, caller: Caller) -> Response:
         return _json(self._pool_view(request.path_params["name"]))
@@ -377,7 +396,7 @@ class AdminApi:
         return {**pool, "backends": [dict(b) for b in pool.get("backends") or []]}
 
     async def _change_pool(self, caller: Caller, action: str, name: str, pool: dict[str, Any]) -> Response:
-        await self.gw.control.change(
+        await self.parts.control.change(
             caller, action, f"pools/{name}", lambda s: s.with_override("pools", name, pool)
         )
         return _json(self._pool_view(name))
@@ -439,13 +458,18 @@ class AdminApi:
 
     async def list_tiers(self, request: Request, caller: Caller) -> Response:
         return _json(
-            {"tiers": [{**asdict(t), "source": self._source("tiers", t.name)} for t in self.gw.config.tiers]}
+            {
+                "tiers": [
+                    {**asdict(t), "source": self._source("tiers", t.name)}
+                    for t in self.parts.live.current.config.tiers
+                ]
+            }
         )
 
     def _with_default_tiers(self, s: AdminState) -> AdminState:
         """A file without a tiers section relies on the defaults: write them out before changing one,
         or the change would replace all of them."""
-        if "tiers" in (self.gw.control.file_raw or {}) or s.overrides["tiers"]:
+        if "tiers" in (self.parts.control.file_raw or {}) or s.overrides["tiers"]:
             return s
         for t in DEFAULT_TIERS:
             s = s.with_override(
@@ -458,7 +482,7 @@ class AdminApi:
     async def put_tier(self, request: Request, caller: Caller) -> Response:
         name = request.path_params["name"]
         body = await self._body(request)
-        await self.gw.control.change(
+        await self.parts.control.change(
             caller,
             "tier.put",
             f"tiers/{name}",
@@ -468,9 +492,9 @@ class AdminApi:
 
     async def delete_tier(self, request: Request, caller: Caller) -> Response:
         name = request.path_params["name"]
-        if all(t.name != name for t in self.gw.config.tiers):
+        if all(t.name != name for t in self.parts.live.current.config.tiers):
             raise ApiError(404, f"No tier {show_value(name)}", code="tier_not_found")
-        await self.gw.control.change(
+        await self.parts.control.change(
             caller,
             "tier.delete",
             f"tiers/{name}",
@@ -481,7 +505,7 @@ class AdminApi:
     # ---- live state, overrides, reload ----
 
     async def live_state(self, request: Request, caller: Caller) -> Response:
-        snap = await self.gw.store.snapshot()
+        snap = await self.parts.store.snapshot()
         pools = {
             name: {"capacity": p.capacity, "in_flight": p.in_flight, "shared": p.shared}
             for name, p in snap.pools.items()
@@ -493,22 +517,22 @@ class AdminApi:
                 "fair_share_counter": snap.virtual_service.get(t.name),
                 "served_tokens_here": self.recent.served.get(t.name, 0),
             }
-            for t in self.gw.tenants
+            for t in self.parts.live.current.tenants
         }
         return _json(
             {
-                "version": self.gw.control.state.version,
+                "version": self.parts.control.state.version,
                 "pools": pools,
                 "queued_by_tier": dict(snap.queue_depth),
                 "tenants": tenants,
                 "leases": snap.leases,
-                "requests_in_gateway": len(self.gw.exchanges),
+                "requests_in_gateway": len(self.parts.exchanges),
                 "recent_errors": list(self.recent.items),
             }
         )
 
     async def list_overrides(self, request: Request, caller: Caller) -> Response:
-        state = self.gw.control.state
+        state = self.parts.control.state
         return _json(
             {
                 "version": state.version,
@@ -522,25 +546,25 @@ class AdminApi:
             raise ApiError(
                 404, f"Overrides are kept for {', '.join(KINDS)}; not {show_value(kind)}", code="not_found"
             )
-        if name not in self.gw.control.state.overrides.get(kind, {}):
+        if name not in self.parts.control.state.overrides.get(kind, {}):
             raise ApiError(
                 404,
                 f"No override of {kind}/{show_value(name)}: it already follows the file",
                 code="not_found",
             )
-        await self.gw.control.change(
+        await self.parts.control.change(
             caller, "override.reset", f"{kind}/{name}", lambda s: s.without_override(kind, name)
         )
         return _json({"reset": f"{kind}/{name}"})
 
     async def reload(self, request: Request, caller: Caller) -> Response:
         try:
-            kept = await self.gw.control.reload(caller)
+            kept = await self.parts.control.reload(caller)
         except ConfigError as exc:
             raise ApiError(
                 400, f"Reload refused, the running configuration is unchanged: {exc}", code="invalid_config"
             ) from None
-        return _json({"reloaded": self.gw.config_path, "needs_restart": kept})
+        return _json({"reloaded": self.parts.control.source.path, "needs_restart": kept})
 
     async def openapi(self, request: Request, caller: Caller) -> Response:
         return _json(document())

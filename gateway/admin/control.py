@@ -3,7 +3,8 @@
 ``Control`` owns the current ``AdminState`` and the config file's raw YAML. A change (from the API,
 a reload, or another replica through the state store) produces the effective configuration
 (``state.effective_raw``), which is parsed by the normal loader — so an invalid change is refused
-with the loader's message — and applied with ``Gateway.apply``. Changes are serialised by one lock;
+with the loader's message — and applied with the gateway's ``apply`` (handed in, like the
+:class:`ConfigSource` that says where the file is). Changes are serialised by one lock;
 a save that lost a race with another replica (``Conflict``) re-reads the state and tries again.
 """
 
@@ -11,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 
@@ -24,13 +26,26 @@ from gateway.config.loader import load_raw, parse_config
 from gateway.config.schema import GatewayConfig
 from gateway.request.errors import ApiError
 
-if TYPE_CHECKING:
-    from gateway.app import Gateway
-
 log = logging.getLogger("tokengate.admin")
 audit = logging.getLogger("tokengate.audit")
 
 Mutation = Callable[[AdminState], AdminState]
+# Applies a config to the running gateway with the keys' expiries; returns the sections kept until a restart.
+Apply = Callable[[GatewayConfig, Mapping[str, float] | None], Awaitable[list[str]]]
+
+
+def _unchanged(config: GatewayConfig) -> GatewayConfig:
+    return config
+
+
+@dataclass
+class ConfigSource:
+    """Where the running config comes from: the file ``reload`` reads (None: not from a file), and
+    what ``tokengate serve`` adds to each config read (the embedded backend's pool). Set by the
+    server; tests that build the app from a dict leave it as is."""
+
+    path: str | None = None
+    prepare: Callable[[GatewayConfig], GatewayConfig] = field(default=_unchanged)
 
 
 def state_store_for(config: GatewayConfig) -> StateStore:
@@ -44,8 +59,11 @@ def state_store_for(config: GatewayConfig) -> StateStore:
 
 
 class Control:
-    def __init__(self, gw: Gateway, store: StateStore, file_raw: Mapping[str, Any] | None) -> None:
-        self.gw = gw
+    def __init__(
+        self, apply: Apply, source: ConfigSource, store: StateStore, file_raw: Mapping[str, Any] | None
+    ) -> None:
+        self._apply = apply
+        self.source = source
         self.store = store
         self.file_raw = file_raw  # None: started from a config object, not a file: nothing to overlay
         self.state = AdminState()
@@ -70,7 +88,7 @@ class Control:
     def effective(self, state: AdminState, file_raw: Mapping[str, Any] | None = None) -> GatewayConfig:
         raw = self.file_raw if file_raw is None else file_raw
         assert raw is not None
-        return self.gw.prepare(parse_config(effective_raw(raw, state)))
+        return self.source.prepare(parse_config(effective_raw(raw, state)))
 
     async def change(self, caller: Caller, action: str, target: str, mutate: Mutation) -> AdminState:
         """Validate, save and apply one change; audited. Raises ApiError 400/409 when refused."""
@@ -96,20 +114,20 @@ class Control:
                     self.state = await self.store.load()  # another replica saved first: redo on top
                     continue
                 self.state = new
-                await self.gw.apply(config, key_expiries(new))
+                await self._apply(config, key_expiries(new))
                 _audit(caller, action, target, current, new)
                 return new
         raise ApiError(409, "The admin state kept changing under this request; retry", code="conflict")
 
     async def reload(self, caller: Caller | None = None) -> list[str]:
         """Re-read the config file and apply it with the admin state over it."""
-        path = self.gw.config_path
+        path = self.source.path
         if path is None:
             raise ConfigError("this gateway was started without a config file: there is nothing to reload")
         async with self._lock:
             raw = load_raw(path)
             config = self.effective(self.state, raw)  # raises ConfigError: nothing changes
-            kept = await self.gw.apply(config, key_expiries(self.state))
+            kept = await self._apply(config, key_expiries(self.state))
             self.file_raw = raw
         _write(caller, "reload", path, None, None)
         return kept
@@ -122,7 +140,7 @@ class Control:
             if self.file_raw is None:
                 return
             try:
-                await self.gw.apply(self.effective(state), key_expiries(state))
+                await self._apply(self.effective(state), key_expiries(state))
             except (ConfigError, ValueError) as exc:  # valid where it was made; not with this file
                 log.error("admin change version %d from another replica not applied: %s", state.version, exc)
                 return

@@ -184,8 +184,8 @@ async def serve_async(
                 started.model,
             )
         app = build_app(prepare(config), raw={} if raw is None else raw)
-        app.config_path = config_path
-        app.prepare = prepare
+        app.source.path = config_path
+        app.source.prepare = prepare
         _reload_on_sighup(app)
         ops = await _start_ops_listener(app, log_level)
         api = api_sock.getsockname()
@@ -418,7 +418,7 @@ def app_from_env() -> Gateway:
     # into a spawned worker); this worker process serves one config, so it sets the limits here.
     GuardedHttpToolsProtocol.limits = connection_limits(config)
     app = build_app(config, raw=raw)
-    app.config_path = path
+    app.source.path = path
     tune_collector(config.gc)
     freeze_startup_heap()  # before the app's own start-up (uvicorn runs it next), not after
     return app

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, replace
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
@@ -47,7 +47,13 @@ from gateway.upstream.pools import Backend, NoBackend
 from gateway.upstream.relay import UPSTREAM_ERRORS, Grow, relay_raw, relay_sse, relay_whole, upstream_failed
 
 if TYPE_CHECKING:
-    from gateway.app import Gateway
+    from budgets.types import BudgetStore
+    from gateway.config.schema import LimitsConfig
+    from gateway.live import Live, LiveParts
+    from gateway.observe.metrics import GatewayMetrics
+    from gateway.observe.observer import Observer
+    from gateway.request.leases import LeaseKeeper
+    from gateway.upstream.pools import Router
 
 log = logging.getLogger("tokengate.proxy")
 
@@ -206,37 +212,57 @@ def _max_wait_header(value: bytes) -> float:
     return seconds
 
 
-class Proxy:
-    """Request handling; one instance per app, created at start-up (needs the session)."""
+@dataclass(frozen=True)
+class ProxyParts:
+    """What the request path uses for the process's life (a reload changes none of it)."""
 
-    def __init__(self, gw: Gateway, session: aiohttp.ClientSession) -> None:
-        self.gw = gw
+    store: BudgetStore
+    keeper: LeaseKeeper
+    metrics: GatewayMetrics
+    observer: Observer
+    router: Router  # reconfigures itself in place
+    exchanges: set[Exchange]  # the requests in the gateway now (drain waits on them)
+    hooks: list[Callable[[Record, float], None]]  # the same list: hooks added later are seen
+    limits: LimitsConfig  # a restart-only section: one count for the process's life
+    cooldown_s: float  # a backend's breaker cooldown: the Retry-After when none is healthy
+    draining: Callable[[], bool]
+
+
+class Proxy:
+    """Request handling; one instance per app, created at start-up (needs the session). It takes
+    its parts from :class:`ProxyParts` and, on every swap, from the :class:`Live` parts."""
+
+    def __init__(self, parts: ProxyParts, live: LiveParts, session: aiohttp.ClientSession) -> None:
         self.session = session
-        self.store = gw.store
-        self.keeper = gw.keeper
-        self.metrics = gw.metrics
-        self.exchanges = gw.exchanges
-        self.hooks = gw.request_hooks  # the same list: hooks added later are seen
-        self.observer = gw.observer
+        self.store = parts.store
+        self.keeper = parts.keeper
+        self.metrics = parts.metrics
+        self.exchanges = parts.exchanges
+        self.hooks = parts.hooks
+        self.observer = parts.observer
+        self.router = parts.router
+        self.cooldown_s = parts.cooldown_s
+        self.draining = parts.draining
         self._demand_pools: dict[tuple[str, str, str | None], tuple[str, ...]] = {}
         self._urls: dict[tuple[int, bytes], URL] = {}
-        limits = gw.config.limits  # (a restart-only section: one count for the process's life)
+        limits = parts.limits
         self.held = HeldBodies(limits.max_held_body_bytes, limits.max_held_body_bytes_per_tenant)
         self.connections = TenantConnections(limits.max_connections_per_tenant)
         self.media = MediaFetcher(lambda: self.pricer.settings.media_urls)
-        self.bind(gw)
+        self.bind(live.current)
+        live.subscribe(self.bind)
 
-    def bind(self, gw: Gateway) -> None:
-        """Take the gateway's live parts (again, after a reconfiguration). Requests in flight keep
-        the references they already read; the next step of each reads the new ones."""
-        cfg = gw.config
-        self.auth = gw.auth
-        self.router = gw.router
-        self.pricer = gw.pricer
-        self.classifier = gw.classifier
-        self.models = gw.models
-        self.overheads = gw.prompt_overheads
-        self.reservations = gw.reservations
+    def bind(self, live: Live) -> None:
+        """Take the live parts (again, after a reconfiguration). Requests in flight keep the
+        references they already read; the next step of each reads the new ones."""
+        cfg = live.config
+        self.pools_config = cfg.pools
+        self.auth = live.auth
+        self.pricer = live.pricer
+        self.classifier = live.classifier
+        self.models = live.models
+        self.overheads = live.prompt_overheads
+        self.reservations = live.reservations
         self.max_body = cfg.limits.max_body_bytes
         self.refused_fields = frozenset(cfg.limits.refused_fields)
         self.private_headers = HeaderNames.of(cfg.limits.private_headers)
@@ -627,7 +653,7 @@ class Proxy:
             if exc.unknown_model:
                 raise ApiError(404, exc.message, param="model", code="model_not_found") from None
             raise ApiError(
-                503, exc.message, code="no_healthy_backend", retry_after_s=self.gw.config.health.cooldown_s
+                503, exc.message, code="no_healthy_backend", retry_after_s=self.cooldown_s
             ) from None
         rec.pool = pool
         key = (tenant.name, pool, klass if class_budget else None)
@@ -685,7 +711,7 @@ class Proxy:
             if isinstance(exc, NeverFits) and rec.slot_tokens:
                 asked = cost.decode - rec.slot_tokens
                 if cost.prefill + asked <= exc.limit:  # only the slot floor made it too big
-                    pool_cfg = next((p for p in self.gw.config.pools if p.name == placement.pool), None)
+                    pool_cfg = next((p for p in self.pools_config if p.name == placement.pool), None)
                     live = self.router.pools.get(placement.pool)
                     per_seq = live.sequence_tokens if live is not None else cost.prefill + cost.decode
                     message = slots.refusal(exc, pool_cfg, per_seq, cost.prefill, asked)
@@ -698,7 +724,7 @@ class Proxy:
 
     def _refuse_if_draining(self) -> None:
         # Checked on arrival and again just before queueing: drain may begin while a body is read.
-        if self.gw.draining:
+        if self.draining():
             raise ApiError(503, _DRAINING, code="draining", retry_after_s=1.0)
 
     # ---- 6. forward ----
