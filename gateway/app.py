@@ -99,6 +99,7 @@ RESTART_ONLY = (
     "embedded_backend",
     "admin",
     "ops",
+    "gc",
 )
 
 
@@ -261,9 +262,9 @@ class Gateway:
         Tenants, keys, tiers, pools and their backends, classes, models, pricing, pass-through routes
         and fairness apply at once: a lowered budget makes new requests wait while running ones
         finish, a raised one wakes waiting requests, a removed tenant's new requests are refused.
-        Sections that shape the process itself (listen, workers, store, limits, upstream, leases,
-        health, metrics, observability, embedded_backend) keep their running values until a restart;
-        their names are returned (and logged).
+        Sections that shape the process itself (``RESTART_ONLY``: listen, workers, store, limits,
+        upstream, leases, health, metrics, observability, embedded_backend, admin, ops, gc) keep their
+        running values until a restart; their names are returned (and logged).
         """
         if not config.pools:
             raise ValueError("no backend pools configured: a running gateway keeps at least one pool")

@@ -386,3 +386,12 @@ def test_refused_fields_default_to_the_engine_internal_ones_and_an_empty_list_re
     assert "kv_transfer_params" in ENGINE_INTERNAL_FIELDS
     assert parse_config({"limits": {"refused_fields": []}}).limits.refused_fields == ()
     assert parse_config({"limits": {"refused_fields": "vllm_xargs"}}).limits.refused_fields == ("vllm_xargs",)
+
+
+def test_the_annotated_reference_file_loads_and_names_every_section() -> None:
+    """examples/reference.yaml is the documented list of every key: it must stay valid and whole."""
+    from gateway.config.loader import _TOP_KEYS, load_raw
+
+    raw = load_raw(str(Path(__file__).parents[2] / "examples" / "reference.yaml"))
+    parse_config(raw)
+    assert sorted(set(_TOP_KEYS) - set(raw)) == []

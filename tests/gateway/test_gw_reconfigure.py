@@ -165,6 +165,25 @@ async def test_reload_applies_a_good_file_and_keeps_the_old_config_on_a_bad_one(
         assert (await post(c, max_tokens=5)).status_code == 200
 
 
+async def test_a_change_to_any_section_that_shapes_the_process_is_named_as_needing_a_restart(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
+) -> None:
+    _, url = stub_backend
+    gw = await gateway_factory(config(url, budget=3000))
+    changed = {
+        **config(url, budget=4000),
+        "ops": {"port": None},
+        "gc": {"threshold0": 700},
+        "leases": {"ttl_s": 30},
+        "metrics": {"top_tenants": 3},
+    }
+    # Applied at start only: a reload that said nothing would leave the operator believing it ran.
+    assert sorted(await gw.app.apply(parse_config(changed))) == ["gc", "leases", "metrics", "ops"]
+    before = parse_config(config(url))
+    assert (gw.app.config.gc, gw.app.config.ops) == (before.gc, before.ops)  # running values kept
+    assert (await pool_state(gw, "tenant:t"))[1] == 4000  # the rest applied
+
+
 async def test_reloading_under_load_fails_no_request(
     stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
 ) -> None:
