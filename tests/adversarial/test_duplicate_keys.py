@@ -11,9 +11,9 @@ from __future__ import annotations
 import httpx
 import orjson
 
-from tests.conftest import GatewayFactory, StubBackend, stub_pools
-
-WORDS = "word " * 30_000
+from tests.adversarial.support import WORDS
+from tests.adversarial.support import rerank_config as config
+from tests.conftest import GatewayFactory, StubBackend
 
 
 async def post_raw(url: str, path: str, raw: bytes) -> httpx.Response:
@@ -21,14 +21,6 @@ async def post_raw(url: str, path: str, raw: bytes) -> httpx.Response:
         headers={"authorization": "Bearer k", "content-type": "application/json"}
     ) as c:
         return await c.post(url + path, content=raw)
-
-
-def config(url: str) -> dict[str, object]:
-    return {
-        "pools": stub_pools(url, capacity=200_000),
-        "tenants": {"t": {"keys": ["k"], "budget_tokens": 20_000}},
-        "passthrough": {"routes": [{"method": "POST", "path": "/v1/rerank"}]},
-    }
 
 
 async def test_the_backend_reads_each_key_once_with_the_value_that_was_priced(

@@ -20,7 +20,8 @@ import pytest
 
 from gateway.config.schema import ENGINE_INTERNAL_FIELDS
 from tests.adversarial.backends import RoutingStack
-from tests.conftest import GatewayFactory, StubBackend, serve_asgi, stub_pools
+from tests.adversarial.support import rerank_config as config
+from tests.conftest import GatewayFactory, StubBackend, serve_asgi
 
 EVIL: dict[str, Any] = {
     "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "10.0.0.66", "remote_port": 5600},
@@ -40,15 +41,6 @@ ROUTES: list[tuple[str, dict[str, Any]]] = [
     ("/v1/embeddings", {"model": "stub-model", "input": "hi"}),
     ("/v1/rerank", {"model": "stub-model", "query": "q", "documents": ["a"]}),
 ]
-
-
-def config(url: str, **limits: Any) -> dict[str, object]:
-    return {
-        "pools": stub_pools(url, capacity=200_000),
-        "tenants": {"t": {"keys": ["k"], "budget_tokens": 20_000}},
-        "passthrough": {"routes": [{"method": "POST", "path": "/v1/rerank"}]},
-        **({"limits": limits} if limits else {}),
-    }
 
 
 def test_the_default_list_is_every_field_attacked_here() -> None:

@@ -20,9 +20,9 @@ import httpx
 import pytest
 from PIL import Image
 
+from tests.adversarial.support import AUTH
+from tests.adversarial.support import image_chat as chat
 from tests.conftest import GatewayFactory, StubBackend, stub_pools
-
-AUTH = {"authorization": "Bearer k"}
 
 
 def _chunk(kind: bytes, data: bytes) -> bytes:
@@ -47,11 +47,6 @@ def small() -> str:
     out = io.BytesIO()
     Image.new("RGB", (64, 64)).save(out, format="PNG")
     return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
-
-
-def chat(url: str) -> dict[str, Any]:
-    parts = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": url}}]
-    return {"model": "stub-model", "max_tokens": 5, "messages": [{"role": "user", "content": parts}]}
 
 
 def responses(url: str) -> dict[str, Any]:

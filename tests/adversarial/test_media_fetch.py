@@ -24,6 +24,7 @@ from classifiers.media_urls import MediaUrls
 from gateway.request.errors import ApiError
 from gateway.request.media_fetch import CheckedResolver, MediaFetcher, PrivateAddress
 from tests.adversarial.backends import lifespan
+from tests.adversarial.support import image_chat as chat
 from tests.conftest import (
     GatewayFactory,
     Receive,
@@ -89,11 +90,6 @@ def config(url: str, **media: Any) -> dict[str, Any]:
         "models": {"stub-model": {"images": {"patch_pixels": 28, "max_pixels": 12_845_056}}},
         "pricing": {"media_urls": policy},
     }
-
-
-def chat(url: str) -> dict[str, Any]:
-    parts = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": url}}]
-    return {"model": "stub-model", "max_tokens": 5, "messages": [{"role": "user", "content": parts}]}
 
 
 async def test_the_engine_gets_the_bytes_and_the_image_is_priced_by_its_real_size(

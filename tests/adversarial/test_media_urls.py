@@ -17,9 +17,9 @@ import pytest
 
 from gateway.config.loader import parse_config
 from tests.adversarial.backends import MediaFetching, lifespan
+from tests.adversarial.support import AUTH
 from tests.conftest import GatewayFactory, Receive, Scope, Send, Served, serve_asgi, stub_pools
 
-AUTH = {"authorization": "Bearer k"}
 PNG = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
 
 

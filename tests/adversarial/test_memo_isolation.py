@@ -18,9 +18,8 @@ from typing import Any
 import httpx
 import tiktoken
 
+from tests.adversarial.support import PROSE_WORDS
 from tests.conftest import GatewayFactory, StubBackend, stub_pools
-
-_WORDS = "the model token budget queue tenant prefill decode cache batch stream gateway latency".split()
 
 
 class CountingEncoding:
@@ -69,7 +68,7 @@ async def test_another_tenants_same_document_is_encoded_afresh_not_served_from_i
 
 async def probe(gw: Any, counting: CountingEncoding) -> None:
     rng = random.Random(7)
-    document = " ".join(rng.choice(_WORDS) for _ in range(12_000))  # ~70,000 characters
+    document = " ".join(rng.choice(PROSE_WORDS) for _ in range(12_000))  # ~70,000 characters
 
     async def send(key: str, text: str) -> int:
         async with httpx.AsyncClient(base_url=gw.url, timeout=30) as c:

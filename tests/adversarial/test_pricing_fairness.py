@@ -17,15 +17,15 @@ import httpx
 import orjson
 import pytest
 
+from tests.adversarial.support import PROSE_WORDS
 from tests.conftest import GatewayFactory, StubBackend, eventually, stub_pools
 
 FLOOD = 12
-_WORDS = "the model token budget queue tenant prefill decode cache batch stream gateway latency".split()
 
 
 def prompt(seed: int, chars: int) -> str:
     rng = random.Random(seed)
-    return " ".join(rng.choice(_WORDS) for _ in range(chars // 6))[:chars]
+    return " ".join(rng.choice(PROSE_WORDS) for _ in range(chars // 6))[:chars]
 
 
 def chat(text: str) -> bytes:

@@ -11,9 +11,8 @@ import httpx
 import orjson
 import pytest
 
+from tests.adversarial.support import WORDS
 from tests.conftest import GatewayFactory, StubBackend, stub_pools
-
-WORDS = "word " * 30_000  # ~30k tokens
 
 
 def config(url: str, budget: int) -> dict[str, object]:

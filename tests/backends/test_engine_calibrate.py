@@ -5,8 +5,7 @@ import pytest
 
 from backends.engine.calibrate import Sample, calibration_plans, fit_cost_model, main, measure
 from backends.engine.sim_executor import CostModel, SimExecutor
-
-TRUE = CostModel(floor_s=9.7e-3, knee_tokens=64, per_token_s=65e-6, decode_kv_s=80e-9, prefill_pair_s=2.5e-9)
+from tests.backends.support import TRUE
 
 
 def test_fit_recovers_the_model_that_produced_the_times() -> None:

@@ -12,8 +12,7 @@ from backends.engine.calibrate import main as calibrate
 from backends.engine.factory import DEFAULT_SIM_KV_TOKENS, ExecutorSettings, build_executor, sim_num_blocks
 from backends.engine.sim_executor import CostModel, SimExecutor
 from backends.reference.server import BackendSettings
-
-TRUE = CostModel(floor_s=9.7e-3, knee_tokens=64, per_token_s=65e-6, decode_kv_s=80e-9, prefill_pair_s=2.5e-9)
+from tests.backends.support import TRUE
 
 
 def test_every_executor_setting_of_the_server_reaches_the_factory() -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -13,17 +11,8 @@ from backends.engine.request import EngineRequest, RequestStatus
 from backends.engine.scheduler import Scheduler, SchedulerConfig
 from backends.engine.types import SamplingParams
 from tests.backends.conftest import SimRig, make_sim_rig, prompt
+from tests.backends.support import RigFactory, req, salt
 from tests.support import examples
-
-RigFactory = Callable[..., SimRig]
-
-
-def salt(rid: str) -> int:
-    return sum(rid.encode())
-
-
-def req(rid: str, n_prompt: int, max_tokens: int, **kw: object) -> EngineRequest:
-    return EngineRequest(rid, prompt(n_prompt, salt=salt(rid)), max_tokens, **kw)  # type: ignore[arg-type]
 
 
 def test_running_requests_are_served_before_waiting_ones(sim_rig: RigFactory) -> None:

@@ -3,19 +3,12 @@ vLLM's concurrent-partial-prefill settings, priority inside each step, aging, pr
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 
-from backends.engine.request import EngineRequest, RequestStatus
+from backends.engine.request import RequestStatus
 from backends.engine.scheduler import SchedulerConfig
 from tests.backends.conftest import SimRig, prompt
-
-RigFactory = Callable[..., SimRig]
-
-
-def req(rid: str, n_prompt: int, max_tokens: int, **kw: object) -> EngineRequest:
-    return EngineRequest(rid, prompt(n_prompt, salt=sum(rid.encode())), max_tokens, **kw)  # type: ignore[arg-type]
+from tests.backends.support import RigFactory, req
 
 
 def chunks(rig: SimRig) -> dict[str, int]:

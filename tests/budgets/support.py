@@ -37,6 +37,11 @@ TIERS = {
 }
 # One tier with no ceiling, for tests about fairness and backfill only.
 FLAT = {"std": TierSpec("std", rank=0, ceiling=1.0, max_queue_wait_s=30.0)}
+TIER_NAMES = ("critical", "standard", "batch")
+
+# Two backend pools' names.
+P = "backend:p"
+Q = "backend:q"
 
 
 def shared(name: str, capacity: int) -> PoolSpec:
@@ -60,6 +65,11 @@ def layout(
         tenants={t.name: t for t in specs},
         policy=PolicySpec(**policy),  # type: ignore[arg-type]
     )
+
+
+def small_layout(ttl: float = 10.0) -> BudgetLayout:
+    """One shared pool P and tenant a's private pool, 100 each; tenants a and b."""
+    return layout([shared(P, 100), private("tenant:a", 100)], ["a", "b"], lease_ttl_s=ttl)
 
 
 def demand(tenant: str, cost: int, *pools: str, tier: str = "critical", decode: int = 0) -> Demand:

@@ -11,6 +11,8 @@ from budgets.types import NeverFits, QueueTimeout, UnknownTenantOrTier
 from tests.budgets.conftest import StoreFactory
 from tests.budgets.support import (
     FakeClock,
+    P,
+    Q,
     assert_idle,
     demand,
     in_flight,
@@ -19,9 +21,6 @@ from tests.budgets.support import (
     shared,
     wait_queued,
 )
-
-P = "backend:p"
-Q = "backend:q"
 
 
 async def test_immediate_grant_and_release(store_factory: StoreFactory) -> None:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from budgets.types import BudgetStore
 from tests.budgets.conftest import StoreFactory
-from tests.budgets.support import FLAT, FakeClock, demand, layout, shared
-
-P = "backend:p"
+from tests.budgets.support import FLAT, FakeClock, P, demand, layout, shared
 
 
 async def counters(store: BudgetStore) -> dict[str, float]:

@@ -11,6 +11,8 @@ from budgets.types import Demand, NeverFits, TierSpec, UnknownTenantOrTier
 from tests.budgets.conftest import StoreFactory
 from tests.budgets.support import (
     FakeClock,
+    P,
+    Q,
     assert_idle,
     demand,
     eventually,
@@ -21,9 +23,6 @@ from tests.budgets.support import (
     wait_queued,
     waiting,
 )
-
-P = "backend:p"
-Q = "backend:q"
 
 
 async def test_expired_leases_are_reaped(store_factory: StoreFactory, clock: FakeClock) -> None:

@@ -15,10 +15,18 @@ import pytest
 
 from budgets.types import BudgetLayout, Demand, QueueOrder, UnknownTenantOrTier
 from tests.budgets.conftest import StoreFactory
-from tests.budgets.support import FLAT, FakeClock, assert_idle, demand, layout, shared, wait_queued, waiting
+from tests.budgets.support import (
+    FLAT,
+    FakeClock,
+    P,
+    assert_idle,
+    demand,
+    layout,
+    shared,
+    wait_queued,
+    waiting,
+)
 from tests.budgets.test_contract_queue import Waiters
-
-P = "backend:p"
 
 
 def ordered(order: QueueOrder = "shortest_first", tenants: tuple[str, ...] = ("a", "b", "c")) -> BudgetLayout:

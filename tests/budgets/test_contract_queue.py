@@ -12,6 +12,8 @@ from tests.budgets.conftest import StoreFactory
 from tests.budgets.support import (
     FLAT,
     FakeClock,
+    P,
+    Q,
     assert_idle,
     demand,
     eventually,
@@ -22,9 +24,6 @@ from tests.budgets.support import (
     wait_queued,
     waiting,
 )
-
-P = "backend:p"
-Q = "backend:q"
 
 
 class Waiters:

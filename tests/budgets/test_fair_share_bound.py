@@ -32,10 +32,9 @@ from hypothesis import strategies as st
 
 from budgets.types import BudgetStore, Demand, Lease, TenantSpec
 from tests.budgets.conftest import FACTORIES, STORE_KINDS
-from tests.budgets.support import FLAT, FakeClock, assert_idle, eventually, layout, shared
+from tests.budgets.support import FLAT, FakeClock, P, assert_idle, eventually, layout, shared
 from tests.support import examples
 
-P = "backend:p"
 M = 100  # tokens the pool holds
 BACKLOGGED = ("f", "g")
 DEPTH = 11  # > M / smallest cost: one release can never drain a backlogged tenant's queue

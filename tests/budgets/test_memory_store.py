@@ -8,9 +8,7 @@ import pytest
 
 from budgets.memory import MemoryStore
 from budgets.types import Lease, QueueTimeout
-from tests.budgets.support import demand, layout, shared
-
-P = "backend:p"
+from tests.budgets.support import P, demand, layout, shared
 
 
 def test_a_store_used_from_a_new_event_loop_still_times_its_waiters_out() -> None:

@@ -7,10 +7,7 @@ import pytest
 from budgets import policy
 from budgets.policy import PolicyState
 from budgets.types import Demand, NeverFits, TenantSpec, TierSpec, UnknownTenantOrTier
-from tests.budgets.support import FLAT, demand, layout, private, shared
-
-P = "backend:p"
-Q = "backend:q"
+from tests.budgets.support import FLAT, P, Q, demand, layout, private, shared
 
 
 def state_with(*pools, tenants=("a", "b", "c"), tiers=None, **pol) -> PolicyState:  # type: ignore[no-untyped-def]

@@ -28,11 +28,10 @@ from budgets import policy
 from budgets.policy import PolicyState
 from budgets.queue_index import Group
 from budgets.types import Demand, NeverFits, TenantSpec
-from tests.budgets.support import layout, private, shared
+from tests.budgets.support import TIER_NAMES, layout, private, shared
 from tests.support import examples
 
 TENANTS = ("a", "b", "c", "d")
-TIER_NAMES = ("critical", "standard", "batch")
 P, Q, R = "backend:p", "backend:q", "class:r"
 POOLS = [
     shared(P, 60),

@@ -14,11 +14,10 @@ from hypothesis import strategies as st
 from budgets import policy
 from budgets.policy import PolicyState
 from budgets.types import QUEUE_ORDERS, Demand, NeverFits, QueueOrder, TenantSpec
-from tests.budgets.support import layout, private, shared
+from tests.budgets.support import TIER_NAMES, layout, private, shared
 from tests.support import examples
 
 TENANTS = ("a", "b", "c")
-TIER_NAMES = ("critical", "standard", "batch")
 POOL_CHOICES = (("backend:p",), ("backend:q",), ("backend:p", "backend:q"))
 POOLS = [
     shared("backend:p", 60),

@@ -39,14 +39,13 @@ from budgets.types import (
     TenantSpec,
 )
 from tests.budgets.redis_fixtures import RedisServer, scratch_redis, unique_prefix
-from tests.budgets.support import TIERS, FakeClock, eventually
+from tests.budgets.support import TIER_NAMES, TIERS, FakeClock, eventually
 from tests.support import examples
 
 __all__ = ["scratch_redis"]  # the fixture of the tests below: a server of this module's own
 
 P, Q = "backend:p", "backend:q"
 TENANTS = ("a", "b", "c")
-TIER_NAMES = ("critical", "standard", "batch")
 POOL_SETS: tuple[tuple[str, ...], ...] = ((P,), (Q,), (P, Q), ())
 TTL = 5.0
 

@@ -29,6 +29,7 @@ from tests.budgets.redis_fixtures import (
     unique_prefix,
 )
 from tests.budgets.support import (
+    P,
     assert_idle,
     demand,
     eventually,
@@ -41,7 +42,6 @@ from tests.budgets.support import (
 
 __all__ = ["fresh_redis", "make_store"]  # fixtures used below
 
-P = "backend:p"
 CAPACITY = 100
 
 

@@ -27,6 +27,7 @@ from tests.budgets.redis_fixtures import (
     unique_prefix,
 )
 from tests.budgets.support import (
+    P,
     assert_idle,
     demand,
     eventually,
@@ -34,16 +35,11 @@ from tests.budgets.support import (
     layout,
     private,
     shared,
+    small_layout,
     wait_queued,
 )
 
 __all__ = ["fresh_redis", "make_store", "redis_server"]  # fixtures used below
-
-P = "backend:p"
-
-
-def small_layout(ttl: float = 10.0) -> BudgetLayout:
-    return layout([shared(P, 100), private("tenant:a", 100)], ["a", "b"], lease_ttl_s=ttl)
 
 
 async def test_fail_closed_answers_fast_while_redis_is_down_and_recovers(

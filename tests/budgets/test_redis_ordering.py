@@ -13,11 +13,9 @@ from redis.asyncio import Redis
 from budgets.redis.keys import layout_from_json, layout_json
 from budgets.types import BudgetLayout
 from tests.budgets.redis_fixtures import RedisServer, StoreMaker, make_store, redis_server
-from tests.budgets.support import FLAT, assert_idle, demand, layout, shared, wait_queued
+from tests.budgets.support import FLAT, P, assert_idle, demand, layout, shared, wait_queued
 
 __all__ = ["make_store", "redis_server"]  # fixtures used below
-
-P = "backend:p"
 
 
 def shortest_first() -> BudgetLayout:

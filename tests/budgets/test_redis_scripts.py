@@ -15,7 +15,6 @@ from redis.asyncio import Redis
 from budgets.redis import RedisStore
 from budgets.redis.keys import pack_demand
 from budgets.redis.scripts import ENTRY_SCRIPTS, ScriptRunner, load_library, load_scripts
-from budgets.types import BudgetLayout
 from loadtest.redis_server import RedisServer
 from tests.budgets.redis_fixtures import (
     StoreMaker,
@@ -25,15 +24,9 @@ from tests.budgets.redis_fixtures import (
     scratch_redis,
     unique_prefix,
 )
-from tests.budgets.support import assert_idle, demand, in_flight, layout, private, shared
+from tests.budgets.support import P, assert_idle, demand, in_flight, layout, private, shared, small_layout
 
 __all__ = ["fresh_redis", "make_store", "redis_server", "scratch_redis"]  # fixtures used below
-
-P = "backend:p"
-
-
-def small_layout() -> BudgetLayout:
-    return layout([shared(P, 100), private("tenant:a", 100)], ["a", "b"], lease_ttl_s=10.0)
 
 
 async def serves_one_request(store: RedisStore, lua_mode: str) -> None:

@@ -11,11 +11,10 @@ import asyncio
 from redis.asyncio import Redis
 
 from tests.budgets.redis_fixtures import RedisServer, StoreMaker, make_store, redis_server, unique_prefix
-from tests.budgets.support import FLAT, demand, layout, shared, wait_queued
+from tests.budgets.support import FLAT, P, demand, layout, shared, wait_queued
 
 __all__ = ["make_store", "redis_server"]  # fixtures used below
 
-P = "backend:p"
 DERIVED = ("vb", "vl", "idle", "ahead", "heads", "age", "gtiers", "clock")
 
 

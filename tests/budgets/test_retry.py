@@ -9,10 +9,7 @@ import pytest
 from budgets import policy
 from budgets.policy import PolicyState
 from budgets.retry import ReleaseRate, retry_after
-from tests.budgets.support import demand, layout, shared
-
-P = "backend:p"
-Q = "backend:q"
+from tests.budgets.support import P, Q, demand, layout, shared
 
 
 def test_rate_converges_to_a_steady_rate_and_decays_when_idle() -> None:

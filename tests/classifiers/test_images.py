@@ -15,8 +15,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from classifiers.images import ImageRule, data_url_size, image_size
-
-QWEN = ImageRule(patch_pixels=28, min_pixels=3_136, max_pixels=12_845_056, extra_tokens=2)
+from tests.classifiers.support import QWEN
 
 
 def encoded(fmt: str, size: tuple[int, int], **save: object) -> bytes:

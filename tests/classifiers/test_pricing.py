@@ -7,22 +7,7 @@ import orjson
 import pytest
 
 from classifiers import Cost, InvalidRequest, Pricer, PricingSettings, TokenizerRegistry, default_tokenizer
-
-CTX = 8192
-LIMITS: dict[str, Any] = {"default_max_tokens": 256, "max_tokens_limit": None, "context_length": CTX}
-
-
-@pytest.fixture(scope="module")
-def pricer() -> Pricer:
-    return Pricer(TokenizerRegistry())
-
-
-def count(text: str) -> int:
-    return default_tokenizer().count(text)
-
-
-def chat(**extra: Any) -> dict[str, Any]:
-    return {"model": "m", "messages": [{"role": "user", "content": "Hi"}], **extra}
+from tests.classifiers.support import CTX, LIMITS, chat, count
 
 
 def test_cost_total() -> None:

@@ -13,15 +13,9 @@ from tokenizers import models, pre_tokenizers
 
 from classifiers import Cost, InvalidRequest, Pricer, PricingSettings, TokenizerRegistry
 from classifiers.pricing.values import show_value
+from tests.classifiers.support import CTX, LIMITS, chat, responses
 
-CTX = 8192
-LIMITS: dict[str, Any] = {"default_max_tokens": 256, "max_tokens_limit": None, "context_length": CTX}
 MAX_DEPTH = 254  # what the pricer documents (orjson's own serialization limit)
-
-
-@pytest.fixture(scope="module")
-def pricer() -> Pricer:
-    return Pricer(TokenizerRegistry())
 
 
 def nested(depth: int) -> Any:
@@ -32,14 +26,6 @@ def nested(depth: int) -> Any:
     for _ in range(depth - 1):  # deeper than orjson.loads accepts: only a Python caller can build it
         value = {"a": value}
     return value
-
-
-def chat(**extra: Any) -> dict[str, Any]:
-    return {"model": "m", "messages": [{"role": "user", "content": "Hi"}], **extra}
-
-
-def responses(**extra: Any) -> dict[str, Any]:
-    return {"model": "m", "input": "Hi", **extra}
 
 
 # (how to build a body around a deep value, the pricing call, the param named in the error,

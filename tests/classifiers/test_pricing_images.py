@@ -13,9 +13,9 @@ from PIL import Image
 
 from classifiers import InvalidRequest, Pricer, PricingSettings, TokenizerRegistry
 from classifiers.images import ImageRule
+from tests.classifiers.support import QWEN
 
 LIMITS: dict[str, Any] = {"default_max_tokens": 16, "max_tokens_limit": None, "context_length": 200_000}
-QWEN = ImageRule(patch_pixels=28, min_pixels=3_136, max_pixels=12_845_056, extra_tokens=2)
 PRICER = Pricer(
     TokenizerRegistry(),
     PricingSettings(image_tokens=765, encode_threads=0),

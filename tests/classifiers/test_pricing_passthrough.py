@@ -5,12 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from classifiers import BytesTokenizer, Cost, Pricer, TokenizerRegistry, default_tokenizer
-
-
-@pytest.fixture(scope="module")
-def pricer() -> Pricer:
-    return Pricer(TokenizerRegistry())
+from classifiers import BytesTokenizer, Cost, Pricer, default_tokenizer
 
 
 async def test_prefill_is_the_whole_body_in_the_models_tokenizer(pricer: Pricer) -> None:

@@ -8,23 +8,9 @@ from typing import Any
 import orjson
 import pytest
 
-from classifiers import Cost, InvalidRequest, Pricer, PricingSettings, TokenizerRegistry, default_tokenizer
-
-CTX = 8192
-LIMITS: dict[str, Any] = {"default_max_tokens": 256, "max_tokens_limit": None, "context_length": CTX}
-
-
-@pytest.fixture(scope="module")
-def pricer() -> Pricer:
-    return Pricer(TokenizerRegistry())
-
-
-def count(text: str) -> int:
-    return default_tokenizer().count(text)
-
-
-def resp(**extra: Any) -> dict[str, Any]:
-    return {"model": "m", "input": "Hi", **extra}
+from classifiers import Cost, InvalidRequest, Pricer, PricingSettings, TokenizerRegistry
+from tests.classifiers.support import CTX, LIMITS, count
+from tests.classifiers.support import responses as resp
 
 
 def message(role: str, text: str, pricer: Pricer) -> int:

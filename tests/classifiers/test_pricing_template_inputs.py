@@ -14,22 +14,14 @@ from typing import Any
 import orjson
 import pytest
 
-from classifiers import Cost, InvalidRequest, Pricer, TokenizerRegistry, default_tokenizer
+from classifiers import Cost, InvalidRequest, Pricer, default_tokenizer
 from classifiers.pricing.chat import walk as walk_chat
 from classifiers.pricing.settings import Rules
+from tests.classifiers.support import count
 
 CTX = 200_000
 LIMITS: dict[str, Any] = {"default_max_tokens": 16, "max_tokens_limit": None, "context_length": CTX}
 TEXT = "word " * 3000  # 3,000 tokens in cl100k_base
-
-
-@pytest.fixture(scope="module")
-def pricer() -> Pricer:
-    return Pricer(TokenizerRegistry())
-
-
-def count(text: str) -> int:
-    return default_tokenizer().count(text)
 
 
 def chat(*messages: dict[str, Any], **extra: Any) -> dict[str, Any]:

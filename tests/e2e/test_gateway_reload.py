@@ -13,8 +13,7 @@ import httpx
 import pytest
 
 from tests.conftest import StubBackend, free_port, serve_asgi
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.e2e.support import ROOT
 
 
 def config(port: int, ops_port: int, backend: str, budget: int) -> str:

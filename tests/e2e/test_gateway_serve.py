@@ -13,11 +13,10 @@ import httpx
 import pytest
 
 from tests.conftest import free_port
+from tests.e2e.support import ROOT
 from tests.support import eventually
 
 pytestmark = pytest.mark.slow
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 async def test_serve_with_embedded_backend_and_sigterm(tmp_path: Path) -> None:

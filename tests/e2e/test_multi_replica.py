@@ -25,9 +25,9 @@ from redis.asyncio import Redis
 
 from tests.budgets.redis_fixtures import RedisServer, unique_prefix
 from tests.conftest import StubBackend, free_port, serve_asgi
+from tests.e2e.support import ROOT
 from tests.support import eventually
 
-ROOT = Path(__file__).resolve().parents[2]
 TENANTS = {"t1": 1, "t2": 1, "t3": 2}  # name -> fair-share weight
 BACKEND_CAPACITY = 1000  # tokens; the standard tier may fill 90 % of it
 TENANT_BUDGET = 600

@@ -21,9 +21,9 @@ from typing import Any
 import aiohttp
 import pytest
 
+from tests.e2e.support import ROOT
 from tests.e2e.test_observability_hol import Traffic, gateway_config, reference_backends, running_gateway
 
-ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "artifacts"
 CHROMIUM = next(
     (p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")) if p), None

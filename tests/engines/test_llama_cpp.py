@@ -15,21 +15,16 @@ from typing import Any
 
 import httpx
 import openai
-import orjson
 import pytest
 
 from tests.conftest import GatewayFactory
 from tests.engines.conftest import Engine, LlamaFactory, idle
+from tests.engines.support import MESSAGES, access_lines, client
 from tests.support import eventually
 
 pytestmark = pytest.mark.engine
 
 MODEL = "smollm2"
-MESSAGES = [{"role": "user", "content": "Name three colours."}]
-
-
-def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
-    return [orjson.loads(r.getMessage()) for r in caplog.records if r.name == "tokengate.access"]
 
 
 def pools(engine: Engine, **backend: Any) -> dict[str, Any]:
@@ -47,10 +42,6 @@ def config(engine: Engine, **extra: Any) -> dict[str, Any]:
     }
     backend = extra.pop("backend", {})
     return {"pools": pools(engine, **backend), "tenants": tenants, **extra}
-
-
-def client(base: str, key: str = "sk-acme") -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=120)
 
 
 async def chat_text(c: openai.AsyncOpenAI, **kw: Any) -> str:

@@ -16,18 +16,17 @@ from typing import Any
 
 import httpx
 import openai
-import orjson
 import pytest
 
 from loadtest.bench import vllm_closed_loop as loop
 from tests.conftest import GatewayFactory
 from tests.engines.conftest import Engine, VllmFactory, idle
+from tests.engines.support import MESSAGES, access_lines, client
 from tests.support import eventually
 
 pytestmark = pytest.mark.engine
 
 MODEL = "tiny-llama"
-MESSAGES = [{"role": "user", "content": "Name three colours."}]
 WEATHER = {
     "type": "function",
     "function": {
@@ -47,10 +46,6 @@ def vllm(vllm_factory: VllmFactory) -> Engine:
     )  # fmt: skip
 
 
-def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
-    return [orjson.loads(r.getMessage()) for r in caplog.records if r.name == "tokengate.access"]
-
-
 def config(engine: Engine, tokenizer: Path, capacity: int = 60_000, **extra: Any) -> dict[str, Any]:
     backend = {"url": engine.url, "capacity_tokens": capacity, "max_num_seqs": 8, "accepts_priority": True}
     return {
@@ -62,10 +57,6 @@ def config(engine: Engine, tokenizer: Path, capacity: int = 60_000, **extra: Any
         },
         **extra,
     }
-
-
-def client(base: str, key: str = "sk-acme") -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=120)
 
 
 async def metric(engine: Engine, name: str) -> float:

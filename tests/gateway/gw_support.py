@@ -1,12 +1,27 @@
-"""Helpers for gateway tests: a raw HTTP/1.1 client that can hang up at any moment."""
+"""Helpers for gateway tests: a raw HTTP/1.1 client that can hang up at any moment, request bodies,
+keys, a hand-set clock, the access log's lines."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+import httpx
 import orjson
+import pytest
+
+if TYPE_CHECKING:
+    from tests.conftest import RunningGateway
+
+ROOT = Path(__file__).resolve().parents[2]
+AUTH = {"authorization": "Bearer k"}
+ADMIN = {"authorization": "Bearer admin-secret"}
+READ = {"authorization": "Bearer read-secret"}
+# What ``wait_idle`` answers for the default stub layout once nothing is in flight.
+ZERO = {"tenant:default": 0, "backend:default": 0}
 
 
 class RawRequest:
@@ -58,6 +73,35 @@ class RawRequest:
 
 def chat(content: str = "hello", **extra: object) -> dict[str, object]:
     return {"model": "stub-model", "messages": [{"role": "user", "content": content}], **extra}
+
+
+async def use(gw: RunningGateway, key: str, max_tokens: int = 5) -> httpx.Response:
+    """One chat completion through ``gw`` with ``key``."""
+    async with httpx.AsyncClient(base_url=gw.url) as c:
+        return await c.post(
+            "/v1/chat/completions",
+            json=chat(max_tokens=max_tokens),
+            headers={"authorization": f"Bearer {key}"},
+        )
+
+
+async def use_status(gw: RunningGateway, key: str, max_tokens: int = 5) -> int:
+    """The status code of ``use``."""
+    return (await use(gw, key, max_tokens)).status_code
+
+
+def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
+    return [orjson.loads(r.getMessage()) for r in caplog.records if r.name == "tokengate.access"]
+
+
+class Clock:
+    """A clock the test sets by hand (``clock.t``)."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.t = start
+
+    def __call__(self) -> float:
+        return self.t
 
 
 def dead_then_live(live_url: str, **pool: object) -> dict[str, object]:

@@ -14,11 +14,8 @@ import yaml
 from openapi_spec_validator import validate
 
 from gateway.process.logs import JsonFormatter
-from tests.conftest import GatewayFactory, RunningGateway, StubBackend, serve_asgi, stub_pools
-from tests.gateway.gw_support import chat
-
-ADMIN = {"authorization": "Bearer admin-secret"}
-READ = {"authorization": "Bearer read-secret"}
+from tests.conftest import GatewayFactory, StubBackend, serve_asgi, stub_pools
+from tests.gateway.gw_support import ADMIN, READ, use
 
 
 @pytest.fixture
@@ -37,15 +34,6 @@ def base(url: str, tokens_file: str | None, **extra: Any) -> dict[str, Any]:
     if tokens_file:
         config["admin"] = {"tokens_file": tokens_file, **extra.get("admin", {})}
     return config
-
-
-async def use(gw: RunningGateway, key: str, max_tokens: int = 5) -> httpx.Response:
-    async with httpx.AsyncClient(base_url=gw.url) as c:
-        return await c.post(
-            "/v1/chat/completions",
-            json=chat(max_tokens=max_tokens),
-            headers={"authorization": f"Bearer {key}"},
-        )
 
 
 async def test_without_a_token_the_admin_api_is_off_not_open(

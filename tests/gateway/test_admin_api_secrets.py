@@ -15,11 +15,10 @@ import httpx
 import pytest
 
 from gateway.process.logs import JsonFormatter
-from tests.conftest import GatewayFactory, RunningGateway, StubBackend, stub_pools
-from tests.gateway.gw_support import chat
+from tests.conftest import GatewayFactory, StubBackend, stub_pools
+from tests.gateway.gw_support import ADMIN, READ
+from tests.gateway.gw_support import use_status as _status
 
-ADMIN = {"authorization": "Bearer admin-secret"}
-READ = {"authorization": "Bearer read-secret"}
 UPSTREAM_KEY = "sk-upstream-secret-0123456789"
 
 
@@ -31,14 +30,6 @@ def _config(url: str, tmp_path: Path, **backend: Any) -> dict[str, Any]:
         "tenants": {"acme": {"keys": ["sk-acme"], "budget_tokens": 1000}},
         "admin": {"tokens_file": str(tokens)},
     }
-
-
-async def _status(gw: RunningGateway, key: str) -> int:
-    async with httpx.AsyncClient(base_url=gw.url) as c:
-        r = await c.post(
-            "/v1/chat/completions", json=chat(max_tokens=5), headers={"authorization": f"Bearer {key}"}
-        )
-        return r.status_code
 
 
 async def test_a_read_only_token_never_sees_a_backends_api_key(

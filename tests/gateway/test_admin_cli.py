@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import yaml
 
@@ -20,7 +19,7 @@ from gateway import cli
 from gateway.admin.cli import URL_ENV
 from gateway.admin.tokens import ADMIN_ENV, METRICS_ENV, READONLY_ENV
 from tests.conftest import GatewayFactory, RunningGateway, StubBackend, free_port, serve_asgi, stub_pools
-from tests.gateway.gw_support import chat
+from tests.gateway.gw_support import use_status as use
 
 ADMIN_TOKEN = "admin-secret"
 READ_TOKEN = "read-secret"
@@ -91,16 +90,6 @@ def admin_url(gw: RunningGateway) -> str:
 
 def gateway_args(gw: RunningGateway, token: str = ADMIN_TOKEN) -> list[str]:
     return ["--url", admin_url(gw), "--token", token]
-
-
-async def use(gw: RunningGateway, key: str, max_tokens: int = 5) -> int:
-    async with httpx.AsyncClient(base_url=gw.url) as c:
-        r = await c.post(
-            "/v1/chat/completions",
-            json=chat(max_tokens=max_tokens),
-            headers={"authorization": f"Bearer {key}"},
-        )
-        return r.status_code
 
 
 async def capacity(gw: RunningGateway, pool: str) -> int:

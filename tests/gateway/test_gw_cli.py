@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from gateway import cli
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.gateway.gw_support import ROOT
 
 
 def test_config_error_is_printed_with_the_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from tests.conftest import GatewayFactory, RunningGateway, StubBackend, stub_pools
-from tests.gateway.gw_support import RawRequest, chat
+from tests.gateway.gw_support import AUTH, RawRequest, chat
 
 
 def assert_error(
@@ -43,9 +43,6 @@ async def closed(stub_backend: tuple[StubBackend, str], gateway_factory: Gateway
             "limits": {"max_body_bytes": 2000},
         }
     )
-
-
-AUTH = {"authorization": "Bearer k"}
 
 
 @pytest.mark.parametrize(

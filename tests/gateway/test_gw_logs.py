@@ -20,14 +20,10 @@ from gateway.observe.accesslog import Record
 from gateway.process.logs import JsonFormatter, TextFormatter
 from gateway.request.requestid import new_id
 from tests.conftest import GatewayFactory, StubBackend, stub_pools
-from tests.gateway.gw_support import chat
+from tests.gateway.gw_support import access_lines, chat
 
 # UUID-shaped (version 4): engines that validate the header as a UUID take it.
 OUR_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
-
-
-def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
-    return [orjson.loads(r.getMessage()) for r in caplog.records if r.name == "tokengate.access"]
 
 
 async def test_every_answer_carries_the_request_id_the_backend_and_the_access_line_see(

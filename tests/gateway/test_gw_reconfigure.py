@@ -17,8 +17,6 @@ from gateway.config.loader import parse_config
 from tests.conftest import GatewayFactory, RunningGateway, StubBackend, serve_asgi, stub_pools
 from tests.gateway.gw_support import chat
 
-AUTH = {"authorization": "Bearer k"}
-
 
 def config(url: str, *, budget: int = 3000, capacity: int = 100_000, **extra: Any) -> dict[str, Any]:
     return {

@@ -11,10 +11,8 @@ import orjson
 import pytest
 
 from tests.conftest import GatewayFactory, RunningGateway, StubBackend, free_port, serve_asgi, stub_pools
-from tests.gateway.gw_support import RawRequest, chat, dead_then_live
+from tests.gateway.gw_support import ZERO, RawRequest, chat, dead_then_live
 from tests.support import eventually
-
-ZERO = {"tenant:default": 0, "backend:default": 0}
 
 
 async def tenant_waiting(gw: RunningGateway, tenant: str, n: int) -> bool:

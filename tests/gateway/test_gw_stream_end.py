@@ -8,17 +8,12 @@ import logging
 from typing import Any
 
 import httpx
-import orjson
 import pytest
 
 from gateway.observe.diagnose import diagnose
 from tests.conftest import GatewayFactory, StubBackend, stub_pools
-from tests.gateway.gw_support import chat
+from tests.gateway.gw_support import access_lines, chat
 from tests.support import eventually
-
-
-def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
-    return [orjson.loads(r.getMessage()) for r in caplog.records if r.name == "tokengate.access"]
 
 
 async def read_to_done_and_hang_up(url: str, body: dict[str, Any], headers: dict[str, str]) -> list[str]:

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 from typing import Any
 
 import yaml
 
 from gateway.app import build_app
 from gateway.config.loader import parse_config
+from tests.gateway.gw_support import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "tokengate.json"
 RULES = sorted((ROOT / "deploy" / "prometheus" / "rules").glob("*.yml"))
 

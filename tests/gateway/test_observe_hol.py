@@ -10,14 +10,7 @@ import pytest
 from gateway.observe.hol import hol_pairs, pearson
 from gateway.observe.percentile import percentile
 from gateway.observe.windows import ClassWindows
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.gateway.gw_support import Clock
 
 
 def test_pearson_basics() -> None:

@@ -22,6 +22,7 @@ from gateway.observe.oneserver import ShortLoad, one_server_plans, suggested_gat
 from gateway.observe.scrape import ScrapeTarget, parse_engine_metrics
 from gateway.observe.stats import build_stats
 from tests.conftest import serve_asgi
+from tests.gateway.gw_support import Clock
 
 URL = "http://127.0.0.1:18001"
 URL2 = "http://127.0.0.1:18002"
@@ -32,14 +33,6 @@ SETTINGS = ObserveSettings.from_dict(
         "shape": {"min_requests": 20},
     }
 )
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def view(
@@ -66,7 +59,7 @@ def view(
 
 def blocked_observer(engine_metrics: str, backends: int = 1) -> Observer:
     """Short requests slow down whenever 28k-token requests are in flight on the pool."""
-    clock = Clock()
+    clock = Clock(100.0)
     obs = Observer(SETTINGS, targets=[ScrapeTarget("shared", u) for u in (URL, URL2)[:backends]], clock=clock)
     rng = random.Random(3)
     for k in range(12):

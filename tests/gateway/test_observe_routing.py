@@ -5,14 +5,7 @@ from __future__ import annotations
 from gateway.observe.scrape import BackendLoad, parse_engine_metrics
 from gateway.observe.settings import ScrapeSettings
 from gateway.upstream.pools import BackendPool, BackendPoolSpec, BackendSpec, BreakerSettings, Router
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.gateway.gw_support import Clock
 
 
 def _pool() -> BackendPool:

@@ -17,6 +17,7 @@ from gateway.observe.scrape import (
 )
 from gateway.observe.settings import ScrapeSettings
 from loadtest.processes import free_port
+from tests.gateway.gw_support import Clock
 from tests.support import eventually
 
 VLLM = """\
@@ -91,14 +92,6 @@ def test_parse_unknown_text() -> None:
     assert parse_engine_metrics("").flavor == "unknown"
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def _sample(kv: float | None = 0.1, waiting: float = 0, preempt: float | None = 0.0) -> str:
     lines = [f"vllm:num_requests_running 4\nvllm:num_requests_waiting {waiting}"]
     if kv is not None:
@@ -109,7 +102,7 @@ def _sample(kv: float | None = 0.1, waiting: float = 0, preempt: float | None = 
 
 
 def test_penalty_ramps_with_kv_and_saturates_at_threshold() -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     st = ScrapeSettings(kv_soft=0.8, kv_threshold=0.95, stale_after_s=15)
     load = BackendLoad("p", "http://b", "http://b/metrics", st, clock=clock)
     load.update(parse_engine_metrics(_sample(kv=0.5)))
@@ -123,14 +116,14 @@ def test_penalty_ramps_with_kv_and_saturates_at_threshold() -> None:
 
 
 def test_waiting_requests_nudge_but_do_not_saturate() -> None:
-    load = BackendLoad("p", "http://b", "u", ScrapeSettings(), clock=Clock())
+    load = BackendLoad("p", "http://b", "u", ScrapeSettings(), clock=Clock(1000.0))
     load.update(parse_engine_metrics(_sample(kv=0.1, waiting=10)))
     assert 0.0 < load.penalty() <= 0.5
     assert not load.saturated
 
 
 def test_preemption_thrash_from_counter_deltas_and_restart() -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     load = BackendLoad("p", "http://b", "u", ScrapeSettings(thrash_preemptions_per_s=1.0), clock=clock)
     load.update(parse_engine_metrics(_sample(preempt=100)))
     assert load.preemption_rate == 0.0
@@ -148,7 +141,7 @@ def test_preemption_thrash_from_counter_deltas_and_restart() -> None:
 
 
 def test_stale_metrics_mean_saturated_not_idle() -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     load = BackendLoad("p", "http://b", "u", ScrapeSettings(stale_after_s=15), clock=clock)
     assert not load.stale  # just created: not judged yet
     clock.t += 16
@@ -164,7 +157,7 @@ def test_stale_metrics_mean_saturated_not_idle() -> None:
 
 
 def test_no_metrics_endpoint_is_not_penalised() -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     load = BackendLoad("p", "http://b", "u", ScrapeSettings(stale_after_s=1), clock=clock)
     load.mark_no_metrics()
     clock.t += 100

@@ -18,16 +18,7 @@ from gateway.observe import ConfigView, Observer, ObserveSettings, StatsSources,
 from gateway.observe.diagnose import diagnose
 from gateway.observe.scrape import ScrapeTarget, parse_engine_metrics
 from tests.conftest import GatewayFactory, StubBackend, serve_asgi, stub_pools
-from tests.gateway.gw_support import chat
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
+from tests.gateway.gw_support import Clock, chat
 
 SETTINGS = ObserveSettings.from_dict(
     {
@@ -102,7 +93,7 @@ async def _snapshot() -> StoreSnapshot:
 
 
 async def test_stats_insights_dashboard_and_doctor_over_http() -> None:
-    clock = Clock()
+    clock = Clock(100.0)
     obs = _noisy_observer(clock)
     src = StatsSources(obs, snapshot=_snapshot, config_view=lambda: VIEW)
     served = await serve_asgi(Starlette(routes=observe_routes(src)))
@@ -262,7 +253,7 @@ async def test_store_down_is_a_metric_and_a_finding() -> None:
 def test_records_drive_in_flight_and_windows() -> None:
     from gateway.observe.accesslog import Record
 
-    clock = Clock()
+    clock = Clock(100.0)
     obs = Observer(ObserveSettings.from_dict({"window_s": 1}), clock=clock)
     long_rec = Record(
         method="POST", path="/v1/completions", start=0.0, klass="long", pool="p", prefill=9000, decode=100

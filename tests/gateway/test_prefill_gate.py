@@ -22,18 +22,8 @@ from gateway.observe.stats import config_view
 from gateway.upstream.gate import RECENT, GatePass, PrefillGate, PromptStats
 from gateway.upstream.pools import Router
 from tests.conftest import GatewayFactory, RunningGateway, StubBackend, stub_pools
-from tests.gateway.gw_support import RawRequest, chat, dead_then_live
+from tests.gateway.gw_support import ZERO, Clock, RawRequest, chat, dead_then_live
 from tests.support import eventually
-
-ZERO = {"tenant:default": 0, "backend:default": 0}
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def gate(limit: int, hold_s: float = 1.0, reserve: int | None = None) -> tuple[PrefillGate, Clock]:

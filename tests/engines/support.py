@@ -1,0 +1,19 @@
+"""Shared helpers for the real-engine tests: a prompt, an OpenAI client, the access log's lines."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+import orjson
+import pytest
+
+MESSAGES = [{"role": "user", "content": "Name three colours."}]
+
+
+def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
+    return [orjson.loads(r.getMessage()) for r in caplog.records if r.name == "tokengate.access"]
+
+
+def client(base: str, key: str = "sk-acme") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=120)
