@@ -136,6 +136,13 @@ class Classifier:
             for r in rules
         )
         self._default = RequestClass(DEFAULT_CLASS, default_pool)
+        self._counts_tokens = any(
+            r.min_prompt_tokens is not None
+            or r.max_prompt_tokens is not None
+            or r.min_cost is not None
+            or r.max_cost is not None
+            for r in rules
+        )
 
     @property
     def rules(self) -> tuple[ClassRule, ...]:
@@ -144,6 +151,11 @@ class Classifier:
     @property
     def default(self) -> RequestClass:
         return self._default
+
+    @property
+    def counts_tokens(self) -> bool:
+        """Whether any rule compares the prompt's tokens (``*_prompt_tokens``, ``*_cost``)."""
+        return self._counts_tokens
 
     def classify(self, *, cost: Cost, model: str, tenant: str, body: Mapping[str, Any]) -> RequestClass:
         prefill, decode, total = cost.prefill, cost.decode, cost.total

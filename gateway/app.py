@@ -190,6 +190,7 @@ class Gateway:
             held_bodies=self._held_bodies,
             # Through self: a reconfiguration may replace the Pricer.
             encode_backlog=lambda: self.pricer.encode_backlog(),
+            estimates=lambda: self.pricer.estimates(),
             prompt_overheads=self._prompt_overheads,
             tenant_connections=self._tenant_connections,
         )

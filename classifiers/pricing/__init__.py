@@ -178,6 +178,16 @@ class Pricer:
         """Characters waiting for an encode thread, per ``fair_key`` (tenant) with any; for /stats."""
         return self._encoder.backlog()
 
+    def estimates(self) -> dict[str, object]:
+        """Estimate mode (estimate.py), for /stats: the learned tokens-per-character ratios and how
+        far the exact counts were from the estimates."""
+        return {
+            "above_chars": self._rules.settings.estimate_above_chars,
+            "margin_percent": self._rules.settings.estimate_margin_percent,
+            "ratios": self._encoder.ratios.snapshot(),
+            **self._encoder.errors.snapshot(),
+        }
+
     def close(self) -> None:
         """Stop the encode pool; idempotent. Call it at shutdown.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 
@@ -12,6 +13,9 @@ class Cost:
     # The output limit of one sequence that the reservation covers for every sequence of the request
     # (within each prompt's context): what a gateway may send as max_tokens when the client set none.
     per_choice: int = field(default=0, compare=False)  # a property of the request, not of its cost
+    # Priced on an estimate (pricing.estimate_above_chars): the exact cost, being counted off the
+    # loop; None when the prices are exact. Whoever keeps the estimate cancels it when done with it.
+    exact: asyncio.Future[Cost] | None = field(default=None, compare=False, repr=False)
 
     @property
     def total(self) -> int:

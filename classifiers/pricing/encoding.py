@@ -46,6 +46,7 @@ from collections.abc import Callable
 
 from classifiers.fair_pool import FairPool
 from classifiers.pricing.cost import Cost, InvalidRequest
+from classifiers.pricing.estimate import CharRatios, EstimateErrors
 from classifiers.pricing.settings import PricingSettings
 from classifiers.pricing.tokenizing import offloadable, scoped
 from classifiers.tokenizers import OffLoopCounting, Tokenizer
@@ -69,6 +70,8 @@ class Encoder:
         self._pool: FairPool | None = None
         self._pool_lock = threading.Lock()
         self._closed = False
+        self.ratios = CharRatios()  # learned from every text encoded off the loop
+        self.errors = EstimateErrors()
 
     async def price(self, walk: Callable[[Tokenizer], Cost], tok: Tokenizer, fair_key: str) -> Cost:
         """``walk(tok)``'s exact result (or exception): inline when nothing large and new is left
@@ -81,9 +84,49 @@ class Encoder:
         if isinstance(first, Cost):
             return first
         texts = list(first.pending or ())
+        estimated = self._estimated(walk, first, texts, fair_key)
+        if estimated is not None:
+            return estimated
         counts = await self._encode(first.tok, texts, fair_key)
         first.settle(dict(zip(texts, counts, strict=True)))
         return walk(first)
+
+    def _estimated(
+        self, walk: Callable[[Tokenizer], Cost], first: _Probe, texts: list[str], fair_key: str
+    ) -> Cost | None:
+        """The walk priced on estimates of ``texts`` (estimate.py), its exact cost being counted
+        meanwhile; None where the exact count is wanted now: estimate mode off, these texts too
+        short, no ratio learned yet, or a verdict (context length) that depends on the count."""
+        s = self._s
+        if not s.estimate_above_chars or sum(map(len, texts)) < s.estimate_above_chars:
+            return None
+        margin = s.estimate_margin_percent / 100
+        name = first.tok.name
+        estimates: dict[str, int] = {}
+        for text in texts:
+            n = self.ratios.estimate(name, len(text), margin)
+            if n is None:
+                return None
+            estimates[text] = n
+        guess = _Probe(first.tok, 0)
+        guess.settle(estimates)
+        try:
+            cost = walk(guess)
+        except InvalidRequest as exc:
+            if exc.code in _COUNT_VERDICTS:
+                return None  # near the context length: the exact count decides, and names itself
+            raise
+        exact = asyncio.ensure_future(self._exact(walk, first, texts, fair_key, cost.prefill))
+        return Cost(cost.prefill, cost.decode, cost.per_choice, exact=exact)
+
+    async def _exact(
+        self, walk: Callable[[Tokenizer], Cost], first: _Probe, texts: list[str], fair_key: str, estimate: int
+    ) -> Cost:
+        counts = await self._encode(first.tok, texts, fair_key)
+        first.settle(dict(zip(texts, counts, strict=True)))
+        cost = walk(first)
+        self.errors.observe(estimate, cost.prefill)
+        return cost
 
     def backlog(self) -> dict[str, int]:
         """Characters waiting for an encode thread, per ``fair_key`` with any."""
@@ -164,6 +207,8 @@ class Encoder:
         for job, job_counts in zip(jobs, future.result(), strict=True):
             for (_, i, _, _), n in zip(job, job_counts, strict=True):
                 counts[i] += n
+        for text, n in zip(texts, counts, strict=True):
+            self.ratios.observe(tok.name, len(text), n)
         return counts
 
 

@@ -77,6 +77,11 @@ class PricingSettings:
     # thread gets ~0.3 % of a core, so a long prompt's pricing can take seconds; `false` keeps only
     # the nice increment (~10 %), for a deployment that prefers long prompts to wait less.
     encode_idle: bool = True
+    # Estimate mode (estimate.py): a request whose texts left to encode total at least this many
+    # characters is priced at once on a learned tokens-per-character ratio plus the margin, while
+    # the exact count is made off the loop and corrects the lease when it arrives. 0: always exact.
+    estimate_above_chars: int = 0
+    estimate_margin_percent: int = 10
     # The URLs a media part may make the engine fetch from inside its network (classifiers/media_urls.py):
     # by default data: and http(s) URLs of public hosts; never paths, other schemes, private addresses.
     media_urls: MediaUrls = field(default_factory=MediaUrls)

@@ -142,6 +142,8 @@ class StatsSources:
     tenant_connections: Callable[[], tuple[Mapping[str, int], int]] | None = None
     # The prompt-overhead learner's snapshot (classifiers.prompt_overhead.PromptOverheads.snapshot)
     prompt_overheads: Callable[[], Mapping[str, Any]] | None = None
+    # Estimate mode: learned ratios and the exact / estimate distribution (Pricer.estimates)
+    estimates: Callable[[], Mapping[str, Any]] | None = None
 
 
 def _top(counts: Mapping[str, int], n: int = 5) -> list[tuple[str, int]]:
@@ -467,6 +469,7 @@ async def build_stats(src: StatsSources) -> dict[str, Any]:
         "reservations": _reservations(src.reservations, snap),
         "held_bodies": _held_bodies(src),
         "encode_backlog": _encode_backlog(src),
+        "estimates": dict(src.estimates()) if src.estimates is not None else None,
         "tenant_connections": _tenant_connections(src),
         "pricing": dict(src.prompt_overheads()) if src.prompt_overheads is not None else None,
     }

@@ -98,6 +98,13 @@ class Exchange:
     # What the model's prompt overhead added to the priced prompt (negative: took off); cost.prefill
     # holds it, and the priced prompt is cost.prefill - prompt_overhead (classifiers/prompt_overhead.py).
     prompt_overhead: int = 0
+    # Priced on an estimate (classifiers/pricing/estimate.py): the exact cost being counted, the
+    # estimate's priced prompt, and the cost as priced (to classify again on the exact count);
+    # the task that corrects the lease once the exact count is in.
+    exact: asyncio.Future[Cost] | None = None
+    estimated_prefill: int = 0
+    priced: Cost | None = None
+    correction: asyncio.Task[None] | None = None
     # classify, admit
     placement: Placement | None = None
     reserved: Reserved | None = None  # output tokens held for it, and what they may grow to

@@ -13,6 +13,7 @@ cancel request tasks the same way, with another ``CancelReason``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 from collections.abc import Callable, MutableMapping
@@ -228,6 +229,19 @@ class ProxyParts:
     draining: Callable[[], bool]
 
 
+class _CountFirst(Exception):
+    """Admission refused a cost priced on an estimate as too big: count exactly, then decide."""
+
+
+def _drop(future: asyncio.Future[Any]) -> None:
+    """Cancel an exact count nobody waits for any more (its queued encodes are dropped)."""
+    if future.done():
+        if not future.cancelled():
+            future.exception()  # (retrieved: an encode failure of a finished request is not news)
+    else:
+        future.cancel()
+
+
 class Proxy:
     """Request handling; one instance per app, created at start-up (needs the session). It takes
     its parts from :class:`ProxyParts` and, on every swap, from the :class:`Live` parts."""
@@ -355,13 +369,24 @@ class Proxy:
             watcher = asyncio.create_task(_watch_disconnect(x))
         try:
             await self.price(x)
+            if x.exact is not None and self._class_depends_on_count(x):
+                await self._count_now(x)
             self.classify(x)
-            await self.admit(x)
+            try:
+                await self.admit(x)
+            except _CountFirst:  # too big on the estimate: the exact count decides
+                await self._count_now(x)
+                self.classify(x)
+                await self.admit(x)
+            if x.exact is not None:
+                x.correction = asyncio.create_task(self._correct(x))
             try:
                 await self.forward(x)
             finally:
                 await self.release(x)
         finally:
+            if x.exact is not None:  # (an estimate whose request ended before its exact count)
+                _drop(x.exact)
             x.done = True
             if signals is not None:
                 signals.on_disconnect = None
@@ -536,9 +561,78 @@ class Proxy:
                 )
         except InvalidRequest as exc:
             raise ApiError(400, exc.message, param=exc.param, code=exc.code) from None
+        if x.cost.exact is not None:
+            x.exact, x.estimated_prefill = x.cost.exact, x.cost.prefill
         self._add_prompt_overhead(x)
+        x.priced = x.cost
         # (after pricing: a priced field nested too deep gets pricing's 400, which names the field)
         x.sent = _kept(_serialized(body))
+
+    # ---- 3b. estimates (pricing.estimate_above_chars) ----
+
+    def _class_depends_on_count(self, x: Exchange) -> bool:
+        """Whether the class rules could place the request otherwise with its exact count: classified
+        at the estimate's low and high ends (its margin either way), the class differs."""
+        classifier, cost, tenant = self.classifier, x.cost, x.tenant
+        if classifier is None or cost is None or tenant is None or not classifier.counts_tokens:
+            return False
+        margin = 1.0 + self.pricer.settings.estimate_margin_percent / 100
+        body = x.body or {}
+        low = classifier.classify(
+            cost=replace(cost, prefill=int(cost.prefill / margin**2)),
+            model=x.model,
+            tenant=tenant.name,
+            body=body,
+        )
+        high = classifier.classify(
+            cost=replace(cost, prefill=math.ceil(cost.prefill * margin)),
+            model=x.model,
+            tenant=tenant.name,
+            body=body,
+        )
+        return low != high
+
+    async def _exact_delta(self, x: Exchange) -> int | None:
+        """Wait for the exact count: exact minus estimated prompt tokens; None if it never came (an
+        encode failure: the engine, which counts for itself, decides)."""
+        exact = x.exact
+        assert exact is not None
+        try:
+            cost = await exact
+        except InvalidRequest:
+            return None
+        finally:
+            x.exact = None
+        return cost.prefill - x.estimated_prefill
+
+    async def _count_now(self, x: Exchange) -> None:
+        """Before admission: the exact count replaces the estimate (classify runs again on it)."""
+        delta = await self._exact_delta(x)
+        priced = x.priced
+        assert priced is not None
+        if delta:
+            x.cost = x.priced = replace(priced, prefill=priced.prefill + delta)
+        else:
+            x.cost = priced
+        x.reserved, x.record.slot_tokens = None, 0
+
+    async def _correct(self, x: Exchange) -> None:
+        """After admission, while the request runs: the exact count corrects the lease. More tokens
+        than estimated grow it (never waiting: past the pools' capacity an overdraft, counted);
+        fewer stay held until release, where the engine's usage settles what was used."""
+        delta = await self._exact_delta(x)
+        lease, cost, rec = x.lease, x.cost, x.record
+        if not delta or lease is None or cost is None:
+            return
+        x.cost = replace(cost, prefill=cost.prefill + delta)
+        rec.prefill += delta
+        if delta < 0:
+            return
+        try:
+            over = await self.store.extend(lease.id, delta)
+        except Exception:  # (the store's own outage handling has logged it)
+            over = None
+        rec.overdraft += delta if over is None else over  # None: the store could not grow it now
 
     def _add_prompt_overhead(self, x: Exchange) -> None:
         """The model's prompt overhead (configured, else learned from the usage engines report) on
@@ -708,6 +802,8 @@ class Proxy:
         try:
             x.lease = await self.store.acquire(demand, x.max_wait_s)
         except AdmissionError as exc:
+            if isinstance(exc, NeverFits) and x.exact is not None:
+                raise _CountFirst from None
             if isinstance(exc, NeverFits) and rec.slot_tokens:
                 asked = cost.decode - rec.slot_tokens
                 if cost.prefill + asked <= exc.limit:  # only the slot floor made it too big
@@ -991,6 +1087,11 @@ class Proxy:
         lease = x.lease
         if lease is None:
             return
+        correction = x.correction
+        if correction is not None and not correction.done():
+            correction.cancel()  # no growth after release (what it grew, the release returns)
+            with contextlib.suppress(asyncio.CancelledError):
+                await correction
         self.keeper.discard(lease.id)
         await self.store.release(lease.id, x.completion_tokens)
         if x.reserved is not None:
