@@ -117,6 +117,7 @@ class Encoder:
                 return None  # near the context length: the exact count decides, and names itself
             raise
         exact = asyncio.ensure_future(self._exact(walk, first, texts, fair_key, cost.prefill))
+        self.errors.estimated += 1
         return Cost(cost.prefill, cost.decode, cost.per_choice, exact=exact)
 
     async def _exact(

@@ -75,10 +75,11 @@ class EstimateErrors:
     def __init__(self, window: int = 1024) -> None:
         self._ratios: deque[float] = deque(maxlen=window)
         self.estimated = 0  # requests priced on an estimate
+        self.counted = 0  # of those, how many were counted exactly since (the rest: cancelled)
         self.under = 0  # of those, how many the exact count found larger (their leases grew)
 
     def observe(self, estimated: int, exact: int) -> None:
-        self.estimated += 1
+        self.counted += 1
         if exact > estimated:
             self.under += 1
         self._ratios.append(exact / estimated if estimated > 0 else 1.0)
@@ -86,9 +87,15 @@ class EstimateErrors:
     def snapshot(self) -> dict[str, object]:
         ratios = list(self._ratios)
         if not ratios:
-            return {"estimated": self.estimated, "under": self.under, "exact_over_estimate": None}
+            return {
+                "estimated": self.estimated,
+                "counted": self.counted,
+                "under": self.under,
+                "exact_over_estimate": None,
+            }
         return {
             "estimated": self.estimated,
+            "counted": self.counted,
             "under": self.under,
             "exact_over_estimate": {
                 "p50": round(_quantile(ratios, 0.5), 4),

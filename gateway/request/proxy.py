@@ -233,13 +233,10 @@ class _CountFirst(Exception):
     """Admission refused a cost priced on an estimate as too big: count exactly, then decide."""
 
 
-def _drop(future: asyncio.Future[Any]) -> None:
-    """Cancel an exact count nobody waits for any more (its queued encodes are dropped)."""
-    if future.done():
-        if not future.cancelled():
-            future.exception()  # (retrieved: an encode failure of a finished request is not news)
-    else:
-        future.cancel()
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    """An exact count's end: its failure is not news (the engine judges an over-long prompt)."""
+    if not future.cancelled():
+        future.exception()
 
 
 class Proxy:
@@ -385,8 +382,11 @@ class Proxy:
             finally:
                 await self.release(x)
         finally:
-            if x.exact is not None:  # (an estimate whose request ended before its exact count)
-                _drop(x.exact)
+            # An exact count still being made finishes, unless the request was cancelled (its
+            # client gone, a drain): it teaches the ratio and the estimate's error, at the cost of
+            # one encode, as the request would have cost without estimates.
+            if x.exact is not None and x.cancel_reason is not None:
+                x.exact.cancel()
             x.done = True
             if signals is not None:
                 signals.on_disconnect = None
@@ -563,6 +563,7 @@ class Proxy:
             raise ApiError(400, exc.message, param=exc.param, code=exc.code) from None
         if x.cost.exact is not None:
             x.exact, x.estimated_prefill = x.cost.exact, x.cost.prefill
+            x.exact.add_done_callback(_retrieved)
         self._add_prompt_overhead(x)
         x.priced = x.cost
         # (after pricing: a priced field nested too deep gets pricing's 400, which names the field)
@@ -598,11 +599,11 @@ class Proxy:
         exact = x.exact
         assert exact is not None
         try:
-            cost = await exact
+            cost = await asyncio.shield(exact)  # (a cancelled waiter leaves the count to _steps)
         except InvalidRequest:
-            return None
-        finally:
             x.exact = None
+            return None
+        x.exact = None
         return cost.prefill - x.estimated_prefill
 
     async def _count_now(self, x: Exchange) -> None:

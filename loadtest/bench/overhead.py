@@ -36,7 +36,11 @@ the same target. Reported: the short requests' p50/p99 per target and background
 gateway-added p50/p99 (gateway minus direct under the same background) and the ratio of the
 gateway-added p99 with long prompts to its quiet value (target: at most 2x), the same for the
 bare proxy (the control: it relays the same bodies and prices nothing), and the long requests'
-own latency. Example: ``--with-long-prompts 20 --concurrency 1 --modes plain``.
+own latency. Example: ``--with-long-prompts 20 --concurrency 1 --modes plain``. With
+``--estimate-above-chars N`` as well, a further target **gateway-estimate** runs with
+``pricing.estimate_above_chars: N`` (long prompts go on a learned estimate while their exact count is
+made): its short and long requests are reported beside the exact gateway's, with the distribution of
+exact / estimated prompt tokens from its ``/stats``.
 """
 
 from __future__ import annotations
@@ -275,9 +279,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             procs.append(base)
             targets["baseline"] = (f"http://127.0.0.1:{base_port}/v1/chat/completions", base.pid)
         backgrounds = [""]
+        estimate_ops: int | None = None
         if args.with_long_prompts:
             # The bare proxy stays as the control: it relays the same long bodies but prices nothing.
             backgrounds = ["", "|long"]
+            if args.estimate_above_chars:
+                est_port, estimate_ops = free_port(), free_port()
+                cfg_est = Path(tmp.name) / "gw-estimate.yaml"
+                cfg_est.write_text(
+                    pools.replace("ops: {port: 0}", f"ops: {{port: {estimate_ops}}}")
+                    + f"pricing: {{estimate_above_chars: {args.estimate_above_chars}}}\n"
+                )
+                gwe = _spawn_gateway(cfg_est, est_port, args.access_log)
+                procs.append(gwe)
+                targets["gateway-estimate"] = (f"http://127.0.0.1:{est_port}/v1/chat/completions", gwe.pid)
         if args.redis:
             redis = RedisServer().start()
             gwr_port = free_port()
@@ -371,6 +386,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 summary[key]["redis_cpu_ms_per_req"] = (
                     agg["redis_cpu"] / agg["n_all"] * 1e3 if agg["n_all"] else None
                 )
+        if estimate_ops is not None:
+            import urllib.request
+
+            with urllib.request.urlopen(f"http://127.0.0.1:{estimate_ops}/stats", timeout=10) as r:
+                summary["estimates"] = json.load(r)["estimates"]
         return summary
     finally:
         for p in procs:
@@ -537,12 +557,32 @@ def report_long(summary: dict[str, Any], args: argparse.Namespace, pricing: dict
                 f"  - control: the bare proxy's added p99 {loaded_bare:.3f} ms with the long prompts vs "
                 f"{quiet_bare:.3f} ms quiet ({added_ratio(loaded_bare, quiet_bare)})"
             )
-            for name in ("direct", "bare", "gateway"):
+            if f"gateway-estimate|c{conc}|{mode}" in summary:
+                e_quiet, e_loaded = (
+                    summary[f"gateway-estimate|c{conc}|{mode}{background}"]["p99_ms"]
+                    - summary[f"direct|c{conc}|{mode}{background}"]["p99_ms"]
+                    for background in ("", "|long")
+                )
+                checks.append(
+                    f"  - with estimate mode: gateway-added p99 {e_loaded:.3f} ms with the long prompts vs "
+                    f"{e_quiet:.3f} ms quiet ({added_ratio(e_loaded, e_quiet)})"
+                )
+            for name in ("direct", "bare", "gateway", "gateway-estimate"):
+                if f"{name}|c{conc}|{mode}|long" not in summary:
+                    continue
                 bg = summary[f"{name}|c{conc}|{mode}|long"]["long_prompts"]
                 checks.append(
                     f"  - long prompts to {name}: {bg['sent']} sent, statuses {bg['statuses']}, "
                     f"p50 {bg['p50_ms']:.1f} ms, p99 {bg['p99_ms']:.1f} ms"
                 )
+    estimates = summary.get("estimates")
+    if estimates:
+        spread = estimates.get("exact_over_estimate") or {}
+        checks.append(
+            f"- estimate mode: {estimates['estimated']} long prompts went on an estimate "
+            f"({estimates['under']} under their exact count); exact / estimate "
+            + ", ".join(f"{k} {v}" for k, v in spread.items())
+        )
     if pricing:
         checks.append(
             f"- pricing a {pricing['prompt_tokens']:.0f}-token chat prompt: {pricing['cold_ms']:.2f} ms cold, "
@@ -584,6 +624,14 @@ def main(argv: list[str] | None = None) -> int:
         help="measure short requests quiet and while never-seen long prompts arrive at RATE/s (direct, gateway)",
     )
     p.add_argument("--long-tokens", type=int, default=28_000, help="prompt tokens of each long prompt")
+    p.add_argument(
+        "--estimate-above-chars",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --with-long-prompts: also measure gateway-estimate, a gateway pricing prompts of N+ "
+        "never-seen characters on an estimate (pricing.estimate_above_chars)",
+    )
     p.add_argument(
         "--baseline-tree",
         type=Path,

@@ -68,7 +68,7 @@ async def test_no_estimate_until_the_ratio_is_learned_then_an_estimate_with_its_
     # Same prose as it learned from: the estimate is above the count, by about the margin.
     assert exact.prefill <= estimate.prefill <= exact.prefill * 1.25
     stats = estimating.estimates()
-    assert stats["estimated"] == 1 and stats["under"] == 0
+    assert (stats["estimated"], stats["counted"], stats["under"]) == (1, 1, 0)
     assert stats["ratios"]["cl100k_base"]["samples"] >= 9  # type: ignore[index]
 
 
@@ -126,7 +126,8 @@ async def test_a_caller_that_goes_away_cancels_the_exact_count(estimating: Price
     estimate.exact.cancel()
     with pytest.raises(BaseException):  # noqa: B017  (CancelledError)
         await estimate.exact
-    assert estimating.estimates()["estimated"] == 0  # nothing observed for a count never finished
+    stats = estimating.estimates()
+    assert (stats["estimated"], stats["counted"]) == (1, 0)  # no error observed for a count never finished
 
 
 def test_the_ratio_is_a_high_quantile_of_recent_long_texts_and_ignores_short_ones() -> None:
@@ -140,8 +141,9 @@ def test_the_ratio_is_a_high_quantile_of_recent_long_texts_and_ignores_short_one
     assert ratios.estimate("t", 1_000, 0.1) == 330
     assert ratios.estimate("other", 1_000, 0.1) is None
     errors = EstimateErrors()
+    errors.estimated = 2
     errors.observe(100, 90)
     errors.observe(100, 150)
     snap = errors.snapshot()
-    assert snap["estimated"] == 2 and snap["under"] == 1
+    assert (snap["estimated"], snap["counted"], snap["under"]) == (2, 2, 1)
     assert snap["exact_over_estimate"] == {"p50": 0.9, "p90": 1.5, "p99": 1.5, "max": 1.5, "min": 0.9}

@@ -45,17 +45,20 @@ def test_the_long_prompt_mode_sends_never_seen_prompts_beside_the_short_requests
     done = subprocess.run(
         [sys.executable, "-m", "loadtest.bench.overhead", "--duration", "0.5", "--warmup", "0.1",
          "--rounds", "1", "--modes", "plain", "--concurrency", "1",
-         "--with-long-prompts", "4", "--long-tokens", "2000", "--json", str(result)],
+         "--with-long-prompts", "4", "--long-tokens", "2000", "--estimate-above-chars", "5000",
+         "--json", str(result)],
         cwd=repo_root(), env=child_env(), capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(result.read_text())["summary"]
-    for target in ("direct", "gateway"):
+    for target in ("direct", "gateway", "gateway-estimate"):
         quiet, busy = summary[f"{target}|c1|plain"], summary[f"{target}|c1|plain|long"]
         assert quiet["requests"] > 0 and busy["requests"] > 0
         assert busy["long_prompts"]["sent"] > 0
         assert set(busy["long_prompts"]["statuses"]) == {"200"}
     assert "gateway-added p99" in done.stdout
+    # The estimating gateway's own account (a run this short may not have learned a ratio yet).
+    assert summary["estimates"]["above_chars"] == 5000 and "with estimate mode" in done.stdout
 
 
 def test_a_baseline_tree_that_is_not_a_checkout_is_refused_before_anything_starts(tmp_path: Path) -> None:
