@@ -45,7 +45,7 @@ Service charged (VTC: service is what was served, never what was reserved)
 Counters therefore only grow, and never hold reservations that were not served. The reason is the
 lift rule below: a newcomer is lifted to a busy tenant's counter; if that counter held the busy
 tenant's in-flight reservations and each release refunded the unserved part, the busy tenant would
-drop back below the newcomer at every release and keep the pool (issue 9: a newcomer waited behind
+drop back below the newcomer at every release and keep the pool (measured: a newcomer waited behind
 all 27 queued requests of a tenant reserving 1,992 output tokens and using 4). With service counted
 as served, a newcomer whose demand fits is granted at the first release after its arrival that
 serves the busy tenant any output; a release reporting 0 leaves the two counters equal, the tie goes
@@ -153,7 +153,7 @@ What that means:
 - Fast path (``grant_immediately``): when no ticket is waiting at all, a demand that fits is
   granted at once (lift, then charge). This is exactly what enqueue + grant pass would decide.
 
-Why the pass is written this way (issue 15: one pass costs O(log n), not O(n)). The stores keep the
+Why the pass is written this way (so that one pass costs O(log n), not O(n)). The stores keep the
 heads indexed (budgets/queue_index.py; sorted sets in Redis): per group, young heads by rank and by
 cost, old heads by rank; heads blocked by a private pool parked until that pool changes; young heads
 promoted to old as they age. A pass then looks at the lowest old head and the lowest young head of

@@ -173,3 +173,132 @@ class RedisServer:
             with contextlib.suppress(Exception):
                 self._client.close()
             self._client = None
+
+
+class SentinelGroup:
+    """A primary, its replica and three sentinels watching them, on free loopback ports: Redis's own
+    failover, for real. ``url`` is the store's ``redis+sentinel://`` URL; ``kill_primary`` SIGKILLs
+    the primary (the sentinels promote the replica), ``failover`` asks them to switch roles with both
+    alive (the old primary comes back as a replica, refusing writes with READONLY)."""
+
+    MASTER = "tgmaster"
+
+    def __init__(self, down_after_ms: int = 300, failover_timeout_ms: int = 2000) -> None:
+        self.primary = RedisServer()
+        self.replica = RedisServer()
+        self.sentinel_ports = [free_port() for _ in range(3)]
+        self._sentinels: list[subprocess.Popen[bytes]] = []
+        self._dir = Path(tempfile.mkdtemp(prefix="tg-sentinel-"))
+        self._down_after_ms = down_after_ms
+        self._failover_timeout_ms = failover_timeout_ms
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports)
+        return f"redis+sentinel://{hosts}/{self.MASTER}/0"
+
+    def start(self, timeout_s: float = 15.0) -> SentinelGroup:
+        self.primary.start()
+        self.replica.extra_args = ["--replicaof", "127.0.0.1", str(self.primary.port)]
+        self.replica.start()
+        for port in self.sentinel_ports:
+            conf = self._dir / f"sentinel-{port}.conf"
+            conf.write_text(
+                f"port {port}\nbind 127.0.0.1\nprotected-mode no\ndaemonize no\n"
+                f"dir {self._dir}\nlogfile {self._dir / f'sentinel-{port}.log'}\n"
+                f"sentinel monitor {self.MASTER} 127.0.0.1 {self.primary.port} 2\n"
+                f"sentinel down-after-milliseconds {self.MASTER} {self._down_after_ms}\n"
+                f"sentinel failover-timeout {self.MASTER} {self._failover_timeout_ms}\n"
+                f"sentinel parallel-syncs {self.MASTER} 1\n"
+            )
+            self._sentinels.append(
+                subprocess.Popen(
+                    [REDIS_SERVER, str(conf), "--sentinel"],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    preexec_fn=functools.partial(die_with_parent, signal.SIGKILL),
+                    start_new_session=True,
+                )
+            )
+        deadline = time.monotonic() + timeout_s
+        while not all(ping(p) for p in self.sentinel_ports) or self._replicas_known() < 3:
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("the sentinels did not come up watching the primary and its replica")
+            time.sleep(0.05)
+        return self
+
+    def primary_port(self) -> int | None:
+        """The port the sentinels give for the master now (None: none answered)."""
+        for port in self.sentinel_ports:
+            reply = _command(port, "SENTINEL", "get-master-addr-by-name", self.MASTER)
+            if isinstance(reply, list) and len(reply) == 2:
+                return int(reply[1])
+        return None
+
+    def kill_primary(self) -> int:
+        """SIGKILL the node that is primary now; returns its port."""
+        port = self.primary_port()
+        node = self.primary if port == self.primary.port else self.replica
+        node.kill()
+        return node.port
+
+    def failover(self) -> None:
+        """A manual failover (``SENTINEL FAILOVER``): the replica is promoted, the primary demoted."""
+        reply = _command(self.sentinel_ports[0], "SENTINEL", "failover", self.MASTER)
+        if reply != "OK":
+            raise RuntimeError(f"SENTINEL FAILOVER: {reply!r}")
+
+    def wait_primary_change(self, old_port: int, timeout_s: float = 15.0) -> int:
+        """Wait until the sentinels name another primary that answers as one; returns its port."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            port = self.primary_port()
+            if port is not None and port != old_port:
+                role = _command(port, "ROLE")
+                if isinstance(role, list) and role and role[0] == "master":
+                    return port
+            time.sleep(0.05)
+        raise RuntimeError(f"no failover away from port {old_port} within {timeout_s}s")
+
+    def stop(self) -> None:
+        for proc in self._sentinels:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        self._sentinels.clear()
+        self.primary.stop()
+        self.replica.stop()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _replicas_known(self) -> int:
+        """How many sentinels know the replica (and so can promote it)."""
+        known = 0
+        for port in self.sentinel_ports:
+            reply = _command(port, "SENTINEL", "replicas", self.MASTER)
+            known += isinstance(reply, list) and len(reply) > 0
+        return known
+
+
+def _command(port: int, *args: str, timeout_s: float = 1.0) -> Any:
+    """One command to 127.0.0.1:``port`` and its reply (None when nothing answered)."""
+    import hiredis
+
+    payload = f"*{len(args)}\r\n".encode() + b"".join(
+        f"${len(a.encode())}\r\n".encode() + a.encode() + b"\r\n" for a in args
+    )
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
+            s.sendall(payload)
+            reader = hiredis.Reader(encoding="utf-8")
+            while True:
+                data = s.recv(65536)
+                if not data:
+                    return None
+                reader.feed(data)
+                reply = reader.gets()
+                if reply is not False:
+                    return reply
+    except OSError:
+        return None

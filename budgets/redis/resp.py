@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -34,7 +34,10 @@ import hiredis
 from redis.asyncio.connection import SSLConnection, parse_url
 
 # Error replies that mean "this server cannot serve now" rather than "this command failed".
-_UNAVAILABLE = ("LOADING", "MASTERDOWN")
+# Replies that say this node cannot serve now: loading its dataset, its master down, or a replica
+# (a demoted primary, after a failover). READONLY also tears the connection down: reconnecting asks
+# where the primary is now (sentinel.py).
+_UNAVAILABLE = ("LOADING", "MASTERDOWN", "READONLY")
 
 
 class ReplyError(Exception):
@@ -143,6 +146,12 @@ class _Protocol(asyncio.Protocol):
                 self.teardown(RespConnectionError("redis sent a reply nobody asked for"))
                 return
             fut = pending.popleft()[0]
+            if isinstance(reply, ReplyError) and str(reply).startswith("READONLY"):
+                refused = _reply_exception(reply)
+                if not fut.done():
+                    fut.set_exception(refused)
+                self.teardown(refused)  # a replica now: every write here fails; connect again
+                return
             if fut.done():
                 continue  # its caller was cancelled: the reply is read and dropped
             if isinstance(reply, ReplyError):
@@ -205,10 +214,26 @@ class _Protocol(asyncio.Protocol):
             err = RespConnectionError(f"redis connection torn down: {first}")
 
 
-class RespConnection:
-    """Pipelined requests over one lazily (re)connected connection. Not thread-safe."""
+def check_primary(role: Any, address: Address) -> None:
+    """``ROLE``'s reply names a primary; else RespConnectionError (the caller connects again later)."""
+    if not isinstance(role, list) or not role or role[0] != "master":
+        kind = role[0] if isinstance(role, list) and role else role
+        raise RespConnectionError(f"{address.host}:{address.port} is not a primary (ROLE: {kind})")
 
-    def __init__(self, address: Address, *, connect_timeout_s: float, op_timeout_s: float) -> None:
+
+class RespConnection:
+    """Pipelined requests over one lazily (re)connected connection. Not thread-safe.
+
+    ``address``: where to connect, or a resolver asked at each connect (Sentinel: the primary now,
+    checked with ``ROLE`` once connected)."""
+
+    def __init__(
+        self,
+        address: Address | Callable[[], Awaitable[Address]],
+        *,
+        connect_timeout_s: float,
+        op_timeout_s: float,
+    ) -> None:
         self.address = address
         self._connect_timeout_s = connect_timeout_s
         self._op_timeout_s = op_timeout_s
@@ -252,12 +277,12 @@ class RespConnection:
             new = _Protocol(loop, self._op_timeout_s)
             try:
                 async with asyncio.timeout(self._connect_timeout_s):
-                    a = self.address
+                    a = self.address if isinstance(self.address, Address) else await self.address()
                     if a.path is not None:
                         await loop.create_unix_connection(lambda: new, a.path)
                     else:
                         await loop.create_connection(lambda: new, a.host, a.port)
-                    await self._handshake(new)
+                    await self._handshake(new, a)
             except BaseException as err:
                 new.teardown(RespConnectionError(f"connect failed: {err!r}"))
                 if isinstance(err, ReplyError):
@@ -270,13 +295,14 @@ class RespConnection:
             self.connects += 1
             return new
 
-    async def _handshake(self, proto: _Protocol) -> None:
-        a = self.address
+    async def _handshake(self, proto: _Protocol, a: Address) -> None:
         if a.password is not None:
             auth = ("AUTH", a.username, a.password) if a.username else ("AUTH", a.password)
             await proto.send(encode_command(auth))
         if a.db:
             await proto.send(encode_command(("SELECT", str(a.db))))
+        if not isinstance(self.address, Address):  # resolved: a sentinel may name a primary no more
+            check_primary(await proto.send(encode_command(("ROLE",))), a)
 
     def disconnect(self) -> None:
         """Drop the connection now (pending requests fail); the next request reconnects."""

@@ -26,6 +26,7 @@ from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from budgets.redis.batch import FastSend, ScriptBatcher, SendAgain
@@ -33,6 +34,7 @@ from budgets.redis.keys import KeyLayout
 from budgets.redis.options import RedisOptions
 from budgets.redis.resp import RespConnection, address_from_url
 from budgets.redis.scripts import ScriptRunner
+from budgets.redis.sentinel import SentinelConnection, SentinelResolver, is_sentinel_url, parse_sentinel_url
 
 
 class Down(Exception):
@@ -61,8 +63,14 @@ class Transport:
         self._is_down = is_down
         self._on_down = on_down
         self._on_wake = on_wake
-        self.client = client or Redis(connection_pool=_pool(options))
-        address = address_from_url(options.url) if client is None else None
+        # Through Sentinel (sentinel.py): both connections ask for the primary as they connect.
+        self.sentinel = (
+            SentinelResolver(parse_sentinel_url(options.url), options.connect_timeout_s)
+            if client is None and is_sentinel_url(options.url)
+            else None
+        )
+        self.client = client or Redis(connection_pool=_pool(options, self.sentinel))
+        address = self.sentinel or (address_from_url(options.url) if client is None else None)
         self._resp = (
             RespConnection(
                 address, connect_timeout_s=options.connect_timeout_s, op_timeout_s=options.op_timeout_s
@@ -98,6 +106,10 @@ class Transport:
             async with asyncio.timeout(self._opts.call_timeout_s):
                 return await awaitable
         except (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError) as err:
+            self._on_down(err)
+            raise Down(str(err)) from err
+        except ReadOnlyError as err:  # a replica now (a failover demoted it): connect anew, later
+            await self.client.connection_pool.disconnect()
             self._on_down(err)
             raise Down(str(err)) from err
 
@@ -179,11 +191,24 @@ class Transport:
         raise err
 
 
-def _pool(options: RedisOptions) -> BlockingConnectionPool:
+def _pool(options: RedisOptions, sentinel: SentinelResolver | None) -> BlockingConnectionPool:
     # Blocking: under a burst, callers queue for one of max_connections instead of failing
     # ("too many connections" is not an outage). The wait is bounded by the per-call timeout.
-    return BlockingConnectionPool.from_url(
-        options.url,
+    if sentinel is not None:
+        spec = sentinel.spec
+        return BlockingConnectionPool(
+            connection_class=SentinelConnection,
+            resolve=sentinel,
+            db=spec.db,
+            username=spec.username,
+            password=spec.password,
+            **_pool_settings(options),
+        )
+    return BlockingConnectionPool.from_url(options.url, **_pool_settings(options))
+
+
+def _pool_settings(options: RedisOptions) -> dict[str, Any]:
+    return dict(
         max_connections=options.max_connections,
         timeout=None,
         socket_connect_timeout=options.connect_timeout_s,

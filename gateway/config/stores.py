@@ -6,7 +6,7 @@ typed options (``RedisOptions``), so every error names the field::
 
     store:
       kind: redis
-      url: redis://127.0.0.1:6379/0
+      url: redis://127.0.0.1:6379/0  # or redis+sentinel://s1:26379,s2:26379,s3:26379/mymaster/0
       key_prefix: tokengate          # budget domain: all its keys share the tag {tg:<prefix>}
       timeouts: {connect_s: 0.5, op_s: 0.5}
       fail_mode: closed              # closed: 503 at once while Redis is down; open: local budget
@@ -23,6 +23,7 @@ from typing import Any
 
 from budgets.memory import MemoryStore
 from budgets.redis import RedisOptions, RedisStore
+from budgets.redis.sentinel import is_sentinel_url, parse_sentinel_url
 from budgets.types import BudgetLayout, BudgetStore
 from gateway.config.fields import (
     ConfigError,
@@ -60,9 +61,15 @@ def parse_store(v: Any, where: str = "store") -> StoreConfig:
     section(m, where, _REDIS_KEYS)
     d = RedisOptions()
     url = string(m, "url", where, d.url)
-    if not url.startswith(("redis://", "rediss://", "unix://")):
+    if is_sentinel_url(url):
+        try:
+            parse_sentinel_url(url)
+        except ValueError as exc:
+            raise ConfigError(f"{where}.url: {exc}") from None
+    elif not url.startswith(("redis://", "rediss://", "unix://")):
         raise ConfigError(
-            f"{where}.url: expected redis://host:port/db, rediss://... or unix://..., got {show(url)}"
+            f"{where}.url: expected redis://host:port/db, rediss://..., unix://... or "
+            f"redis+sentinel://host:port[,host:port...]/master[/db], got {show(url)}"
         )
     prefix = string(m, "key_prefix", where, d.key_prefix)
     if any(c in prefix for c in "{}") or not prefix.isprintable():

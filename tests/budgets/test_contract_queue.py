@@ -145,7 +145,7 @@ async def test_idle_tenant_cannot_bank_credit(store_factory: StoreFactory) -> No
 
 
 async def test_newcomer_is_granted_at_the_first_release_after_it_arrives(store_factory: StoreFactory) -> None:
-    # Issue 9: "busy" fills the pool with requests that reserve 1,992 output tokens each but are
+    # "busy" fills the pool with requests that reserve 1,992 output tokens each but are
     # served 4. A reservation is not service: if the counters held reservations, the newcomer
     # would be lifted to an inflated counter that each release refunds, and wait behind the
     # whole queue (measured: all 27 went first; 429 queue_timeout under a sustained backlog).

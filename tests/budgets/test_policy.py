@@ -107,7 +107,7 @@ def test_release_of_a_tenant_gone_from_the_layout_charges_nothing() -> None:
 
 
 def test_newcomer_lifted_beside_a_busy_tenant_wins_the_next_release() -> None:
-    # Issue 9 at the policy level: reservations (1,992 each) are not service, so the newcomer's
+    # At the policy level: reservations (1,992 each) are not service, so the newcomer's
     # lifted counter does not hold them, and a release serving "busy" 4 tokens puts it ahead.
     state = state_with(shared(P, 8000), tiers=FLAT)
     big = demand("a", 2000, P, tier="std", decode=1992)

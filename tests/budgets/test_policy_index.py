@@ -4,7 +4,7 @@ Two references, both written the slow obvious way (every head looked at on every
 
 - ``spec_pass``: the pass exactly as the policy docstring writes it. The indexed pass must grant the
   same tickets in the same order for any state: any demands, any ``max_scan``.
-- ``rescanning_pass``: the pass as it was before issue 15 (every head charged to ``max_scan``, and a
+- ``rescanning_pass``: the pass as it was before the index (every head charged to ``max_scan``, and a
   ticket on a held pool still holding its other pools). With every demand naming at most one shared
   pool and ``max_scan`` never reached, the two rules coincide: the indexed pass must then decide
   exactly what the old one did.
@@ -132,7 +132,7 @@ def spec_pass(state: PolicyState, now: float, old_heads: set[int]) -> list[int]:
 
 
 def rescanning_pass(state: PolicyState, now: float) -> list[int]:
-    """The grant pass before issue 15 (every examined head counted, held heads still holding)."""
+    """The grant pass before the index (every examined head counted, held heads still holding)."""
     lay = state.layout
     pools, pol = lay.pools, lay.policy
     counters, in_flight, queues = _copy(state)

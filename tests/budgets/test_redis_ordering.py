@@ -1,4 +1,4 @@
-"""Redis-only facts of shortest_first (issue 13): its per-queue sorted sets leave nothing behind, head
+"""Redis-only facts of shortest_first: its per-queue sorted sets leave nothing behind, head
 records written before the rank seq existed still rank by their own seq, and the setting reaches
 other replicas without changing the digest of layouts that leave it at its defaults."""
 

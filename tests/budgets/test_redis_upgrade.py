@@ -1,4 +1,4 @@
-"""A Redis that holds data written before the index existed (issue 15) is upgraded in place.
+"""A Redis that holds data written before the index existed is upgraded in place.
 
 The older scripts kept counters in a hash and no index of the waiting heads; a replica of this
 version must take over such a domain without losing a ticket or a fair-share decision.

@@ -263,3 +263,44 @@ def test_works_on_uvloop(redis_server: RedisServer) -> None:
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(main())
+
+
+async def test_a_write_refused_as_readonly_tears_the_connection_down(
+    redis_server: RedisServer, connect: Maker
+) -> None:
+    """A primary demoted to a replica (a failover) refuses every write: the connection is dropped
+    (the next request connects again, through Sentinel to the new primary), not kept in step."""
+    replica = RedisServer(extra_args=["--replicaof", "127.0.0.1", str(redis_server.port)]).start()
+    try:
+        conn = connect(replica)
+        assert await conn.execute("PING") == "PONG"
+        first = conn.connects
+        with pytest.raises(RespConnectionError, match="READONLY"):
+            await conn.execute("SET", f"{unique_prefix()}:k", "v")
+        assert not conn.connected
+        assert await conn.execute("PING") == "PONG" and conn.connects == first + 1
+    finally:
+        replica.stop()
+
+
+async def test_a_resolved_address_must_answer_as_a_primary(redis_server: RedisServer) -> None:
+    """Connecting through a resolver (Sentinel), a node that answers ROLE as a replica is refused:
+    a sentinel may still name a primary it has just demoted."""
+    replica = RedisServer(extra_args=["--replicaof", "127.0.0.1", str(redis_server.port)]).start()
+    asked: list[int] = []
+
+    async def resolve(port: int) -> Address:
+        asked.append(port)
+        return Address("127.0.0.1", port)
+
+    try:
+        to_replica = RespConnection(lambda: resolve(replica.port), connect_timeout_s=1, op_timeout_s=1)
+        with pytest.raises(RespConnectionError, match="not a primary"):
+            await to_replica.execute("PING")
+        to_primary = RespConnection(lambda: resolve(redis_server.port), connect_timeout_s=1, op_timeout_s=1)
+        assert await to_primary.execute("PING") == "PONG"
+        assert asked == [replica.port, redis_server.port]
+        await to_replica.close()
+        await to_primary.close()
+    finally:
+        replica.stop()

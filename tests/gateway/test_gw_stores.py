@@ -51,6 +51,8 @@ def test_defaults_and_full_section() -> None:
     [
         ({"urll": "redis://x"}, "store.urll: unknown key (did you mean 'url'?)"),
         ({"url": "http://x"}, "store.url: expected redis://"),
+        ({"url": "redis+sentinel://s1:26379"}, "store.url: expected the master's name after the sentinels"),
+        ({"url": "redis+sentinel://s1/m"}, "store.url: sentinel 's1': expected host:port"),
         ({"key_prefix": "a{b}"}, "store.key_prefix: expected a non-empty printable string without braces"),
         ({"timeouts": {"op": 1}}, "store.timeouts.op: unknown key (did you mean 'op_s'?)"),
         ({"timeouts": {"op_s": -1}}, "store.timeouts.op_s: expected a positive number, got -1"),
@@ -81,3 +83,8 @@ def test_one_factory_builds_every_store_unstarted() -> None:
     store = build_store(parse_store({"kind": "redis", "key_prefix": "x", "replicas": 2}), lay)
     assert isinstance(store, RedisStore)
     assert store.keys.tag == "{tg:x}"
+
+
+def test_a_sentinel_url_is_a_redis_store_that_asks_the_sentinels() -> None:
+    config = parse_store({"kind": "redis", "url": "redis+sentinel://s1:26379,s2:26379/mymaster/1"})
+    assert config.redis is not None and config.redis.url == "redis+sentinel://s1:26379,s2:26379/mymaster/1"
