@@ -243,11 +243,18 @@ class SentinelGroup:
         node.kill()
         return node.port
 
-    def failover(self) -> None:
-        """A manual failover (``SENTINEL FAILOVER``): the replica is promoted, the primary demoted."""
-        reply = _command(self.sentinel_ports[0], "SENTINEL", "failover", self.MASTER)
-        if reply != "OK":
-            raise RuntimeError(f"SENTINEL FAILOVER: {reply!r}")
+    def failover(self, timeout_s: float = 10.0) -> None:
+        """A manual failover (``SENTINEL FAILOVER``): the replica is promoted, the primary demoted.
+        A sentinel promotes only a replica whose last report shows it in sync; one that has not
+        heard such a report yet answers NOGOODSLAVE, so that is asked again (bounded)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            reply = _command(self.sentinel_ports[0], "SENTINEL", "failover", self.MASTER)
+            if reply == "OK":
+                return
+            if "NOGOODSLAVE" not in str(reply) or time.monotonic() > deadline:
+                raise RuntimeError(f"SENTINEL FAILOVER: {reply!r}")
+            time.sleep(0.1)
 
     def wait_primary_change(self, old_port: int, timeout_s: float = 15.0) -> int:
         """Wait until the sentinels name another primary that answers as one; returns its port."""
@@ -273,11 +280,15 @@ class SentinelGroup:
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def _replicas_known(self) -> int:
-        """How many sentinels know the replica (and so can promote it)."""
+        """How many sentinels see the replica in sync with the primary (and so could promote it)."""
         known = 0
         for port in self.sentinel_ports:
             reply = _command(port, "SENTINEL", "replicas", self.MASTER)
-            known += isinstance(reply, list) and len(reply) > 0
+            for replica in reply if isinstance(reply, list) else ():
+                fields = dict(zip(replica[::2], replica[1::2], strict=False))
+                if fields.get("master-link-status") == "ok" and fields.get("flags") == "slave":
+                    known += 1
+                    break
         return known
 
 
@@ -302,3 +313,81 @@ def _command(port: int, *args: str, timeout_s: float = 1.0) -> Any:
                     return reply
     except OSError:
         return None
+
+
+class RedisCluster:
+    """A Redis Cluster of ``masters`` primaries (no replicas) on free loopback ports, slots spread
+    evenly by ``redis-cli --cluster create``. ``url`` is the store's ``redis+cluster://`` URL."""
+
+    def __init__(self, masters: int = 3) -> None:
+        self.nodes = [
+            RedisServer(
+                port=_cluster_port(),
+                extra_args=["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                            "--cluster-node-timeout", "2000"],
+            )
+            for _ in range(masters)
+        ]  # fmt: skip
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    def start(self, timeout_s: float = 30.0) -> RedisCluster:
+        for node in self.nodes:
+            node.start()
+        cli = shutil.which("redis-cli") or "/usr/bin/redis-cli"
+        if len(self.nodes) == 1:  # redis-cli wants three masters: give the one node every slot
+            slots = [str(s) for s in range(16384)]
+            reply = _command(self.nodes[0].port, "CLUSTER", "ADDSLOTS", *slots, timeout_s=10)
+            if reply != "OK":
+                raise RuntimeError(f"CLUSTER ADDSLOTS: {reply!r}")
+        else:
+            subprocess.run(
+                [cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                 "--cluster-replicas", "0", "--cluster-yes"],
+                check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout_s,
+            )  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        while not all(self._ok(n.port) for n in self.nodes):
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("the cluster did not reach cluster_state:ok")
+            time.sleep(0.05)
+        return self
+
+    def owner(self, slot: int) -> RedisServer:
+        """The node that serves ``slot`` now, as the first node sees it."""
+        for start, end, primary, *_ in _command(self.nodes[0].port, "CLUSTER", "SLOTS"):
+            if start <= slot <= end:
+                return next(n for n in self.nodes if n.port == int(primary[1]))
+        raise RuntimeError(f"no node serves slot {slot}")
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    @staticmethod
+    def _ok(port: int) -> bool:
+        info = _command(port, "CLUSTER", "INFO")
+        return isinstance(info, str) and "cluster_state:ok" in info
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (10,000 above it) is free too, so at most 55,535."""
+    import random
+
+    for _ in range(200):
+        port = random.randrange(20_000, 45_000)
+        if all(_bindable(p) for p in (port, port + 10_000)):
+            return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

@@ -34,10 +34,12 @@ import hiredis
 from redis.asyncio.connection import SSLConnection, parse_url
 
 # Error replies that mean "this server cannot serve now" rather than "this command failed".
-# Replies that say this node cannot serve now: loading its dataset, its master down, or a replica
-# (a demoted primary, after a failover). READONLY also tears the connection down: reconnecting asks
-# where the primary is now (sentinel.py).
-_UNAVAILABLE = ("LOADING", "MASTERDOWN", "READONLY")
+# Replies that say this node cannot serve now (nothing ran): loading its dataset, its master down,
+# a replica (a demoted primary, after a failover), or, on Redis Cluster, the slot served elsewhere
+# or moving. Those that name another node also tear the connection down: reconnecting asks where
+# the primary is now (sentinel.py, cluster.py).
+_UNAVAILABLE = ("LOADING", "MASTERDOWN", "READONLY", "MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")
+_ELSEWHERE = ("READONLY", "MOVED", "ASK")
 
 
 class ReplyError(Exception):
@@ -146,11 +148,11 @@ class _Protocol(asyncio.Protocol):
                 self.teardown(RespConnectionError("redis sent a reply nobody asked for"))
                 return
             fut = pending.popleft()[0]
-            if isinstance(reply, ReplyError) and str(reply).startswith("READONLY"):
+            if isinstance(reply, ReplyError) and str(reply).startswith(_ELSEWHERE):
                 refused = _reply_exception(reply)
                 if not fut.done():
                     fut.set_exception(refused)
-                self.teardown(refused)  # a replica now: every write here fails; connect again
+                self.teardown(refused)  # served elsewhere now: connect again, to where it is
                 return
             if fut.done():
                 continue  # its caller was cancelled: the reply is read and dropped

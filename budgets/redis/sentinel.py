@@ -15,20 +15,12 @@ without them (a sentinel with ``requirepass`` is not supported).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from redis.asyncio import Redis
-from redis.asyncio.connection import Connection, ConnectionPool
-from redis.exceptions import ConnectionError as RedisConnectionError
-
-from budgets.redis.resp import Address, RespConnection, RespConnectionError, check_primary
+from budgets.redis.resp import Address, RespConnection, RespConnectionError
 
 SCHEME = "redis+sentinel"
-
-Resolve = Callable[[], Awaitable[Address]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,46 +93,3 @@ class SentinelResolver:
             self.resolved += 1
             return Address(str(reply[0]), int(reply[1]), None, spec.db, spec.username, spec.password)
         raise RespConnectionError(f"no sentinel gave the primary of {spec.master!r}: " + "; ".join(problems))
-
-
-class SentinelConnection(Connection):
-    """redis-py's connection, to the primary the sentinels name at each connect."""
-
-    def __init__(self, *, resolve: Resolve, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._resolve = resolve
-
-    async def _connect(self) -> None:
-        try:
-            address = await self._resolve()
-        except RespConnectionError as err:
-            raise RedisConnectionError(str(err)) from err
-        self.host, self.port = address.host, address.port
-        await super()._connect()
-
-    async def on_connect(self) -> None:
-        await super().on_connect()
-        await self.send_command("ROLE")
-        role = await self.read_response()
-        try:
-            check_primary(role, Address(self.host, self.port))
-        except RespConnectionError as err:
-            raise RedisConnectionError(str(err)) from err
-
-
-def redis_client(url: str, **settings: Any) -> Redis:
-    """A redis-py client for ``url``: through Sentinel for a ``redis+sentinel://`` URL (to the
-    primary at each connect), else ``Redis.from_url``; ``settings`` go to the connections."""
-    if not is_sentinel_url(url):
-        return Redis.from_url(url, **settings)
-    spec = parse_sentinel_url(url)
-    timeout = settings.get("socket_connect_timeout") or 1.0
-    pool = ConnectionPool(
-        connection_class=SentinelConnection,
-        resolve=SentinelResolver(spec, timeout),
-        db=spec.db,
-        username=spec.username,
-        password=spec.password,
-        **settings,
-    )
-    return Redis(connection_pool=pool)

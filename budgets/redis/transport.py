@@ -25,16 +25,16 @@ from typing import Any
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import AskError, ClusterDownError, MovedError, ReadOnlyError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from budgets.redis.batch import FastSend, ScriptBatcher, SendAgain
 from budgets.redis.keys import KeyLayout
+from budgets.redis.nodes import Resolver, pool_kwargs, resolver_for
 from budgets.redis.options import RedisOptions
 from budgets.redis.resp import RespConnection, address_from_url
 from budgets.redis.scripts import ScriptRunner
-from budgets.redis.sentinel import SentinelConnection, SentinelResolver, is_sentinel_url, parse_sentinel_url
 
 
 class Down(Exception):
@@ -63,14 +63,13 @@ class Transport:
         self._is_down = is_down
         self._on_down = on_down
         self._on_wake = on_wake
-        # Through Sentinel (sentinel.py): both connections ask for the primary as they connect.
-        self.sentinel = (
-            SentinelResolver(parse_sentinel_url(options.url), options.connect_timeout_s)
-            if client is None and is_sentinel_url(options.url)
-            else None
+        # Through Sentinel (sentinel.py) or on a Cluster (cluster.py): both connections ask where
+        # the primary is as they connect.
+        self.resolver = (
+            resolver_for(options.url, keys.tag, options.connect_timeout_s) if client is None else None
         )
-        self.client = client or Redis(connection_pool=_pool(options, self.sentinel))
-        address = self.sentinel or (address_from_url(options.url) if client is None else None)
+        self.client = client or Redis(connection_pool=_pool(options, self.resolver))
+        address = self.resolver or (address_from_url(options.url) if client is None else None)
         self._resp = (
             RespConnection(
                 address, connect_timeout_s=options.connect_timeout_s, op_timeout_s=options.op_timeout_s
@@ -108,7 +107,9 @@ class Transport:
         except (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError) as err:
             self._on_down(err)
             raise Down(str(err)) from err
-        except ReadOnlyError as err:  # a replica now (a failover demoted it): connect anew, later
+        except (ReadOnlyError, MovedError, AskError, TryAgainError, ClusterDownError) as err:
+            # Served elsewhere now (a failover demoted it; a cluster slot moved) or moving: nothing
+            # ran. Down until the recovery connects again, to the primary named then.
             await self.client.connection_pool.disconnect()
             self._on_down(err)
             raise Down(str(err)) from err
@@ -191,19 +192,11 @@ class Transport:
         raise err
 
 
-def _pool(options: RedisOptions, sentinel: SentinelResolver | None) -> BlockingConnectionPool:
+def _pool(options: RedisOptions, resolver: Resolver | None) -> BlockingConnectionPool:
     # Blocking: under a burst, callers queue for one of max_connections instead of failing
     # ("too many connections" is not an outage). The wait is bounded by the per-call timeout.
-    if sentinel is not None:
-        spec = sentinel.spec
-        return BlockingConnectionPool(
-            connection_class=SentinelConnection,
-            resolve=sentinel,
-            db=spec.db,
-            username=spec.username,
-            password=spec.password,
-            **_pool_settings(options),
-        )
+    if resolver is not None:
+        return BlockingConnectionPool(**pool_kwargs(resolver), **_pool_settings(options))
     return BlockingConnectionPool.from_url(options.url, **_pool_settings(options))
 
 

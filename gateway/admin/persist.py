@@ -91,10 +91,10 @@ class RedisStateStore:
     def __init__(
         self, url: str, tag: str, *, poll_interval_s: float = 0.5, connect_timeout_s: float = 1.0
     ) -> None:
-        from budgets.redis.sentinel import redis_client
+        from budgets.redis.nodes import redis_client
 
         self._redis = redis_client(
-            url, socket_connect_timeout=connect_timeout_s, socket_timeout=max(connect_timeout_s, 1.0)
+            url, tag, socket_connect_timeout=connect_timeout_s, socket_timeout=max(connect_timeout_s, 1.0)
         )
         self.key = f"{tag}:admin:state"
         self.channel = f"{tag}:admin:changed"

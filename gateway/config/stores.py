@@ -23,6 +23,7 @@ from typing import Any
 
 from budgets.memory import MemoryStore
 from budgets.redis import RedisOptions, RedisStore
+from budgets.redis.cluster import is_cluster_url, parse_cluster_url
 from budgets.redis.sentinel import is_sentinel_url, parse_sentinel_url
 from budgets.types import BudgetLayout, BudgetStore
 from gateway.config.fields import (
@@ -61,15 +62,16 @@ def parse_store(v: Any, where: str = "store") -> StoreConfig:
     section(m, where, _REDIS_KEYS)
     d = RedisOptions()
     url = string(m, "url", where, d.url)
-    if is_sentinel_url(url):
+    if is_sentinel_url(url) or is_cluster_url(url):
         try:
-            parse_sentinel_url(url)
+            (parse_sentinel_url if is_sentinel_url(url) else parse_cluster_url)(url)
         except ValueError as exc:
             raise ConfigError(f"{where}.url: {exc}") from None
     elif not url.startswith(("redis://", "rediss://", "unix://")):
         raise ConfigError(
-            f"{where}.url: expected redis://host:port/db, rediss://..., unix://... or "
-            f"redis+sentinel://host:port[,host:port...]/master[/db], got {show(url)}"
+            f"{where}.url: expected redis://host:port/db, rediss://..., unix://..., "
+            f"redis+sentinel://host:port[,host:port...]/master[/db] or "
+            f"redis+cluster://host:port[,host:port...], got {show(url)}"
         )
     prefix = string(m, "key_prefix", where, d.key_prefix)
     if any(c in prefix for c in "{}") or not prefix.isprintable():

@@ -13,7 +13,11 @@ import pytest
 
 from budgets.memory import MemoryStore
 from budgets.types import BudgetLayout, BudgetStore
-from tests.budgets.redis_fixtures import redis_scripts_store_factory, redis_store_factory
+from tests.budgets.redis_fixtures import (
+    redis_cluster_store_factory,
+    redis_scripts_store_factory,
+    redis_store_factory,
+)
 from tests.budgets.support import FakeClock
 
 StoreFactory = Callable[[BudgetLayout], Awaitable[BudgetStore]]
@@ -27,8 +31,9 @@ FACTORIES: dict[str, Callable[[BudgetLayout, FakeClock], Awaitable[BudgetStore]]
     "memory": _memory,
     "redis": redis_store_factory,
     "redis-scripts": redis_scripts_store_factory,
+    "redis-cluster": redis_cluster_store_factory,
 }
-STORE_KINDS = ["memory", "redis", "redis-scripts"]
+STORE_KINDS = ["memory", "redis", "redis-scripts", "redis-cluster"]
 
 
 @pytest.fixture

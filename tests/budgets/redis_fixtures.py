@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from budgets.types import BudgetLayout, BudgetStore
-from loadtest.redis_server import RedisServer
+from loadtest.redis_server import RedisCluster, RedisServer
 
 if TYPE_CHECKING:
     from budgets.redis import RedisStore
@@ -54,6 +54,25 @@ def session_redis() -> RedisServer:
     return _Session.get()
 
 
+class _SessionCluster:
+    """The one Redis Cluster (three primaries) of a test run, started on first use."""
+
+    cluster: RedisCluster | None = None
+
+    @classmethod
+    def get(cls) -> RedisCluster:
+        if cls.cluster is None or not all(n.running for n in cls.cluster.nodes):
+            cluster = RedisCluster()
+            cluster.start()
+            atexit.register(cluster.stop)
+            cls.cluster = cluster
+        return cls.cluster
+
+
+def session_cluster() -> RedisCluster:
+    return _SessionCluster.get()
+
+
 async def redis_store_factory(layout: BudgetLayout, clock: Callable[[], float]) -> BudgetStore:
     """The contract suite's factory: a RedisStore on a fresh key prefix, driven by the test clock
     (its Lua code as a Redis 7 function library, the default)."""
@@ -65,7 +84,15 @@ async def redis_scripts_store_factory(layout: BudgetLayout, clock: Callable[[], 
     return _contract_store(layout, clock, "scripts")
 
 
-def _contract_store(layout: BudgetLayout, clock: Callable[[], float], lua: str) -> BudgetStore:
+async def redis_cluster_store_factory(layout: BudgetLayout, clock: Callable[[], float]) -> BudgetStore:
+    """The same on a three-primary Redis Cluster: each test's prefix is a domain in one slot, so the
+    suite's domains spread over the shards."""
+    return _contract_store(layout, clock, "functions", url=session_cluster().url)
+
+
+def _contract_store(
+    layout: BudgetLayout, clock: Callable[[], float], lua: str, url: str | None = None
+) -> BudgetStore:
     from budgets.redis import RedisOptions, RedisStore
 
     # Own grants reach a waiter in the script reply, so the suite needs no polling; a poll in
@@ -75,7 +102,7 @@ def _contract_store(layout: BudgetLayout, clock: Callable[[], float], lua: str) 
     # a second late in a full CI run (a collection of its large heap) must not see "Redis is down"
     # (a waiter of 0.6 s once failed that way with the default 0.5 s).
     options = RedisOptions(
-        url=session_redis().url,
+        url=url or session_redis().url,
         key_prefix=unique_prefix(),
         poll_interval_s=5.0,
         maintenance_interval_s=0.02,

@@ -64,7 +64,7 @@ async def test_the_store_follows_the_primarys_death_to_the_new_primary_over_admi
     stop.set()
     assert await prober == []  # nothing granted past the 60 the lease holds: never over capacity
     assert took < 10, took
-    resolver = store._transport.sentinel
+    resolver = store._transport.resolver
     assert resolver is not None and resolver.resolved >= 2  # the old primary, then the new one
     await store.release(held.id, 0)
     lease = await store.acquire(demand("b", 50, P), 2)  # fits now

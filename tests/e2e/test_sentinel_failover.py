@@ -22,14 +22,14 @@ from collections import Counter
 import aiohttp
 import pytest
 
-from budgets.redis.sentinel import redis_client
+from budgets.redis.nodes import redis_client
 from loadtest.redis_server import SentinelGroup
 from tests.budgets.redis_fixtures import unique_prefix
 from tests.conftest import GatewayFactory, serve_asgi
 from tests.e2e.test_fail_open_recovery import CAPACITY, REPLICAS, CountingBackend, Load, gateway_config
 from tests.support import eventually
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.soak]  # two gateways under load through a failover: ~11 s each
 
 
 @pytest.mark.parametrize("fail_mode", ["closed", "open"])
@@ -63,7 +63,7 @@ async def test_a_failover_mid_load_over_admits_nothing_and_serves_again_within_s
                 serving_at = time.monotonic()
                 await asyncio.sleep(2.0)
             after = load.statuses - at_kill
-        redis = redis_client(sentinels.url, decode_responses=True)
+        redis = redis_client(sentinels.url, "{tg:" + prefix + "}", decode_responses=True)
         try:
 
             async def drained() -> bool:

@@ -53,6 +53,8 @@ def test_defaults_and_full_section() -> None:
         ({"url": "http://x"}, "store.url: expected redis://"),
         ({"url": "redis+sentinel://s1:26379"}, "store.url: expected the master's name after the sentinels"),
         ({"url": "redis+sentinel://s1/m"}, "store.url: sentinel 's1': expected host:port"),
+        ({"url": "redis+cluster://n1/"}, "store.url: node 'n1': expected host:port of a cluster node"),
+        ({"url": "redis+cluster://n1:7000/3"}, "store.url: a cluster has only database 0"),
         ({"key_prefix": "a{b}"}, "store.key_prefix: expected a non-empty printable string without braces"),
         ({"timeouts": {"op": 1}}, "store.timeouts.op: unknown key (did you mean 'op_s'?)"),
         ({"timeouts": {"op_s": -1}}, "store.timeouts.op_s: expected a positive number, got -1"),
