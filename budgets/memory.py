@@ -124,6 +124,9 @@ class MemoryStore:
     async def healthy(self) -> bool:
         return self._started and not self._closed
 
+    def describe(self) -> dict[str, object]:
+        return {"kind": "memory"}
+
     async def apply_layout(self, layout: BudgetLayout) -> None:
         for ticket, err in policy.apply_layout(self._state, layout):
             fut = self._waiter_gone(ticket.seq)

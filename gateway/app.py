@@ -191,6 +191,7 @@ class Gateway:
             # Through self: a reconfiguration may replace the Pricer.
             encode_backlog=lambda: self.pricer.encode_backlog(),
             estimates=lambda: self.pricer.estimates(),
+            store=self.store.describe,
             prompt_overheads=self._prompt_overheads,
             tenant_connections=self._tenant_connections,
         )

@@ -9,11 +9,13 @@ primary. A reply that says the slot is elsewhere (``MOVED``, ``ASK``) or moving 
 the command did not run: the connection is torn down (resp.py), the store is down for a moment,
 and its recovery connects to the owner the cluster names then.
 
-Moving a live domain's slot: the Lua scripts declare one key (``T:layout``) and reach the domain's
-other keys by name, so a slot moved a few keys at a time (``redis-cli --cluster reshard`` moves 10
-per ``MIGRATE``) can show a script half a domain, and half a domain can grant what the other half
-holds. Move a domain with `migrate_slot`: one ``MIGRATE`` of all the slot's keys, which runs
-atomically on the source, so every script sees the whole domain on one side or the other.
+Moving a live domain's slot (``redis-cli --cluster reshard``, or `migrate_slot`): the scripts
+declare one key (``T:layout``) and reach the domain's other keys by name. While a slot is migrating,
+Redis runs a script whose declared key is still on the source, and fails any call inside it that
+reaches a key not there (moved, or not made yet) — after the writes before it. So every script
+first looks up a key that never exists (lib.lua, ``begin``): refused while the slot moves, it stops
+with ``TRYAGAIN`` before writing anything, and the store waits the move out as an outage. Once the
+declared key has moved the source answers ``ASK``; once the move is done, ``MOVED``.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ def slot_of(tag: str) -> int:
 class SlotOwner:
     """The primary that owns one domain's slot, asked of the nodes known (the last owner first)."""
 
+    topology = "cluster"
+
     def __init__(self, spec: ClusterSpec, tag: str, timeout_s: float) -> None:
         self.spec = spec
         self.slot = slot_of(tag)
@@ -116,10 +120,12 @@ class SlotOwner:
         return owner
 
 
-async def migrate_slot(source: Address, target: Address, slot: int, timeout_ms: int = 5000) -> int:
-    """Move ``slot`` from ``source`` to ``target`` with every key in one ``MIGRATE`` (atomic on the
-    source: a script runs before it, on the whole domain there, or after it, on the whole domain at
-    the target). Returns how many keys moved."""
+async def migrate_slot(
+    source: Address, target: Address, slot: int, keys_per_migrate: int = 10, timeout_ms: int = 5000
+) -> int:
+    """Move ``slot`` from ``source`` to ``target`` as ``redis-cli --cluster reshard`` does: importing
+    and migrating states, ``keys_per_migrate`` keys per ``MIGRATE``, then the new owner announced.
+    Returns how many keys moved."""
     src = RespConnection(source, connect_timeout_s=2, op_timeout_s=timeout_ms / 1000 + 5)
     dst = RespConnection(target, connect_timeout_s=2, op_timeout_s=5)
     try:
@@ -133,10 +139,7 @@ async def migrate_slot(source: Address, target: Address, slot: int, timeout_ms: 
                 ["AUTH2", source.username, source.password] if source.username else ["AUTH", source.password]
             )
         moved = 0
-        # Until the slot is empty: the first MIGRATE takes the domain's declared key (T:layout) with
-        # the rest, after which no script runs on the source; a key a script made while the list
-        # was read goes with the next pass.
-        while keys := await src.execute("CLUSTER", "GETKEYSINSLOT", str(slot), "100000"):
+        while keys := await src.execute("CLUSTER", "GETKEYSINSLOT", str(slot), str(keys_per_migrate)):
             await src.execute(
                 "MIGRATE", target.host, str(target.port), "", "0", str(timeout_ms), *auth, "KEYS", *keys
             )

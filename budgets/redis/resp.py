@@ -243,6 +243,12 @@ class RespConnection:
         self._connecting: asyncio.Lock | None = None
         self._closed = False
         self.connects = 0  # connections opened (observability, tests)
+        self._peer: Address | None = None  # where the open connection goes (resolved, if a resolver)
+
+    @property
+    def peer(self) -> Address | None:
+        """The address of the open connection; None when not connected."""
+        return self._peer if self.connected else None
 
     @property
     def connected(self) -> bool:
@@ -294,6 +300,7 @@ class RespConnection:
                 new.teardown(RespConnectionError("connection closed"))
                 raise RespConnectionError("connection closed")
             self._proto = new
+            self._peer = a
             self.connects += 1
             return new
 

@@ -65,6 +65,8 @@ def parse_sentinel_url(url: str) -> SentinelSpec:
 class SentinelResolver:
     """The master's address, asked of the sentinels in turn (the last that answered first)."""
 
+    topology = "sentinel"
+
     def __init__(self, spec: SentinelSpec, timeout_s: float) -> None:
         self.spec = spec
         self._order = list(spec.sentinels)

@@ -251,6 +251,19 @@ class RedisStore:
             await self._fallback.close()
         await self._transport.close()
 
+    def describe(self) -> dict[str, object]:
+        """The domain, how Redis is reached (standalone, Sentinel, Cluster) and the node the script
+        connection is on now (None: not connected), and the state of its outage handling."""
+        return {
+            "kind": "redis",
+            "domain": self._opts.key_prefix,
+            **self._transport.describe(),
+            "degraded": self.degraded,
+            "settling": self.settling,
+            "lua": self.lua_mode,
+            "script_reloads": self.script_reloads,
+        }
+
     async def healthy(self) -> bool:
         """Ready to admit: started and Redis reachable, or degraded to the fail-open budget."""
         if not self._started or self._closed:

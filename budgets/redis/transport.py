@@ -30,6 +30,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from budgets.redis.batch import FastSend, ScriptBatcher, SendAgain
+from budgets.redis.cluster import SlotOwner
 from budgets.redis.keys import KeyLayout
 from budgets.redis.nodes import Resolver, pool_kwargs, resolver_for
 from budgets.redis.options import RedisOptions
@@ -83,6 +84,17 @@ class Transport:
             max_in_flight=max(1, options.max_connections // 2),
             fast=FastSend(self._batch_start, self._batch_finish) if self._resp is not None else None,
         )
+
+    def describe(self) -> dict[str, object]:
+        """How Redis is reached, and where the script connection is connected now."""
+        resolver = self.resolver
+        topology = "standalone" if resolver is None else type(resolver).topology
+        out: dict[str, object] = {"topology": topology}
+        if isinstance(resolver, SlotOwner):
+            out["slot"] = resolver.slot
+        peer = self._resp.peer if self._resp is not None else None
+        out["node"] = None if peer is None else (peer.path or f"{peer.host}:{peer.port}")
+        return out
 
     @property
     def script_reloads(self) -> int:

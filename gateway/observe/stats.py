@@ -144,6 +144,8 @@ class StatsSources:
     prompt_overheads: Callable[[], Mapping[str, Any]] | None = None
     # Estimate mode: learned ratios and the exact / estimate distribution (Pricer.estimates)
     estimates: Callable[[], Mapping[str, Any]] | None = None
+    # Where the pools live (BudgetStore.describe): the kind; for Redis the domain, topology and node
+    store: Callable[[], Mapping[str, Any]] | None = None
 
 
 def _top(counts: Mapping[str, int], n: int = 5) -> list[tuple[str, int]]:
@@ -470,6 +472,7 @@ async def build_stats(src: StatsSources) -> dict[str, Any]:
         "held_bodies": _held_bodies(src),
         "encode_backlog": _encode_backlog(src),
         "estimates": dict(src.estimates()) if src.estimates is not None else None,
+        "store": dict(src.store()) if src.store is not None else None,
         "tenant_connections": _tenant_connections(src),
         "pricing": dict(src.prompt_overheads()) if src.prompt_overheads is not None else None,
     }

@@ -66,6 +66,8 @@ async def test_the_store_follows_the_primarys_death_to_the_new_primary_over_admi
     assert took < 10, took
     resolver = store._transport.resolver
     assert resolver is not None and resolver.resolved >= 2  # the old primary, then the new one
+    described = store.describe()
+    assert (described["topology"], described["node"]) == ("sentinel", f"127.0.0.1:{sentinels.primary_port()}")
     await store.release(held.id, 0)
     lease = await store.acquire(demand("b", 50, P), 2)  # fits now
     await store.release(lease.id, 0)

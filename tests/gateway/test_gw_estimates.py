@@ -91,8 +91,10 @@ async def test_a_long_prompt_goes_on_its_estimate_and_its_lease_grows_to_the_exa
     line = access_lines(caplog)[-1]
     assert line["prefill"] == exact  # the access line and fair share see the exact count
     assert await gw.wait_idle() == {"tenant:t": 0, "backend:default": 0}
-    estimates = (await stats(gw))["estimates"]
+    st = await stats(gw)
+    estimates = st["estimates"]
     assert (estimates["estimated"], estimates["counted"], estimates["under"]) == (1, 1, 1)
+    assert st["store"] == {"kind": "memory"}  # where the pools live (a Redis store names its node)
 
 
 async def test_a_prompt_too_big_on_its_estimate_but_not_on_its_count_is_served(

@@ -1972,6 +1972,13 @@ local function begin(keys, args)
       global_functions()
   end
   local layout = keys[1]
+  -- Redis Cluster, the domain's slot being moved: a key not here yet counts as the new owner's, and
+  -- a call reaching one fails where it stands, its earlier writes kept. So before any write, one
+  -- key that never exists is looked up: refused means the slot is moving, and nothing runs.
+  local probe = redis.pcall('EXISTS', layout .. ':moving')
+  if type(probe) == 'table' and probe.err then
+    error({ err = 'TRYAGAIN the domain\'s slot is being moved' })
+  end
   K = keysets[layout]
   if K == nil then
     if keysets_n >= 64 then
