@@ -507,6 +507,56 @@ def report(
 
 
 LONG_P99_RATIO_TARGET = 2.0
+# Streaming and big prompts at bare-proxy cost: the gateway's CPU per request against the bare
+# proxy's (plain, stream), its requests/s against the bare proxy's, the short requests' p99 growth
+# under the flood against the same shorts sent direct, and a long prompt's time in the gateway.
+CPU_TARGETS = {"plain": 0.8, "stream": 0.9}
+DIRECT_GROWTH_SLACK = 1.2
+LONG_IN_GATEWAY_P99_MS = 50.0
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def proxy_cost_verdicts(summary: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    """Every target of "streaming and big prompts at bare-proxy cost", judged on one run of
+    ``--with-long-prompts`` (its quiet runs give CPU and requests/s, its loaded runs the rest)."""
+    out = ["", "Streaming and big prompts at bare-proxy cost (each target, this run):"]
+    targets = [n for n in ("gateway", "gateway-estimate") if any(k.startswith(n + "|") for k in summary)]
+    for stream in args.modes:
+        mode = "stream" if stream else "plain"
+        for conc in args.concurrency:
+            b = summary[f"bare|c{conc}|{mode}"]
+            d_q, d_l = summary[f"direct|c{conc}|{mode}"], summary[f"direct|c{conc}|{mode}|long"]
+            for name in targets:
+                g_q, g_l = summary[f"{name}|c{conc}|{mode}"], summary[f"{name}|c{conc}|{mode}|long"]
+                parts = []
+                if g_q["cpu_ms_per_req"] and b["cpu_ms_per_req"]:
+                    cpu = g_q["cpu_ms_per_req"] / b["cpu_ms_per_req"]
+                    parts.append(
+                        f"CPU/req {cpu:.2f}x bare (<= {CPU_TARGETS[mode]:g}x: {_verdict(cpu <= CPU_TARGETS[mode])})"
+                    )
+                rps = g_q["rps"] / b["rps"]
+                parts.append(f"req/s {rps:.2f}x bare (>= 1x: {_verdict(rps >= 1)})")
+                growth, direct_growth = g_l["p99_ms"] / g_q["p99_ms"], d_l["p99_ms"] / d_q["p99_ms"]
+                parts.append(
+                    f"short p99 under the flood {growth:.2f}x quiet (<= {LONG_P99_RATIO_TARGET:g}x and <= direct's "
+                    f"{direct_growth:.2f}x x {DIRECT_GROWTH_SLACK:g}: "
+                    f"{_verdict(growth <= LONG_P99_RATIO_TARGET and growth <= direct_growth * DIRECT_GROWTH_SLACK)})"
+                )
+                out.append(f"- {mode} c={conc} {name}: " + "; ".join(parts))
+            if stream == args.modes[0] and conc == args.concurrency[0]:
+                # A long prompt's time in the gateway: its p99 through the gateway minus direct (the
+                # stub answers at once, so the rest is the gateway's: reading, pricing, admitting).
+                direct_long = d_l["long_prompts"]["p99_ms"]
+                for name in targets:
+                    extra = summary[f"{name}|c{conc}|{mode}|long"]["long_prompts"]["p99_ms"] - direct_long
+                    out.append(
+                        f"- a ~{args.long_tokens // 1000}k-token prompt's time in {name}, p99 over direct: "
+                        f"**{extra:.1f} ms** (<= {LONG_IN_GATEWAY_P99_MS:g} ms: {_verdict(extra <= LONG_IN_GATEWAY_P99_MS)})"
+                    )
+    return out
 
 
 def added_ratio(loaded: float, quiet: float) -> str:
@@ -575,6 +625,7 @@ def report_long(summary: dict[str, Any], args: argparse.Namespace, pricing: dict
                     f"  - long prompts to {name}: {bg['sent']} sent, statuses {bg['statuses']}, "
                     f"p50 {bg['p50_ms']:.1f} ms, p99 {bg['p99_ms']:.1f} ms"
                 )
+    checks += proxy_cost_verdicts(summary, args)
     estimates = summary.get("estimates")
     if estimates:
         spread = estimates.get("exact_over_estimate") or {}

@@ -59,6 +59,12 @@ def test_the_long_prompt_mode_sends_never_seen_prompts_beside_the_short_requests
     assert "gateway-added p99" in done.stdout
     # The estimating gateway's own account (a run this short may not have learned a ratio yet).
     assert summary["estimates"]["above_chars"] == 5000 and "with estimate mode" in done.stdout
+    # Every target of streaming and big prompts at bare-proxy cost, judged in the same run.
+    assert (
+        "- plain c=1 gateway: CPU/req" in done.stdout
+        and "- plain c=1 gateway-estimate: CPU/req" in done.stdout
+    )
+    assert "prompt's time in gateway, p99 over direct" in done.stdout
 
 
 def test_a_baseline_tree_that_is_not_a_checkout_is_refused_before_anything_starts(tmp_path: Path) -> None:
