@@ -104,7 +104,7 @@ class Encoder:
         name = first.tok.name
         estimates: dict[str, int] = {}
         for text in texts:
-            n = self.ratios.estimate(name, len(text), margin)
+            n = self.ratios.estimate(fair_key, name, len(text), margin)
             if n is None:
                 return None
             estimates[text] = n
@@ -209,7 +209,7 @@ class Encoder:
             for (_, i, _, _), n in zip(job, job_counts, strict=True):
                 counts[i] += n
         for text, n in zip(texts, counts, strict=True):
-            self.ratios.observe(tok.name, len(text), n)
+            self.ratios.observe(fair_key, tok.name, len(text), n)
         return counts
 
 

@@ -8,8 +8,9 @@ that many characters is priced with each such text counted as
     ceil(characters x ratio x (1 + estimate_margin_percent / 100))
 
 where ``ratio`` is a high quantile (``_QUANTILE``) of the tokens per character of the last
-``_WINDOW`` long texts this tokenizer counted exactly. Until ``_MIN_SAMPLES`` such texts were
-counted there is no ratio and the request is counted exactly, as without estimate mode.
+``_WINDOW`` long texts of the same tenant this tokenizer counted exactly. Until ``_MIN_SAMPLES``
+such texts were counted there is no ratio and the request is counted exactly, as without estimate
+mode.
 
 The exact count is still made, off the event loop, while the request goes on; the gateway corrects
 the request's lease by the difference when it arrives (an under-estimate grows the lease, counted
@@ -22,7 +23,7 @@ estimates. `EstimateErrors` keeps the distribution of exact / estimate for ``/st
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict, deque
 
 # Texts shorter than this say little about a tokenizer's ratio (a few words swing it): not learned from.
 _MIN_CHARS = 1024
@@ -38,34 +39,57 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 class CharRatios:
-    """Tokens per character of each tokenizer, learned from the long texts it counted exactly."""
+    """Tokens per character, learned per tenant and tokenizer from the long texts counted exactly.
+
+    Per tenant: a tenant's estimates follow its own texts only, so one that floods text of many
+    tokens per character (CJK, random bytes) cannot raise everyone else's reservations, nor one
+    of few lower them. ``_MAX_KEYS`` (tenant, tokenizer) pairs are kept, the least recently used
+    forgotten (its tenant's next long prompts are counted exactly until it has learned again).
+    """
+
+    _MAX_KEYS = 4096
 
     def __init__(self) -> None:
-        self._seen: dict[str, deque[float]] = {}
-        self._high: dict[str, float] = {}
+        self._seen: OrderedDict[tuple[str, str], deque[float]] = OrderedDict()
+        self._high: dict[tuple[str, str], float] = {}
 
-    def observe(self, tokenizer: str, chars: int, tokens: int) -> None:
+    def observe(self, scope: str, tokenizer: str, chars: int, tokens: int) -> None:
         if chars < _MIN_CHARS:
             return
-        seen = self._seen.get(tokenizer)
+        key = (scope, tokenizer)
+        seen = self._seen.get(key)
         if seen is None:
-            seen = self._seen[tokenizer] = deque(maxlen=_WINDOW)
+            if len(self._seen) >= self._MAX_KEYS:
+                old, _ = self._seen.popitem(last=False)
+                self._high.pop(old, None)
+            seen = self._seen[key] = deque(maxlen=_WINDOW)
+        else:
+            self._seen.move_to_end(key)
         seen.append(tokens / chars)
         if len(seen) >= _MIN_SAMPLES:
-            self._high[tokenizer] = _quantile(list(seen), _QUANTILE)
+            self._high[key] = _quantile(list(seen), _QUANTILE)
 
-    def ratio(self, tokenizer: str) -> float | None:
+    def ratio(self, scope: str, tokenizer: str) -> float | None:
         """The high quantile of tokens per character, or None while too few texts were counted."""
-        return self._high.get(tokenizer)
+        return self._high.get((scope, tokenizer))
 
-    def estimate(self, tokenizer: str, chars: int, margin: float) -> int | None:
-        ratio = self._high.get(tokenizer)
+    def estimate(self, scope: str, tokenizer: str, chars: int, margin: float) -> int | None:
+        ratio = self._high.get((scope, tokenizer))
         return None if ratio is None else math.ceil(chars * ratio * (1.0 + margin))
 
     def snapshot(self) -> dict[str, dict[str, float | int]]:
+        """Per tokenizer: how many tenants have a ratio, and the lowest, median and highest."""
+        by_tokenizer: dict[str, list[float]] = {}
+        for (_, tokenizer), ratio in self._high.items():
+            by_tokenizer.setdefault(tokenizer, []).append(ratio)
         return {
-            name: {"tokens_per_char": round(self._high.get(name, 0.0), 4), "samples": len(seen)}
-            for name, seen in self._seen.items()
+            name: {
+                "tenants": len(ratios),
+                "tokens_per_char_min": round(min(ratios), 4),
+                "tokens_per_char_p50": round(_quantile(ratios, 0.5), 4),
+                "tokens_per_char_max": round(max(ratios), 4),
+            }
+            for name, ratios in by_tokenizer.items()
         }
 
 

@@ -69,7 +69,7 @@ async def test_no_estimate_until_the_ratio_is_learned_then_an_estimate_with_its_
     assert exact.prefill <= estimate.prefill <= exact.prefill * 1.25
     stats = estimating.estimates()
     assert (stats["estimated"], stats["counted"], stats["under"]) == (1, 1, 0)
-    assert stats["ratios"]["cl100k_base"]["samples"] >= 9  # type: ignore[index]
+    assert stats["ratios"]["cl100k_base"]["tenants"] >= 1  # type: ignore[index]
 
 
 async def test_short_requests_and_long_texts_below_the_threshold_stay_exact(estimating: Pricer) -> None:
@@ -133,13 +133,14 @@ async def test_a_caller_that_goes_away_cancels_the_exact_count(estimating: Price
 def test_the_ratio_is_a_high_quantile_of_recent_long_texts_and_ignores_short_ones() -> None:
     ratios = CharRatios()
     for i in range(7):
-        ratios.observe("t", 10_000, 2_000 + i)
-    ratios.observe("t", 100, 90)  # too short to say anything
-    assert ratios.ratio("t") is None
-    ratios.observe("t", 10_000, 3_000)
-    assert ratios.ratio("t") == pytest.approx(0.3)  # the 90th percentile of 8: the highest
-    assert ratios.estimate("t", 1_000, 0.1) == 330
-    assert ratios.estimate("other", 1_000, 0.1) is None
+        ratios.observe("a", "t", 10_000, 2_000 + i)
+    ratios.observe("a", "t", 100, 90)  # too short to say anything
+    assert ratios.ratio("a", "t") is None
+    ratios.observe("a", "t", 10_000, 3_000)
+    assert ratios.ratio("a", "t") == pytest.approx(0.3)  # the 90th percentile of 8: the highest
+    assert ratios.estimate("a", "t", 1_000, 0.1) == 330
+    assert ratios.estimate("a", "other", 1_000, 0.1) is None
+    assert ratios.estimate("b", "t", 1_000, 0.1) is None  # another tenant learns its own
     errors = EstimateErrors()
     errors.estimated = 2
     errors.observe(100, 90)
@@ -147,3 +148,21 @@ def test_the_ratio_is_a_high_quantile_of_recent_long_texts_and_ignores_short_one
     snap = errors.snapshot()
     assert (snap["estimated"], snap["counted"], snap["under"]) == (2, 2, 1)
     assert snap["exact_over_estimate"] == {"p50": 0.9, "p90": 1.5, "p99": 1.5, "max": 1.5, "min": 0.9}
+
+
+async def test_a_tenant_flooding_dense_text_moves_only_its_own_estimates(estimating: Pricer) -> None:
+    """Ratios are per tenant: a flood of text with many tokens per character (CJK) raises the
+    flooding tenant's estimates, never another's reservations."""
+    rng = random.Random(7)
+    victim, flooder = uuid.uuid4().hex, uuid.uuid4().hex
+    await train(estimating, victim, rng)
+    for _ in range(8):
+        dense = "".join(chr(rng.randrange(0x4E00, 0x9FFF)) for _ in range(9_000))  # off the loop
+        assert (await estimating.aprice_chat(body(dense), **WIDE, fair_key=flooder)).exact is None
+    text = prose(20_000, rng)
+    estimate = await estimating.aprice_chat(body(text), **WIDE, fair_key=victim)
+    assert estimate.exact is not None
+    exact = await estimate.exact
+    assert estimate.prefill <= exact.prefill * 1.25  # the victim's own ratio, not the flood's
+    ratios = estimating.estimates()["ratios"]["cl100k_base"]  # type: ignore[index]
+    assert ratios["tenants"] == 2 and ratios["tokens_per_char_max"] > 5 * ratios["tokens_per_char_min"]
