@@ -140,3 +140,23 @@ async def test_a_class_boundary_within_the_margin_is_decided_on_the_exact_count(
         assert clearly_long.headers["x-tokengate-class"] == "long"
     assert await gw.wait_idle() == {"tenant:t": 0, "backend:default": 0}
     assert (await stats(gw))["estimates"]["estimated"] == 2  # both went on estimates; the class waited
+
+
+async def test_a_client_gone_before_its_exact_count_leaves_nothing_held(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
+) -> None:
+    """Requests priced on an estimate whose clients hang up (while the count is made, and after the
+    lease grew) release exactly once: the pools are back at zero, the stub saw them cancelled."""
+    stub, url = stub_backend
+    gw = await gateway_factory(config(url))
+    rng = random.Random(14)
+    async with httpx.AsyncClient(base_url=gw.url, timeout=30) as c:
+        await train(c, rng)
+    for hang_up_after in (0.01, 0.5):
+        hostile = "".join(chr(rng.randrange(0x4E00, 0x9FFF)) for _ in range(25_000))
+        async with httpx.AsyncClient(base_url=gw.url, timeout=hang_up_after) as c:
+            with pytest.raises(httpx.TimeoutException):
+                await ask(c, hostile, **{"x-stub-delay": "5.0"})
+        assert await gw.wait_idle() == {"tenant:t": 0, "backend:default": 0}
+    await eventually(lambda: all(r.cancelled_at is not None for r in stub.requests[-2:]), timeout_s=5)
+    assert (await stats(gw))["estimates"]["estimated"] == 2
