@@ -148,6 +148,8 @@ class StoreSnapshot:
     tenant_queue_depth: Mapping[str, int]
     virtual_service: Mapping[str, float]  # tenant -> VTC counter
     leases: int
+    # Per budget domain, when the store spans several (budgets.domains); empty for one domain.
+    domains: Mapping[str, StoreSnapshot] = field(default_factory=dict)
 
 
 # ---- errors: each maps to one HTTP status in the gateway ----

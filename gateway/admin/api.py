@@ -505,7 +505,20 @@ class AdminApi:
     # ---- live state, overrides, reload ----
 
     async def live_state(self, request: Request, caller: Caller) -> Response:
+        """Pools, queues and tenants in the store: every budget domain merged, or with
+        ``?domain=`` that domain's alone (budgets.domains)."""
         snap = await self.parts.store.snapshot()
+        names = list(snap.domains) or ["default"]
+        domain = request.query_params.get("domain")
+        if domain is not None:
+            if domain not in names:
+                raise ApiError(
+                    404,
+                    f"No budget domain {show_value(domain)}; this gateway's domains: {', '.join(names)}",
+                    param="domain",
+                    code="domain_not_found",
+                )
+            snap = snap.domains.get(domain, snap)
         pools = {
             name: {"capacity": p.capacity, "in_flight": p.in_flight, "shared": p.shared}
             for name, p in snap.pools.items()
@@ -522,6 +535,8 @@ class AdminApi:
         return _json(
             {
                 "version": self.parts.control.state.version,
+                "domain": domain,
+                "domains": names,
                 "pools": pools,
                 "queued_by_tier": dict(snap.queue_depth),
                 "tenants": tenants,

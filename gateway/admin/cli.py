@@ -199,6 +199,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     groups.add_parser("state", help="live state: pools, tenants, queues, recent errors")
     _add_common(groups.choices["state"])
+    groups.choices["state"].add_argument(
+        "--domain", help="one budget domain's pools, tenants and queues (store.domains; default: all merged)"
+    )
     o = group("overrides", "what the admin API changed over the config file")
     action(o, "list", "list overrides (they win over the config file until reset)")
     p = action(o, "reset", "drop an override: the object follows the config file again")
@@ -373,7 +376,8 @@ def _request(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None,
             return "PUT", f"/tiers/{name}", body, None, lambda d: render.tiers(d["tiers"])
         return "DELETE", f"/tiers/{name}", None, None, lambda d: render.tiers(d["tiers"])
     if g == "state":
-        return "GET", "/state", None, None, render.state
+        query = {"domain": args.domain} if getattr(args, "domain", None) else None
+        return "GET", "/state", None, query, render.state
     if g == "overrides":
         if a == "list":
             return "GET", "/overrides", None, None, render.overrides

@@ -198,6 +198,11 @@ def document() -> dict[str, Any]:
             "description": "live state: per pool and tenant in flight, queued, fair-share counters, recent errors",
             "properties": {
                 "version": {"type": "integer"},
+                "domain": {
+                    "type": ["string", "null"],
+                    "description": "the budget domain shown (null: every domain merged)",
+                },
+                "domains": {"type": "array", "items": {"type": "string"}},
                 "pools": {"type": "object", "additionalProperties": {"type": "object"}},
                 "queued_by_tier": {"type": "object", "additionalProperties": {"type": "integer"}},
                 "tenants": {"type": "object", "additionalProperties": {"type": "object"}},
@@ -317,7 +322,19 @@ def document() -> dict[str, Any]:
             "delete": {"summary": "Delete a tier", "responses": _ok(_list("tiers", "Tier"))},
         },
         "/admin/v1/state": {
-            "get": {"summary": "Live state of pools and tenants", "responses": _ok(_ref("State"))}
+            "get": {
+                "summary": "Live state of pools and tenants",
+                "parameters": [
+                    {
+                        "name": "domain",
+                        "in": "query",
+                        "required": False,
+                        "description": "one budget domain (store.domains); default: all merged",
+                        "schema": {"type": "string"},
+                    }
+                ],
+                "responses": _ok(_ref("State")),
+            }
         },
         "/admin/v1/overrides": {
             "get": {

@@ -215,10 +215,21 @@ def tiers(items: Sequence[Mapping[str, Any]]) -> str:
 # ---- live state ----
 
 
+def _domain_line(s: Mapping[str, Any]) -> list[str]:
+    names = s.get("domains") or []
+    if len(names) < 2:
+        return []
+    shown = s.get("domain")
+    if shown is None:
+        return [f"budget domains {', '.join(names)}, merged (--domain NAME for one)"]
+    return [f"budget domain {shown} (of {', '.join(names)})"]
+
+
 def state(s: Mapping[str, Any], errors_shown: int = 10) -> str:
     out = [
         f"admin state version {cell(s.get('version'))}; requests in this gateway now: "
         f"{cell(s.get('requests_in_gateway'))}; leases held: {cell(s.get('leases'))}",
+        *_domain_line(s),
         "",
         "Pools (tokens in flight of capacity)",
         table(

@@ -165,6 +165,7 @@ def parse_config(data: Any) -> GatewayConfig:
     pools = _pools(root.get("pools"))
     embedded = _embedded(root.get("embedded_backend"))
     store = stores.parse_store(root.get("store"))
+    stores.check_domain_pools(store, [p.name for p in pools] or list(embedded.pool_names))
     cfg = GatewayConfig(
         listen=_listen(root.get("listen")),
         workers=integer(root, "workers", "", 1, minimum=1),

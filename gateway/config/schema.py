@@ -40,6 +40,18 @@ class ListenConfig:
 class StoreConfig:
     kind: Literal["memory", "redis"] = "memory"
     redis: RedisOptions | None = None  # the redis section, typed (gateway.config.stores.parse_store)
+    # Budget domains beside the default one (budgets.domains): each owns some backend pools.
+    domains: tuple[DomainConfig, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class DomainConfig:
+    """One budget domain of ``store.domains``: its backend pools and, for Redis, where its keys
+    live (the store's options with this domain's ``key_prefix`` and, if set, its own ``url``)."""
+
+    name: str
+    pools: tuple[str, ...]
+    redis: RedisOptions | None = None
 
 
 @dataclass(frozen=True, slots=True)

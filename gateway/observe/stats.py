@@ -437,7 +437,21 @@ def _short_load(obs: Observer, klass: str) -> ShortLoad:
     return ShortLoad(None, rate, obs.windows.recent(klass)["ttft"].p99)
 
 
-async def build_stats(src: StatsSources) -> dict[str, Any]:
+class UnknownDomain(LookupError):
+    """``/stats?domain=`` named no budget domain of this gateway."""
+
+
+def _domains(snap: StoreSnapshot | None, where: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """Each budget domain's pools, queues, tenants and leases, and where it lives (budgets.domains)."""
+    if snap is None or not snap.domains:
+        return []
+    described = (where or {}).get("domains") or {}
+    return [{"name": d, "store": described.get(d), **_store(part)} for d, part in snap.domains.items()]
+
+
+async def build_stats(src: StatsSources, domain: str | None = None) -> dict[str, Any]:
+    """The whole page; ``domain`` narrows the store's sections (pools, queues, tenants, leases,
+    ``store``) to that budget domain (UnknownDomain when it has none by that name)."""
     obs = src.observer
     obs.refresh()
     snap: StoreSnapshot | None = None
@@ -447,6 +461,16 @@ async def build_stats(src: StatsSources) -> dict[str, Any]:
             snap = await src.snapshot()
         except Exception as e:  # the page must still render when the store is down
             store_error = f"{type(e).__name__}: {e}"
+    where = dict(src.store()) if src.store is not None else None
+    domains = _domains(snap, where)
+    if domain is not None:
+        names = [d["name"] for d in domains] or ["default"]
+        if domain not in names:
+            raise UnknownDomain(f"no budget domain {domain!r}; this gateway's domains: {', '.join(names)}")
+        if snap is not None and snap.domains:
+            snap = snap.domains[domain]
+            where = ((where or {}).get("domains") or {}).get(domain)
+        domains = [d for d in domains if d["name"] == domain]
     s = obs.settings
     gates = _gates(src)
     stats: dict[str, Any] = {
@@ -472,7 +496,8 @@ async def build_stats(src: StatsSources) -> dict[str, Any]:
         "held_bodies": _held_bodies(src),
         "encode_backlog": _encode_backlog(src),
         "estimates": dict(src.estimates()) if src.estimates is not None else None,
-        "store": dict(src.store()) if src.store is not None else None,
+        "store": where,
+        "domains": domains,
         "tenant_connections": _tenant_connections(src),
         "pricing": dict(src.prompt_overheads()) if src.prompt_overheads is not None else None,
     }
@@ -527,7 +552,20 @@ def observe_routes(src: StatsSources) -> list[BaseRoute]:
     files = _dashboard_files()
 
     async def stats(request: Request) -> Response:
-        return _json(await build_stats(src))
+        try:
+            return _json(await build_stats(src, request.query_params.get("domain")))
+        except UnknownDomain as exc:
+            return _json(
+                {
+                    "error": {
+                        "message": str(exc),
+                        "type": "not_found",
+                        "param": "domain",
+                        "code": "domain_not_found",
+                    }
+                },
+                404,
+            )
 
     async def insights(request: Request) -> Response:
         text = insights_yaml(src)

@@ -351,3 +351,27 @@ async def test_the_url_and_token_come_from_the_environment_and_flags_win(
 def test_admin_is_listed_among_the_tokengate_commands(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main([]) == 2
     assert "admin" in capsys.readouterr().out
+
+
+async def test_state_of_one_budget_domain_and_of_all_merged(
+    config: dict[str, Any], gateway_factory: GatewayFactory, admin: Any
+) -> None:
+    eu = await serve_asgi(StubBackend())
+    try:
+        config["pools"]["eu"] = {"backends": [{"url": eu.url, "capacity_tokens": 500}]}
+        config["store"] = {"domains": {"eu": {"pools": ["eu"]}}}
+        gw = await gateway_factory(config)
+        g = gateway_args(gw)
+        r = await admin(*g, "state")
+        assert r.code == 0, r.err
+        assert "budget domains default, eu, merged (--domain NAME for one)" in r.out
+        assert "backend:eu" in r.out and "backend:default" in r.out
+        r = await admin(*g, "state", "--domain", "eu")
+        assert r.code == 0 and "budget domain eu (of default, eu)" in r.out
+        assert "backend:eu" in r.out and "backend:default" not in r.out
+        state = (await admin(*g, "--json", "state", "--domain", "eu")).json()
+        assert state["pools"]["tenant:acme"]["capacity"] == 1000  # a tenant's budget, per domain
+        r = await admin(*g, "state", "--domain", "us")
+        assert r.code != 0 and "No budget domain 'us'; this gateway's domains: default, eu" in r.err
+    finally:
+        await eu.stop()

@@ -6,11 +6,13 @@ from typing import Any
 
 import pytest
 
+from budgets.domains import DomainStore
 from budgets.memory import MemoryStore
 from budgets.redis import RedisStore
 from gateway.config.fields import ConfigError
+from gateway.config.loader import parse_config
 from gateway.config.stores import build_store, parse_store
-from tests.budgets.support import layout, shared
+from tests.budgets.support import layout, private, shared
 
 
 def test_defaults_and_full_section() -> None:
@@ -90,3 +92,92 @@ def test_one_factory_builds_every_store_unstarted() -> None:
 def test_a_sentinel_url_is_a_redis_store_that_asks_the_sentinels() -> None:
     config = parse_store({"kind": "redis", "url": "redis+sentinel://s1:26379,s2:26379/mymaster/1"})
     assert config.redis is not None and config.redis.url == "redis+sentinel://s1:26379,s2:26379/mymaster/1"
+
+
+def test_domains_inherit_the_stores_options_with_their_own_prefix_and_url() -> None:
+    config = parse_store(
+        {
+            "kind": "redis",
+            "url": "redis+cluster://n1:7000,n2:7000",
+            "key_prefix": "prod",
+            "fail_mode": "open",
+            "domains": {
+                "eu": {"pools": ["eu-chat", "eu-long"]},
+                "us": {"pools": "us-chat", "key_prefix": "tg-us", "url": "redis://us:6379/0"},
+            },
+        }
+    )
+    eu, us = config.domains
+    assert (eu.name, eu.pools, us.name, us.pools) == ("eu", ("eu-chat", "eu-long"), "us", ("us-chat",))
+    assert eu.redis is not None and us.redis is not None
+    assert (eu.redis.url, eu.redis.key_prefix, eu.redis.fail_mode) == (
+        "redis+cluster://n1:7000,n2:7000",
+        "prod-eu",
+        "open",
+    )
+    assert (us.redis.url, us.redis.key_prefix) == ("redis://us:6379/0", "tg-us")
+    memory = parse_store({"domains": {"eu": {"pools": ["eu-chat"]}}})
+    assert memory.domains[0].pools == ("eu-chat",) and memory.domains[0].redis is None
+
+
+@pytest.mark.parametrize(
+    ("domains", "message"),
+    [
+        ({"default": {"pools": ["a"]}}, "store.domains.default: 'default' is the domain of store.key_prefix"),
+        ({"eu": {"pools": []}}, "store.domains.eu.pools: list the backend pools this domain owns"),
+        ({"eu": {}}, "store.domains.eu.pools: list the backend pools"),
+        (
+            {"eu": {"pools": ["a"]}, "us": {"pools": ["a"]}},
+            "store.domains.us.pools: pool 'a' is already in domain 'eu'",
+        ),
+        (
+            {"eu": {"pools": ["a"], "prefix": "x"}},
+            "store.domains.eu.prefix: unknown key (did you mean 'key_prefix'?)",
+        ),
+        (
+            {"eu": {"pools": ["a"], "key_prefix": "tokengate"}},
+            "store.domains.eu.key_prefix: 'tokengate' on redis://127.0.0.1:6379/0 is already used by domain 'default'",
+        ),
+        ({"e/u": {"pools": ["a"]}}, "store.domains.e/u: name 'e/u' may only use"),
+        ({"eu": {"pools": ["a"], "url": "http://x"}}, "store.domains.eu.url: expected redis://"),
+        ({"eu": ["a"]}, "store.domains.eu: expected a mapping"),
+    ],
+)
+def test_invalid_domains_name_the_field(domains: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_store({"kind": "redis", "domains": domains})
+    assert str(info.value).startswith(message)
+
+
+def test_memory_domains_take_pools_only() -> None:
+    with pytest.raises(ConfigError, match=r"store\.domains\.eu\.key_prefix: unknown key"):
+        parse_store({"domains": {"eu": {"pools": ["a"], "key_prefix": "x"}}})
+
+
+def test_a_domain_naming_a_pool_the_config_lacks_is_refused() -> None:
+    pools = {
+        n: {"backends": [{"url": f"http://127.0.0.1:{port}", "capacity_tokens": 100}]}
+        for n, port in (("chat", 9), ("long", 10))
+    }
+    with pytest.raises(
+        ConfigError,
+        match=r"store\.domains\.eu\.pools: no pool 'chatt' \(did you mean 'chat'\?\); configured pools: chat, long",
+    ):
+        parse_config({"pools": pools, "store": {"domains": {"eu": {"pools": ["chatt"]}}}})
+    # Without pools, the embedded backends' pools are the ones a domain may name.
+    assert parse_config({"store": {"domains": {"eu": {"pools": ["long"]}}}}).store.domains[0].pools == (
+        "long",
+    )
+
+
+def test_the_factory_builds_one_store_per_domain_over_its_part_of_the_layout() -> None:
+    lay = layout([shared("backend:p", 10), shared("backend:eu", 20), private("tenant:a", 5)], ["a"])
+    store = build_store(
+        parse_store({"kind": "redis", "key_prefix": "x", "domains": {"eu": {"pools": ["eu"]}}}), lay
+    )
+    assert isinstance(store, DomainStore)
+    default, eu = store.stores["default"], store.stores["eu"]
+    assert isinstance(default, RedisStore) and isinstance(eu, RedisStore)
+    assert (default.keys.tag, eu.keys.tag) == ("{tg:x}", "{tg:x-eu}")
+    where = store.describe()["domains"]
+    assert isinstance(where, dict) and where["eu"]["domain"] == "x-eu"
