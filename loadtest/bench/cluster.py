@@ -23,7 +23,7 @@ import uuid
 from typing import Any
 
 from budgets.redis.cluster import slot_of
-from loadtest.bench.redis import _worker_main
+from loadtest.bench.redis import _worker_main, redis_cpu
 from loadtest.redis_server import RedisCluster
 
 
@@ -54,18 +54,47 @@ def run(shards: int, domains: int, concurrency: int, duration: float) -> dict[st
         ]
         for p in procs:
             p.start()
+        time.sleep(max(0.0, start_at - time.time()))
+        cpu0 = [redis_cpu(n.url) for n in cluster.nodes]
         results = [out.get(timeout=duration + 60) for _ in procs]
+        cpu1 = [redis_cpu(n.url) for n in cluster.nodes]
         for p in procs:
             p.join()
         per_domain = [r["cycles"] / r["seconds"] for r in results]
+        cycles = max(1, sum(r["cycles"] for r in results))
         return {
             "shards": shards,
             "domains": domains,
             "cycles_per_s": sum(per_domain),
             "per_domain": per_domain,
+            # CPU per cycle: every primary's own (INFO cpu) and the driving processes' (a gateway's
+            # share of the work), what the cost model below divides the machine's cores by.
+            "redis_us_per_cycle": (sum(cpu1) - sum(cpu0)) / cycles * 1e6,
+            "client_us_per_cycle": sum(r["cpu_s"] for r in results) / cycles * 1e6,
+            "busiest_primary_cpu": max(b - a for a, b in zip(cpu0, cpu1, strict=True)) / duration,
         }
     finally:
         cluster.stop()
+
+
+def cost_model(one: dict[str, Any], shards: int, used: int, cores: int) -> dict[str, float]:
+    """What the cores allow, from the one-shard run's CPU per cycle: a primary serves at most
+    1/redis_us cycles/s (one core each); the whole machine at most cores/(redis_us + client_us),
+    since every cycle also costs its driver (a gateway) CPU. ``used`` shards can give at most
+    ``used`` x one primary's ceiling; the ratio a machine can show is capped by its cores, and the
+    cores a ratio needs are ratio x (redis_us + client_us) / redis_us."""
+    r, c = one["redis_us_per_cycle"], one["client_us_per_cycle"]
+    one_ceiling = 1e6 / r
+    machine = cores * 1e6 / (r + c)
+    return {
+        "redis_us": r,
+        "client_us": c,
+        "one_shard_ceiling": one_ceiling,
+        "machine_ceiling": machine,
+        "shards_used": float(used),
+        "ratio_ceiling_here": min(float(used), machine / min(one_ceiling, machine)),
+        "cores_for_2_5x": 2.5 * (r + c) / r,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,9 +121,19 @@ def main(argv: list[str] | None = None) -> int:
             f"(per domain {', '.join(f'{c:,.0f}' for c in r['per_domain'])})"
         )
     print(f"- {args.shards} shards / 1 shard: **{ratio:.2f}x**")
+    model = cost_model(one, args.shards, min(args.shards, args.domains), cores or 1)
+    print(
+        f"- cost model: Redis {model['redis_us']:.0f} us + drivers {model['client_us']:.0f} us CPU per "
+        f"cycle; one primary saturates at {model['one_shard_ceiling']:,.0f} cycles/s, "
+        f"{cores} cores at {model['machine_ceiling']:,.0f}; {args.shards} shards could reach "
+        f"{model['ratio_ceiling_here']:.2f}x here, 2.5x needs >= {model['cores_for_2_5x']:.1f} cores "
+        f"({model['shards_used']:.0f} shards used at most)"
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"one": one, "many": many, "ratio": ratio, "cpu_cores": cores}, f, indent=2)
+            json.dump(
+                {"one": one, "many": many, "ratio": ratio, "cpu_cores": cores, "model": model}, f, indent=2
+            )
     return 0
 
 

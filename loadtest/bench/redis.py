@@ -148,7 +148,9 @@ def _worker_main(
     url: str, prefix: str, concurrency: int, duration: float, lua: LuaMode, start_at: float, out: Any
 ) -> None:
     time.sleep(max(0.0, start_at - time.time()))
-    out.put(asyncio.run(run_workers(url, prefix, concurrency, duration, lua)))
+    cpu0 = time.process_time()
+    result = asyncio.run(run_workers(url, prefix, concurrency, duration, lua))
+    out.put({**result, "cpu_s": time.process_time() - cpu0})  # the driving process's own CPU
 
 
 def redis_cpu(url: str) -> float:

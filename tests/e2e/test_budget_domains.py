@@ -1,7 +1,7 @@
 """One gateway serving two budget domains on a real three-primary Redis Cluster (``store.domains``):
 each pool's requests are granted in its own domain, on its own shard; a tenant's budget holds per
 domain; ``/stats`` and the admin API show each domain; every pool of every domain is back at zero
-afterwards."""
+afterwards; an admin change, saved on the Cluster, reaches every domain."""
 
 from __future__ import annotations
 
@@ -128,5 +128,20 @@ async def test_one_gateway_two_domains_on_two_shards_budgets_per_domain_and_view
             )
 
         await eventually(idle, timeout_s=5)
+
+        # A budget changed through the admin API (its state saved on the Cluster, in the default
+        # domain's slot) reaches every domain.
+        r = await ops.patch("/admin/v1/tenants/acme", json={"budget_tokens": 3000})
+        assert r.status_code == 200, r.text
+        for domain in ("default", "eu"):
+            state = (await ops.get("/admin/v1/state", params={"domain": domain})).json()
+            assert state["pools"]["tenant:acme"]["capacity"] == 3000
+        assert await stream(gw, "chat-model", 2500) == 200
+        replica = await gateway_factory(cfg)  # a second replica starts on the saved state
+
+        async def saved() -> bool:
+            return any(t.name == "acme" and t.budget_tokens == 3000 for t in replica.app.config.tenants)
+
+        await eventually(saved, timeout_s=5)
     finally:
         await ops.aclose()

@@ -27,3 +27,10 @@ def test_the_cluster_benchmark_drives_each_domain_on_one_shard_and_on_three(tmp_
     for run in (data["one"], data["many"]):
         assert len(run["per_domain"]) == 3 and all(rate > 0 for rate in run["per_domain"])
     assert "3 shards / 1 shard" in done.stdout
+    # The cost model reads both CPUs of the one-shard run: each is a measurement, never zero.
+    for run in (data["one"], data["many"]):
+        assert run["redis_us_per_cycle"] > 0 and run["client_us_per_cycle"] > 0
+    model = data["model"]
+    assert model["cores_for_2_5x"] == 2.5 * (model["redis_us"] + model["client_us"]) / model["redis_us"]
+    assert 0 < model["ratio_ceiling_here"] <= 3
+    assert "2.5x needs >=" in done.stdout
