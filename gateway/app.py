@@ -41,6 +41,7 @@ from gateway.observe import Observer, ReservationSources, ScrapeTarget, StatsSou
 from gateway.observe.accesslog import Record
 from gateway.observe.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.observe.stats import BackendHealth, config_view
+from gateway.observe.tracing import Tracer
 from gateway.request.auth import visible_models
 from gateway.request.errors import ApiError, error_body, show_value
 from gateway.request.exchange import CancelReason, Exchange, Phase, Receive, RouteKind, Scope, Send
@@ -88,6 +89,7 @@ def _header(scope: Scope, name: bytes) -> str | None:
 # Sections that shape the process itself: a reload keeps their running values until a restart.
 RESTART_ONLY = (
     "listen",
+    "tracing",
     "workers",
     "store",
     "limits",
@@ -156,6 +158,7 @@ class Gateway:
         # Called once per finished request with its record and perf_counter end time (cheap,
         # synchronous, on the event loop; exceptions are logged and ignored).
         self.request_hooks: list[Callable[[Record, float], None]] = []
+        self.tracer: Tracer | None = None  # tracing.enabled: built at start-up (its exporter's thread)
         # Request-class observability: per-class windows, HOL fingerprint, pool shape, and each
         # engine's own load scraped from its /metrics (routing reads it through Backend.load).
         self.observer = Observer(
@@ -315,6 +318,9 @@ class Gateway:
         await self.observer.start()
         # Off the hot path and best effort: /v1/models lists what model-agnostic backends serve.
         self._discovery = asyncio.create_task(self.health.discover_models(), name="tokengate-discovery")
+        if self.config.tracing.enabled:
+            self.tracer = Tracer(self.config.tracing)
+            self.request_hooks.append(self.tracer.finished)
         parts = ProxyParts(
             store=self.store,
             keeper=self.keeper,
@@ -326,6 +332,7 @@ class Gateway:
             limits=self.config.limits,
             cooldown_s=self.config.health.cooldown_s,
             draining=lambda: self.draining,
+            tracer=self.tracer,
         )
         self._proxy = Proxy(parts, self.live, self.session)
 
@@ -347,6 +354,8 @@ class Gateway:
             await self._proxy.media.close()
         await self.store.close()
         self.pricer.close()
+        if self.tracer is not None:  # (after the drain: the last requests' spans go too)
+            await asyncio.to_thread(self.tracer.close)
 
     async def drain(self, timeout_s: float) -> None:
         """Stop admitting (503), fail queued requests, let in-flight ones finish up to ``timeout_s``,

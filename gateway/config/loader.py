@@ -71,6 +71,7 @@ from gateway.config.schema import (
     UpstreamConfig,
 )
 from gateway.observe.settings import ObserveConfigError, ObserveSettings
+from gateway.observe.tracing import PROTOCOLS, Protocol, TracingSettings, otel_available
 from gateway.request.passthrough import DEFAULT_ROUTES, PassthroughRoute
 from gateway.request.paths import path_problem
 from gateway.request.reservations import ReservationConfig
@@ -193,6 +194,7 @@ def parse_config(data: Any) -> GatewayConfig:
         gc=_gc(root.get("gc")),
         enforce_max_tokens=boolean(root, "enforce_max_tokens", "", True),
         observability=_observability(root.get("observability")),
+        tracing=_tracing(root.get("tracing")),
     )
     return cfg
 
@@ -252,6 +254,7 @@ _TOP_KEYS = (
     "gc",
     "enforce_max_tokens",
     "observability",
+    "tracing",
 )
 
 
@@ -895,6 +898,44 @@ def _logging(v: Any) -> LoggingConfig:
 def _metrics_section(v: Any) -> MetricsConfig:
     m = section(v, "metrics", ("top_tenants",))
     return MetricsConfig(top_tenants=integer(m, "top_tenants", "metrics", 20, minimum=0))
+
+
+def _tracing(v: Any) -> TracingSettings:
+    w = "tracing"
+    m = section(v, w, ("enabled", "protocol", "endpoint", "sample_ratio", "client_context", "service_name"))
+    enabled = boolean(m, "enabled", w, False)
+    protocol: Protocol | None = None
+    if m.get("protocol") is not None:
+        protocol = (
+            "http/protobuf" if choice(m, "protocol", w, "grpc", PROTOCOLS) == "http/protobuf" else "grpc"
+        )
+    endpoint = opt_string(m, "endpoint", w)
+    if endpoint is not None and not endpoint.startswith(("http://", "https://")):
+        raise ConfigError(
+            f"{w}.endpoint: expected an http:// or https:// URL of the OTLP receiver, got {show(endpoint)}"
+        )
+    ratio = None
+    if m.get("sample_ratio") is not None:
+        ratio = number(m, "sample_ratio", w, 1.0, minimum=0.0)
+        if ratio > 1.0:
+            raise ConfigError(
+                f"{w}.sample_ratio: expected a share of traces between 0 and 1, got {show(ratio)}"
+            )
+    if enabled and not otel_available():
+        raise ConfigError(
+            f"{w}.enabled: tracing needs the OpenTelemetry SDK and its OTLP exporters: "
+            "pip install 'tokengate[otel]'"
+        )
+    return TracingSettings(
+        enabled=enabled,
+        protocol=protocol,
+        endpoint=endpoint,
+        sample_ratio=ratio,
+        client_context="ignore"
+        if choice(m, "client_context", w, "join", ("join", "ignore")) == "ignore"
+        else "join",
+        service_name=opt_string(m, "service_name", w),
+    )
 
 
 def _gc(v: Any) -> GcConfig:

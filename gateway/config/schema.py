@@ -20,6 +20,7 @@ from classifiers import ClassRule, PricingSettings
 from classifiers.images import ImageRule
 from classifiers.reservation import ReservationSettings
 from gateway.observe.settings import ObserveSettings
+from gateway.observe.tracing import TracingSettings
 from gateway.request.passthrough import DEFAULT_ROUTES, PassthroughRoute
 from gateway.request.reservations import ReservationConfig
 from gateway.upstream.client import PRIVATE_HEADERS
@@ -303,6 +304,8 @@ class GatewayConfig:
     enforce_max_tokens: bool = True
     # Request-class observability (windows, HOL, shape, backend scraping, per-class SLOs).
     observability: ObserveSettings = field(default_factory=ObserveSettings)
+    # OpenTelemetry traces (gateway.observe.tracing): off by default.
+    tracing: TracingSettings = field(default_factory=TracingSettings)
 
     @property
     def open_mode(self) -> bool:

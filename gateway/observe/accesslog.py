@@ -13,9 +13,12 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from gateway.process.logs import LogFormat, dumps, iso_timestamp, text_value
+
+if TYPE_CHECKING:
+    from gateway.observe.tracing import TraceContext
 
 access_log = logging.getLogger("tokengate.access")
 _NAME = access_log.name
@@ -62,6 +65,18 @@ class Record:
     slot_tokens: int = 0  # of decode, held beyond the reservation: its share of the engine's sequence slots
     overdraft: int = 0  # of those, tokens beyond what its pools had room for
     error: str | None = None
+    # Tracing (gateway.observe.tracing), set only while it is on: the request's trace, and what its
+    # spans read beyond the fields above.
+    trace: TraceContext | None = None
+    model: str | None = None
+    max_tokens: int | None = None
+    granted: bool = False  # its lease was granted
+    queued_at: float | None = None  # perf_counter when it asked the budget store
+    upstream_at: float | None = None  # perf_counter when the upstream call began
+    backend_url: str | None = None
+    response_id: str | None = None
+    response_model: str | None = None
+    finish_reasons: tuple[str, ...] | None = None
 
     def emit(self, end: float) -> None:
         """Write the line; never raises (a value orjson refuses is written as text instead)."""
@@ -113,6 +128,7 @@ class Record:
             "extended": self.extended or None,
             "overdraft": self.overdraft or None,
             "error": None if self.error is None else self.error[:_ERROR_LIMIT],
+            "trace_id": None if self.trace is None else self.trace.trace_hex,
         }
 
 

@@ -31,6 +31,7 @@ from classifiers.pricing import MAX_JSON_DEPTH
 from classifiers.prompt_overhead import corrected
 from gateway.config.schema import TenantConfig
 from gateway.observe.accesslog import Record
+from gateway.observe.tracing import Tracer
 from gateway.process.signals import RequestSignals, request_signals
 from gateway.request import server_tools, slots, usage
 from gateway.request.auth import bearer_key, may_use, visible_models
@@ -227,6 +228,11 @@ class ProxyParts:
     limits: LimitsConfig  # a restart-only section: one count for the process's life
     cooldown_s: float  # a backend's breaker cooldown: the Retry-After when none is healthy
     draining: Callable[[], bool]
+    tracer: Tracer | None = None  # None: tracing off, and the request path reads no trace header
+
+
+# Read (and replaced by ours) while tracing is on; forwarded as they came while it is off.
+_TRACE_HEADERS = frozenset({b"traceparent", b"tracestate"})
 
 
 class _CountFirst(Exception):
@@ -254,6 +260,8 @@ class Proxy:
         self.router = parts.router
         self.cooldown_s = parts.cooldown_s
         self.draining = parts.draining
+        self.tracer = parts.tracer
+        self._drop = REQUEST_DROP if parts.tracer is None else REQUEST_DROP | _TRACE_HEADERS
         self._demand_pools: dict[tuple[str, str, str | None], tuple[str, ...]] = {}
         self._urls: dict[tuple[int, bytes], URL] = {}
         limits = parts.limits
@@ -404,8 +412,10 @@ class Proxy:
         max_wait_s: float | None = None
         encoded: bytes | None = None
         hop: set[str] | None = None  # headers the client's Connection header names: this hop's only
+        traceparent: str | None = None
+        tracestate: str | None = None
         fwd = x.headers
-        drop = REQUEST_DROP
+        drop = self._drop
         private = x.private_headers = self.private_headers
         for name, value in x.scope["headers"]:
             if name in drop:
@@ -422,6 +432,10 @@ class Proxy:
                         raise ApiError(400, "Invalid Content-Length header", code="invalid_header") from None
                 elif name == b"api-key" or name == b"x-api-key":
                     alt_key = value.decode("latin-1").strip()
+                elif name == b"traceparent":  # (dropped only while tracing is on: ours goes instead)
+                    traceparent = value.decode("latin-1")
+                elif name == b"tracestate":
+                    tracestate = value.decode("latin-1")
                 continue
             if name.startswith(b"x-tokengate-"):
                 if name == b"x-tokengate-tier":
@@ -451,6 +465,8 @@ class Proxy:
             elif name == b"content-encoding" and value.strip().lower() not in (b"", b"identity"):
                 encoded = value
             fwd.append((name.decode("latin-1"), value.decode("latin-1")))
+        if self.tracer is not None:
+            x.record.trace = self.tracer.begin(traceparent, tracestate)
         if hop and not hop <= _NOT_FORWARDED:  # (most clients send "keep-alive": nothing to do)
             fwd[:] = [(n, v) for n, v in fwd if n not in hop]  # (ASGI names are lower case)
             x.has_content_type = x.has_content_type and "content-type" not in hop
@@ -536,6 +552,11 @@ class Proxy:
             # (one answer for both: which models exist for other tenants is not this one's to learn)
             raise self._unknown_model(model, tenant)
         x.body, x.model = body, model
+        if x.record.trace is not None:
+            rec = x.record
+            rec.model = model
+            limit = body.get("max_tokens", body.get("max_completion_tokens", body.get("max_output_tokens")))
+            rec.max_tokens = limit if type(limit) is int else None
         if x.kind is RouteKind.RESPONSES:
             server_tools.check(tenant.server_tools, body)
         await self._inline_media(x, body)
@@ -799,9 +820,10 @@ class Proxy:
         self._refuse_if_draining()
         x.phase = Phase.QUEUED
         rec = x.record
-        t_queue = perf_counter()
+        rec.queued_at = t_queue = perf_counter()
         try:
             x.lease = await self.store.acquire(demand, x.max_wait_s)
+            rec.granted = True
         except AdmissionError as exc:
             if isinstance(exc, NeverFits) and x.exact is not None:
                 raise _CountFirst from None
@@ -878,7 +900,9 @@ class Proxy:
     async def _exchange_with(self, x: Exchange, backend: Backend) -> None:
         rec = x.record
         payload = self._payload(x, backend)
-        t_up = perf_counter()
+        rec.upstream_at = t_up = perf_counter()
+        if rec.trace is not None:
+            rec.backend_url = backend.spec.url
         try:
             resp = await self.session.request(
                 x.scope["method"],
@@ -1065,6 +1089,9 @@ class Proxy:
             headers = [*headers, (rid, x.record.request_id)]
         elif rid is not None:
             headers = [*(h for h in headers if h[0] != rid), (rid, x.record.request_id)]
+        trace = x.record.trace
+        if trace is not None:
+            headers = [*headers, *trace.upstream_headers()]
         return headers
 
     def _upstream_url(self, backend: Backend, scope: Scope) -> URL:

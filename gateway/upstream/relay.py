@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from gateway.observe.accesslog import Record
 from gateway.request.errors import ApiError
 from gateway.request.exchange import Exchange
 from gateway.request.usage import reported
@@ -96,7 +97,7 @@ async def relay_whole(x: Exchange, resp: aiohttp.ClientResponse, backend: Backen
         if len(data) > _WHOLE_MAX_BYTES:
             return await _relay_large(x, resp, backend, status, data, t_up)
     rec.backend_s = perf_counter() - t_up
-    usage = _usage(data) if 200 <= status < 300 and "Content-Encoding" not in resp.headers else None
+    usage = _usage(data, rec) if 200 <= status < 300 and "Content-Encoding" not in resp.headers else None
     headers = _answer_headers(x, resp)
     headers.append((b"content-length", str(len(data)).encode()))
     _answered(x, status)
@@ -106,15 +107,32 @@ async def relay_whole(x: Exchange, resp: aiohttp.ClientResponse, backend: Backen
     return usage
 
 
-def _usage(data: bytes) -> Any:
-    """The top-level usage object of a whole JSON answer, if it has one."""
-    if b'"usage"' not in data:
+def _usage(data: bytes, rec: Record) -> Any:
+    """The top-level usage object of a whole JSON answer, if it has one (and, while the request is
+    traced, the answer's id, model and finish reasons for its span)."""
+    if b'"usage"' not in data and rec.trace is None:
         return None
     try:
         obj = orjson.loads(data)
     except orjson.JSONDecodeError:
         return None
-    return obj.get("usage") if isinstance(obj, dict) else None
+    if not isinstance(obj, dict):
+        return None
+    if rec.trace is not None:
+        _response_facts(rec, obj)
+    return obj.get("usage")
+
+
+def _response_facts(rec: Record, obj: dict[str, Any]) -> None:
+    rid, model, choices = obj.get("id"), obj.get("model"), obj.get("choices")
+    rec.response_id = rid[:256] if isinstance(rid, str) else None
+    rec.response_model = model[:256] if isinstance(model, str) else None
+    if isinstance(choices, list):
+        reasons = [c.get("finish_reason") for c in choices[:64] if isinstance(c, dict)]
+        rec.finish_reasons = tuple(r[:64] for r in reasons if isinstance(r, str)) or None
+    elif obj.get("object") == "response":  # the Responses API: its status is the finish
+        status = obj.get("status")
+        rec.finish_reasons = (status[:64],) if isinstance(status, str) else None
 
 
 def _answered(x: Exchange, status: int) -> None:
