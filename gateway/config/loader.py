@@ -921,10 +921,10 @@ def _tracing(v: Any) -> TracingSettings:
             raise ConfigError(
                 f"{w}.sample_ratio: expected a share of traces between 0 and 1, got {show(ratio)}"
             )
-    if enabled and not otel_available():
+    if enabled and not otel_available(TracingSettings(protocol=protocol).resolved_protocol(os.environ)):
         raise ConfigError(
-            f"{w}.enabled: tracing needs the OpenTelemetry SDK and its OTLP exporters: "
-            "pip install 'tokengate[otel]'"
+            f"{w}.enabled: exporting traces over gRPC needs grpcio: pip install 'tokengate[otel]' "
+            "(or set tracing.protocol: http/protobuf, which needs nothing more)"
         )
     return TracingSettings(
         enabled=enabled,

@@ -3,11 +3,12 @@ wait, decision) and the upstream call, following the GenAI semantic conventions;
 taken from the client and sent upstream, so an engine started with ``--otlp-traces-endpoint``
 continues the same trace.
 
-Off by default (``tracing.enabled``), and then nothing here runs: no import of the SDK, no header
-read, no field set. On, the request path pays for two things only: three random ids and a
-``traceparent`` header when the request starts. The spans are built once the request is over, from
-the times its access record holds (``Record.queued_at``, ``upstream_at``, ...), and handed to the
-SDK's batch processor, which encodes and exports them by OTLP in its own thread.
+Off by default (``tracing.enabled``), and then nothing here runs: no header read, no field set.
+On, the request path pays for three random ids and a ``traceparent`` header when the request
+starts; once it is over, its spans are written from the times its access record holds
+(``Record.queued_at``, ``upstream_at``, ...) straight into OTLP's protobuf encoding
+(:mod:`gateway.observe.otlp`: a few µs a request, where the OpenTelemetry SDK's encoder costs more
+than the request) and exported in batches by a thread of their own.
 
     tracing:
       enabled: true
@@ -20,13 +21,14 @@ SDK's batch processor, which encodes and exports them by OTLP in its own thread.
                                 #   decides); ignore: every request starts its own trace
       service_name: tokengate   # default OTEL_SERVICE_NAME, else tokengate
 
-Headers, timeouts, compression and batching follow the exporter's and the batch processor's own
-``OTEL_EXPORTER_OTLP_*`` and ``OTEL_BSP_*`` variables. Prompt and completion contents are never
-recorded.
+Headers, timeouts, compression and batching follow the standard ``OTEL_EXPORTER_OTLP_*`` and
+``OTEL_BSP_*`` variables (:mod:`gateway.observe.otlp`). Prompt and completion contents are never
+recorded. gRPC export needs grpcio (``pip install 'tokengate[otel]'``); HTTP/protobuf needs nothing.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -38,6 +40,7 @@ from time import perf_counter
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+from gateway.observe import otlp
 from gateway.observe.accesslog import Record
 
 log = logging.getLogger("tokengate.tracing")
@@ -136,8 +139,8 @@ def _operation(path: str) -> str:
 
 
 class Tracer:
-    """Decides each request's trace when it arrives (:meth:`begin`) and exports its spans when it
-    is over (:meth:`finished`, a request hook)."""
+    """Decides each request's trace when it arrives (:meth:`begin`) and, when it is over, encodes its
+    spans and queues them for export (:meth:`finished`, a request hook)."""
 
     def __init__(self, settings: TracingSettings, env: Mapping[str, str] | None = None) -> None:
         env = os.environ if env is None else env
@@ -145,11 +148,20 @@ class Tracer:
         self._join = settings.client_context == "join"
         ratio = settings.resolved_ratio(env)
         self._bound = int(ratio * (1 << 64))  # a root is sampled when its id's low 64 bits are below
-        self._bits = random.SystemRandom().getrandbits(64) ^ time.perf_counter_ns()
-        self._rand = random.Random(self._bits).getrandbits
+        seed = random.SystemRandom().getrandbits(64)
+        self._rand = random.Random(seed).getrandbits
         # perf_counter -> epoch nanoseconds, for the spans' times
         self._epoch_ns = time.time_ns() - int(perf_counter() * 1e9)
-        self._processor, self._resource, self._scope = _pipeline(settings, env)
+        self._attrs = otlp.Attributes()
+        self._statics: dict[tuple[Any, ...], tuple[bytes, bytes, bytes, str, str]] = {}
+        name = settings.service_name or env.get("OTEL_SERVICE_NAME") or "tokengate"
+        resource = [*otlp.parse_pairs(env.get("OTEL_RESOURCE_ATTRIBUTES")), ("service.name", name)]
+        export = otlp.ExportSettings.resolve(settings.resolved_protocol(env), settings.endpoint, env)
+        self.exporter = otlp.Exporter(
+            export,
+            otlp.encode_resource(list(dict(resource).items())),
+            otlp.encode_scope("tokengate", _version()),
+        )
 
     def begin(self, traceparent: str | None, tracestate: str | None) -> TraceContext:
         rand = self._rand
@@ -166,196 +178,197 @@ class Tracer:
         ctx = rec.trace
         if ctx is None or not ctx.sampled:
             return
-        for span in self._spans(rec, ctx, end):
-            self._processor.on_end(span)
+        self.exporter.add(self.spans(rec, ctx, end))
 
     def close(self) -> None:
-        """Export what is still batched (bounded by the processor's export timeout)."""
-        try:
-            self._processor.shutdown()
-        except Exception:
-            log.exception("flushing the trace exporter failed")
+        """Export what is still queued (bounded by the export timeout)."""
+        self.exporter.close()
 
     # ---- spans ----
 
     def _ns(self, t: float) -> int:
         return self._epoch_ns + int(t * 1e9)
 
-    def _spans(self, rec: Record, ctx: TraceContext, end: float) -> list[Any]:
-        from opentelemetry.sdk.trace import Event, ReadableSpan
-        from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+    def spans(self, rec: Record, ctx: TraceContext, end: float) -> list[bytes]:
+        """The request's spans, encoded: server; admission when it asked the store; upstream when
+        it reached a backend.
 
-        flags = TraceFlags(TraceFlags.SAMPLED)
-        tid = ctx.trace_id
-
-        def context(span_id: int) -> SpanContext:
-            return SpanContext(tid, span_id, is_remote=False, trace_flags=flags)
-
-        server_ctx = context(ctx.server_id)
-        parent = (
-            SpanContext(tid, ctx.parent_id, is_remote=True, trace_flags=flags)
-            if ctx.parent_id is not None
-            else None
+        What repeats from request to request (tenant, class, pool, backend, model, route, outcome:
+        every string) is encoded once per combination and kept (:meth:`_static`); per request only
+        the ids, times and numbers are written."""
+        enc, ns, attrs, tag = otlp.encode_span, self._ns, self._attrs, otlp.SPAN_ATTRIBUTES
+        tid, server_id = ctx.trace_id, ctx.server_id
+        status = rec.status or 499
+        granted = rec.granted
+        upstream = rec.upstream_at is not None
+        key = (rec.method, rec.path, rec.tenant, rec.tier, rec.klass, rec.outcome, rec.reason, rec.pool,
+               rec.backend, granted, upstream, rec.model, rec.stream, rec.backend_url, rec.response_model)  # fmt: skip
+        static = self._statics.get(key)
+        if static is None:
+            static = self._static(rec)
+        server_static, admission_static, upstream_static, server_name, upstream_name = static
+        cost = rec.prefill + rec.decode
+        numbers: list[tuple[str, Any]] = [("tokengate.cost", cost), ("tokengate.reserved_output", rec.decode)]
+        waited = rec.queue_s
+        if waited is not None:
+            numbers.append(("tokengate.queue_wait_s", round(waited, 6)))
+        shared = attrs.encode(tag, numbers)  # (the server's and the admission's)
+        own = attrs.encode(
+            tag, (("http.response.status_code", status), ("tokengate.request_id", rec.request_id))
         )
-        failed = rec.status >= 500 or rec.status == 0
-        decision = "granted" if rec.granted else rec.reason
-        facts: dict[str, Any] = {
-            "tokengate.tenant": rec.tenant,
-            "tokengate.tier": rec.tier,
-            "tokengate.class": rec.klass,
-            "tokengate.cost": rec.prefill + rec.decode,
-            "tokengate.reserved_output": rec.decode,
-            "tokengate.request_id": rec.request_id,
-            "tokengate.outcome": rec.outcome,
-        }
-        if rec.pool is not None:
-            facts["tokengate.pool"] = rec.pool
-        if rec.backend is not None:
-            facts["tokengate.backend"] = rec.backend
-        if rec.queue_s is not None:
-            facts["tokengate.queue_wait_s"] = round(rec.queue_s, 6)
-        if decision:
-            facts["tokengate.decision"] = decision
-        server_attrs: dict[str, Any] = {
-            "http.request.method": rec.method,
-            "url.path": rec.path[:256],
-            "http.route": rec.path[:256],
-            "http.response.status_code": rec.status or 499,
-            **facts,
-        }
-        if rec.reason:
-            server_attrs["error.type"] = rec.reason
-        spans = [
-            ReadableSpan(
-                name=f"{rec.method} {rec.path[:256]}",
-                context=server_ctx,
-                parent=parent,
-                resource=self._resource,
-                attributes=server_attrs,
-                kind=SpanKind.SERVER,
-                status=Status(StatusCode.ERROR) if failed else Status(StatusCode.UNSET),
-                start_time=self._ns(rec.start),
-                end_time=self._ns(end),
-                instrumentation_scope=self._scope,
+        out = [
+            enc(
+                attrs,
+                trace_id=tid,
+                span_id=server_id,
+                parent_id=ctx.parent_id,
+                name=server_name,
+                kind=otlp.SERVER,
+                start_ns=ns(rec.start),
+                end_ns=ns(end),
+                attributes=server_static + own + shared,
+                status=otlp.ERROR if status >= 500 else otlp.UNSET,
             )
         ]
         if rec.queued_at is not None:
-            waited = rec.queue_s or 0.0
-            granted = rec.granted
-            t0, t1 = self._ns(rec.queued_at), self._ns(rec.queued_at + waited)
-            spans.append(
-                ReadableSpan(
+            t0 = ns(rec.queued_at)
+            t1 = ns(rec.queued_at + (waited or 0.0))
+            refusal = rec.reason or "refused"
+            out.append(
+                enc(
+                    attrs,
+                    trace_id=tid,
+                    span_id=self._rand(64) or 1,
+                    parent_id=server_id,
                     name="tokengate.admission",
-                    context=context(self._rand(64) or 1),
-                    parent=server_ctx,
-                    resource=self._resource,
-                    attributes={
-                        **facts,
-                        "tokengate.decision": "granted" if granted else (rec.reason or "refused"),
-                    },
-                    events=[
-                        Event("queued", {"tokengate.cost": rec.prefill + rec.decode}, t0),
-                        Event(
-                            "granted" if granted else "refused",
-                            {} if granted else {"error.type": rec.reason or "refused"},
-                            t1,
-                        ),
-                    ],
-                    kind=SpanKind.INTERNAL,
-                    status=Status(StatusCode.UNSET) if granted else Status(StatusCode.ERROR, rec.reason),
-                    start_time=t0,
-                    end_time=t1,
-                    instrumentation_scope=self._scope,
+                    kind=otlp.INTERNAL,
+                    start_ns=t0,
+                    end_ns=t1,
+                    attributes=admission_static + shared,
+                    events=(
+                        otlp.Event("queued", t0),
+                        otlp.Event("granted", t1)
+                        if granted
+                        else otlp.Event("refused", t1, (("error.type", refusal),)),
+                    ),
+                    status=otlp.UNSET if granted else otlp.ERROR,
+                    status_message=None if granted else refusal,
                 )
             )
-        if rec.upstream_at is not None:
-            op = _operation(rec.path)
-            model = rec.model or ""
-            attrs: dict[str, Any] = {
-                "gen_ai.operation.name": op,
-                "gen_ai.provider.name": "openai",
-                "gen_ai.request.model": model,
-                "gen_ai.request.stream": rec.stream,
-                **facts,
-            }
+        if upstream:
+            assert rec.upstream_at is not None
+            up: list[tuple[str, Any]] = []
             if rec.max_tokens is not None:
-                attrs["gen_ai.request.max_tokens"] = rec.max_tokens
-            if rec.response_model:
-                attrs["gen_ai.response.model"] = rec.response_model
+                up.append(("gen_ai.request.max_tokens", rec.max_tokens))
             if rec.response_id:
-                attrs["gen_ai.response.id"] = rec.response_id
+                up.append(("gen_ai.response.id", rec.response_id))
             if rec.finish_reasons:
-                attrs["gen_ai.response.finish_reasons"] = rec.finish_reasons
+                up.append(("gen_ai.response.finish_reasons", rec.finish_reasons))
             if rec.prompt_tokens is not None:
-                attrs["gen_ai.usage.input_tokens"] = rec.prompt_tokens
+                up.append(("gen_ai.usage.input_tokens", rec.prompt_tokens))
             if rec.completion_tokens is not None:
-                attrs["gen_ai.usage.output_tokens"] = rec.completion_tokens
+                up.append(("gen_ai.usage.output_tokens", rec.completion_tokens))
             if rec.ttft_s is not None:
-                attrs["gen_ai.response.time_to_first_chunk"] = max(
-                    0.0, rec.ttft_s - (rec.upstream_at - rec.start)
+                up.append(
+                    (
+                        "gen_ai.response.time_to_first_chunk",
+                        max(0.0, rec.ttft_s - (rec.upstream_at - rec.start)),
+                    )
                 )
-            if rec.backend_url:
-                u = urlsplit(rec.backend_url)
-                if u.hostname:
-                    attrs["server.address"] = u.hostname
-                    attrs["server.port"] = u.port or (443 if u.scheme == "https" else 80)
-            up_failed = rec.status >= 500 or rec.status == 0
-            if up_failed:
-                attrs["error.type"] = rec.reason or "upstream_error"
             up_end = rec.upstream_at + rec.backend_s if rec.backend_s is not None else end
-            spans.append(
-                ReadableSpan(
-                    name=f"{op} {model}".strip(),
-                    context=context(ctx.upstream_id),
-                    parent=server_ctx,
-                    resource=self._resource,
-                    attributes=attrs,
-                    kind=SpanKind.CLIENT,
-                    status=Status(StatusCode.ERROR) if up_failed else Status(StatusCode.UNSET),
-                    start_time=self._ns(rec.upstream_at),
-                    end_time=self._ns(max(up_end, rec.upstream_at)),
-                    instrumentation_scope=self._scope,
+            out.append(
+                enc(
+                    attrs,
+                    trace_id=tid,
+                    span_id=ctx.upstream_id,
+                    parent_id=server_id,
+                    name=upstream_name,
+                    kind=otlp.CLIENT,
+                    start_ns=ns(rec.upstream_at),
+                    end_ns=ns(max(up_end, rec.upstream_at)),
+                    attributes=upstream_static + attrs.encode(tag, up),
+                    status=otlp.ERROR if status >= 500 else otlp.UNSET,
                 )
             )
-        return spans
+        return out
+
+    def _static(self, rec: Record) -> tuple[bytes, bytes, bytes, str, str]:
+        """The encoded attributes a request shares with every other of the same tenant, tier,
+        class, route, outcome, pool, backend and model (per span: server, admission, upstream), and
+        the names of its server and upstream spans."""
+        attrs, tag = self._attrs, otlp.SPAN_ATTRIBUTES
+        path = rec.path[:256]
+        facts: list[tuple[str, Any]] = [
+            ("tokengate.tenant", rec.tenant),
+            ("tokengate.tier", rec.tier),
+            ("tokengate.class", rec.klass),
+            ("tokengate.outcome", rec.outcome),
+        ]
+        if rec.pool is not None:
+            facts.append(("tokengate.pool", rec.pool))
+        if rec.backend is not None:
+            facts.append(("tokengate.backend", rec.backend))
+        decision = "granted" if rec.granted else rec.reason
+        if decision:
+            facts.append(("tokengate.decision", decision))
+        shared = attrs.encode(tag, facts)
+        server = [("http.request.method", rec.method), ("url.path", path), ("http.route", path)]
+        if rec.reason:
+            server.append(("error.type", rec.reason))
+        op = _operation(rec.path)
+        model = rec.model or ""
+        up: list[tuple[str, Any]] = [
+            ("gen_ai.operation.name", op),
+            ("gen_ai.provider.name", "openai"),
+            ("gen_ai.request.model", model),
+            ("gen_ai.request.stream", rec.stream),
+        ]
+        if rec.response_model:
+            up.append(("gen_ai.response.model", rec.response_model))
+        if rec.backend_url:
+            host, port = _address(rec.backend_url)
+            if host:
+                up += [("server.address", host), ("server.port", port)]
+        if (rec.status or 499) >= 500:
+            up.append(("error.type", rec.reason or "upstream_error"))
+        static = (
+            attrs.encode(tag, server) + shared,
+            shared,
+            attrs.encode(tag, up) + shared,
+            f"{rec.method} {path}",
+            f"{op} {model}".strip(),
+        )
+        statics = self._statics
+        if len(statics) >= 4096:
+            statics.clear()
+        statics[(rec.method, rec.path, rec.tenant, rec.tier, rec.klass, rec.outcome, rec.reason, rec.pool,
+                 rec.backend, rec.granted, rec.upstream_at is not None, rec.model, rec.stream, rec.backend_url,
+                 rec.response_model)] = static  # fmt: skip
+        return static
 
 
-def _pipeline(settings: TracingSettings, env: Mapping[str, str]) -> tuple[Any, Any, Any]:
-    """The SDK's batch processor over an OTLP exporter (gRPC or HTTP/protobuf), the resource and
-    the instrumentation scope every span carries."""
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+@functools.lru_cache(maxsize=256)
+def _address(url: str) -> tuple[str | None, int]:
+    u = urlsplit(url)
+    return u.hostname, u.port or (443 if u.scheme == "https" else 80)
 
-    exporter: Any
-    endpoint = settings.endpoint
-    if settings.resolved_protocol(env) == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
 
-        exporter = GrpcExporter(endpoint=endpoint) if endpoint else GrpcExporter()
-    else:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
-
-        if endpoint and not endpoint.rstrip("/").endswith("/v1/traces"):
-            endpoint = endpoint.rstrip("/") + "/v1/traces"  # (the base URL, as the env variable takes it)
-        exporter = HttpExporter(endpoint=endpoint) if endpoint else HttpExporter()
-    name = settings.service_name or env.get("OTEL_SERVICE_NAME") or "tokengate"
-    resource = Resource.create({"service.name": name})
+def _version() -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        ours = version("tokengate")
+        return version("tokengate")
     except PackageNotFoundError:  # (run from a source tree)
-        ours = None
-    return BatchSpanProcessor(exporter), resource, InstrumentationScope("tokengate", ours)
+        return None
 
 
-def otel_available() -> bool:
-    """Whether the OpenTelemetry SDK and its OTLP exporters are installed (``tokengate[otel]``)."""
+def otel_available(protocol: str = "grpc") -> bool:
+    """Whether what the protocol's export needs is installed: grpcio for gRPC (``tokengate[otel]``);
+    HTTP/protobuf needs nothing beyond the standard library."""
+    if protocol != "grpc":
+        return True
     try:
-        import opentelemetry.exporter.otlp.proto.grpc.trace_exporter
-        import opentelemetry.exporter.otlp.proto.http.trace_exporter
-        import opentelemetry.sdk.trace  # noqa: F401
+        import grpc  # noqa: F401
     except ImportError:
         return False
     return True

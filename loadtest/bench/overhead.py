@@ -247,6 +247,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     procs: list[subprocess.Popen[bytes]] = []
     tmp = tempfile.TemporaryDirectory()
     redis: RedisServer | None = None
+    sink: Any = None
     try:
         stub_port, bare_port, gw_port = free_port(), free_port(), free_port()
         stub_url = f"http://127.0.0.1:{stub_port}"
@@ -293,6 +294,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 gwe = _spawn_gateway(cfg_est, est_port, args.access_log)
                 procs.append(gwe)
                 targets["gateway-estimate"] = (f"http://127.0.0.1:{est_port}/v1/chat/completions", gwe.pid)
+        if args.tracing:
+            # The same gateway with requests traced (--trace-sample-ratio) to an OTLP sink here.
+            from loadtest.otlp_sink import OtlpSink
+
+            sink = OtlpSink()
+            gwt_port = free_port()
+            cfg_traced = Path(tmp.name) / "gw-traced.yaml"
+            cfg_traced.write_text(
+                pools
+                + f"tracing: {{enabled: true, protocol: grpc, endpoint: '{sink.endpoint}', sample_ratio: {args.trace_sample_ratio}}}\n"
+            )
+            gwt = _spawn_gateway(cfg_traced, gwt_port, args.access_log)
+            procs.append(gwt)
+            targets["gateway-traced"] = (f"http://127.0.0.1:{gwt_port}/v1/chat/completions", gwt.pid)
         if args.redis:
             redis = RedisServer().start()
             gwr_port = free_port()
@@ -386,6 +401,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 summary[key]["redis_cpu_ms_per_req"] = (
                     agg["redis_cpu"] / agg["n_all"] * 1e3 if agg["n_all"] else None
                 )
+        if sink is not None:
+            summary["traced_spans"] = sink.spans
         if estimate_ops is not None:
             import urllib.request
 
@@ -403,6 +420,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # After the gateways: a gateway shutting down still releases to Redis.
         if redis is not None:
             redis.stop()
+        if sink is not None:
+            sink.stop()
         tmp.cleanup()
 
 
@@ -446,6 +465,8 @@ def report(
     )
     if args.baseline_tree is not None:
         names += ("baseline",)
+    if getattr(args, "tracing", False):
+        names += ("gateway-traced",)
     header = "| mode | concurrency | target | p50 ms | p99 ms | req/s | CPU ms/req (proxy process) |"
     rule = "|---|---:|---|---:|---:|---:|---:|"
     if redis:
@@ -476,6 +497,14 @@ def report(
                         f" gateway ÷ baseline: CPU/req **{g['cpu_ms_per_req'] / base['cpu_ms_per_req']:.2f}**,"
                         f" p50 {g['p50_ms'] / base['p50_ms']:.2f}, req/s {g['rps'] / base['rps']:.2f}"
                     )
+            traced = summary.get(f"gateway-traced|c{conc}|{mode}")
+            if traced is not None and traced["cpu_ms_per_req"] and g["cpu_ms_per_req"]:
+                over = traced["cpu_ms_per_req"] / g["cpu_ms_per_req"] - 1.0
+                verdict = (
+                    f" (target <= 10 % at c=16: {'met' if over <= 0.10 else 'NOT met'})" if conc == 16 else ""
+                )
+                checks.append(f"- {mode} c={conc}: tracing on ({args.trace_sample_ratio:g} of requests sampled) adds **{over * 100:.1f} %**"
+                              f" CPU/req over the gateway{verdict}")  # fmt: skip
             if conc == 1:
                 added = g["p50_ms"] - d["p50_ms"]
                 checks.append(f"- {mode} c=1: gateway adds **{added:.3f} ms** p50 over direct"
@@ -682,6 +711,20 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="with --with-long-prompts: also measure gateway-estimate, a gateway pricing prompts of N+ "
         "never-seen characters on an estimate (pricing.estimate_above_chars)",
+    )
+    p.add_argument(
+        "--tracing",
+        action="store_true",
+        help="also measure gateway-traced: the same gateway with tracing on (--trace-sample-ratio of the "
+        "requests sampled, exported by OTLP/gRPC to a receiver in this process); reports its CPU per "
+        "request over the gateway's",
+    )
+    p.add_argument(
+        "--trace-sample-ratio",
+        type=float,
+        default=1.0,
+        metavar="R",
+        help="with --tracing: the share of requests traced (tracing.sample_ratio; default 1: every one)",
     )
     p.add_argument(
         "--baseline-tree",

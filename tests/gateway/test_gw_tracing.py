@@ -108,7 +108,7 @@ async def test_a_request_joins_the_clients_trace_and_the_engine_gets_the_upstrea
     assert a["gen_ai.usage.input_tokens"] > 0 and a["gen_ai.usage.output_tokens"] > 0
     assert a["gen_ai.response.finish_reasons"] and "gen_ai.response.id" in a
     assert a["server.address"] == "127.0.0.1" and a["server.port"] == int(url.rsplit(":", 1)[1])
-    assert a["tokengate.pool"] == "default" and a["tokengate.cost"] > 7
+    assert a["tokengate.pool"] == "default" and server.attributes["tokengate.cost"] > 7
     # The times nest: the server span holds the other two.
     assert server.start_ns <= admission.start_ns <= admission.end_ns <= upstream.start_ns <= upstream.end_ns
     assert upstream.end_ns <= server.end_ns
