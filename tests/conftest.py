@@ -304,7 +304,11 @@ class StubBackend:
             }
         )
         if include_usage:
-            frames.append({"id": "stub-1", "object": "chat.completion.chunk", "choices": [], "usage": usage})
+            # (as engines send it: the model named, which a traced request's span reads)
+            frames.append(
+                {"id": "stub-1", "object": "chat.completion.chunk", "model": (body or {}).get("model"),
+                 "choices": [], "usage": usage}
+            )  # fmt: skip
         for frame in frames:
             if gone.is_set():
                 return

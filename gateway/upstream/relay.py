@@ -280,6 +280,8 @@ def _stream_ended(x: Exchange, relay: UsageRelay, t_up: float) -> None:
     x.record.backend_s = perf_counter() - t_up  # (measured again at the stream's end, if it comes)
     if relay.usage is not None:
         reported(x, relay.usage)
+        if x.record.trace is not None and relay.usage_event is not None:
+            _response_facts(x.record, relay.usage_event)  # (its id and model; choices are not read)
 
 
 async def relay_raw(x: Exchange, resp: aiohttp.ClientResponse, backend: Backend, t_up: float) -> None:

@@ -109,27 +109,28 @@ def _events(block: bytes) -> list[bytes]:
     return out
 
 
-def _usage_of(event: bytes) -> tuple[dict[str, Any] | None, bool]:
-    """(usage, is_usage_only_chunk) of one event; (None, False) if it carries none."""
+def _usage_of(event: bytes) -> tuple[dict[str, Any] | None, bool, dict[str, Any] | None]:
+    """(usage, is_usage_only_chunk, the event's object) of one event; (None, False, None) if it
+    carries none."""
     for line in event.splitlines():
         if line.startswith(b"data:"):
             payload = line[5:].strip()
             if not payload.startswith(b"{"):
-                return None, False
+                return None, False, None
             try:
                 obj = orjson.loads(payload)
             except orjson.JSONDecodeError:
-                return None, False
+                return None, False, None
             if not isinstance(obj, dict):
-                return None, False
+                return None, False, None
             usage = obj.get("usage")
             if isinstance(usage, dict):
-                return usage, obj.get("choices") == []
+                return usage, obj.get("choices") == [], obj
             # The Responses API: usage sits in the response object of the final event.
             response = obj.get("response")
             usage = response.get("usage") if isinstance(response, dict) else None
-            return (usage, False) if isinstance(usage, dict) else (None, False)
-    return None, False
+            return (usage, False, response) if isinstance(usage, dict) else (None, False, None)
+    return None, False, None
 
 
 class UsageRelay:
@@ -140,7 +141,7 @@ class UsageRelay:
     incomplete trailing event are held until the event completes.
     """
 
-    __slots__ = ("_buf", "_drop", "finished", "usage")
+    __slots__ = ("_buf", "_drop", "finished", "usage", "usage_event")
 
     def __init__(self, drop_usage: bool) -> None:
         self._drop = drop_usage
@@ -149,6 +150,7 @@ class UsageRelay:
         # arriving in many small chunks costs linear, not quadratic, time.
         self._buf = bytearray()
         self.usage: dict[str, Any] | None = None
+        self.usage_event: dict[str, Any] | None = None  # the object that carried it (its id, model)
         # The stream's end has come: its ``data: [DONE]`` or a usage object (the final event of
         # either API) is among the complete events fed so far.
         self.finished = False
@@ -179,9 +181,9 @@ class UsageRelay:
             kept = []
             for event in _events(complete):
                 if _has_usage(event):
-                    usage, usage_only = _usage_of(event)
+                    usage, usage_only, source = _usage_of(event)
                     if usage is not None:
-                        self.usage = usage
+                        self.usage, self.usage_event = usage, source
                         self.finished = True
                         if usage_only and self._drop:
                             continue
@@ -207,9 +209,9 @@ class UsageRelay:
         if _has_done(rest):
             self.finished = True
         if rest and _has_usage(rest):
-            usage, usage_only = _usage_of(rest)
+            usage, usage_only, source = _usage_of(rest)
             if usage is not None:
-                self.usage = usage
+                self.usage, self.usage_event = usage, source
                 self.finished = True
                 if usage_only and self._drop:
                     return b""
