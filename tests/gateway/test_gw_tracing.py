@@ -278,3 +278,50 @@ def test_the_environment_fills_what_the_file_leaves_out() -> None:
     assert s.resolved_protocol({}) == "grpc" and s.resolved_ratio({}) == 1.0
     assert s.resolved_ratio({"OTEL_TRACES_SAMPLER": "always_off"}) == 0.0
     assert TracingSettings(sample_ratio=0.5).resolved_ratio(env) == 0.5
+
+
+async def test_a_traced_upstream_continues_the_trace_and_replicas_each_make_one_trace_per_request(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory, grpc_receiver: GrpcReceiver
+) -> None:
+    """Gateway A in front of gateway B (a traced upstream, as a vLLM with --otlp-traces-endpoint
+    would be) in front of the stub: one trace, B's server span the child of A's upstream span; and
+    two replicas side by side make one trace of three spans per request, never more."""
+    stub, url = stub_backend
+    b = await gateway_factory(
+        {
+            "pools": stub_pools(url),
+            "tracing": {"enabled": True, "endpoint": grpc_receiver.endpoint, "service_name": "gw-b"},
+        }
+    )
+    a_config = traced(url, grpc_receiver.endpoint, service_name="gw-a")
+    a_config["pools"] = {
+        "default": {"backends": [{"url": b.url, "capacity_tokens": 2000, "models": ["stub-model"]}]}
+    }
+    a = await gateway_factory(a_config)
+    trace = "8" * 32
+    assert (
+        await post(a, chat(max_tokens=3), {"traceparent": f"00-{trace}-{CLIENT_SPAN}-01"})
+    ).status_code == 200
+    spans = await grpc_receiver.received.wait_for(trace, 6)
+    assert len(spans) == 6
+    mine = {(s.service, s.kind): s for s in spans}
+    assert mine["gw-a", "server"].parent_id == CLIENT_SPAN
+    assert mine["gw-b", "server"].parent_id == mine["gw-a", "client"].span_id
+    assert mine["gw-b", "client"].parent_id == mine["gw-b", "server"].span_id
+    sent = parse_traceparent(stub.requests[-1].headers["traceparent"])
+    assert sent == (int(trace, 16), int(mine["gw-b", "client"].span_id, 16), True)
+
+    # Two replicas of one fleet, requests spread over both: each request one trace of three spans.
+    replicas = [
+        await gateway_factory(traced(url, grpc_receiver.endpoint, service_name=f"r{i}")) for i in range(2)
+    ]
+    traces = [f"{i + 1:032x}" for i in range(10)]
+    for i, t in enumerate(traces):
+        assert (
+            await post(replicas[i % 2], chat(max_tokens=2), {"traceparent": f"00-{t}-{CLIENT_SPAN}-01"})
+        ).status_code == 200
+    for i, t in enumerate(traces):
+        got = await grpc_receiver.received.wait_for(t, 3)
+        assert len(got) == 3 and {s.service for s in got} == {f"r{i % 2}"}
+    await asyncio.sleep(0.1)
+    assert all(len(grpc_receiver.received.trace(t)) == 3 for t in traces)
