@@ -21,7 +21,8 @@ ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 # Dependencies first (from pyproject.toml alone), so a code change does not reinstall them.
 COPY pyproject.toml ./
-RUN python3 -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml','rb'))['project']['dependencies']))" > /tmp/requirements.txt \
+# (with the otel extra: tracing over OTLP/gRPC works in the image as it is)
+RUN python3 -c "import tomllib; p = tomllib.load(open('pyproject.toml','rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['otel']))" > /tmp/requirements.txt \
  && pip install -q -r /tmp/requirements.txt
 COPY README.md ./
 COPY gateway ./gateway
