@@ -17,6 +17,10 @@ _DELEGATES = {
     "loadtest": ("loadtest.cli", "run a load-test scenario against targets"),
     "doctor": ("gateway.observe.doctor", "diagnose a running gateway from its /stats"),
     "admin": ("gateway.admin.cli", "operate a running gateway: tenants, keys, pools, tiers, state"),
+    "trace-receiver": (
+        "gateway.observe.trace_receiver",
+        "an OTLP/gRPC trace receiver that prints every span it gets as a JSON line",
+    ),
 }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import secrets
 import time
@@ -315,3 +316,39 @@ async def test_killing_a_replica_mid_load_keeps_serving_and_its_tokens_return_wi
         # The survivor is still the one answering.
         r = await client.post(running.api + "/v1/chat/completions", json=chat(8), headers=auth("free"))
         assert r.status_code == 200
+
+
+async def test_every_request_through_either_replica_leaves_its_trace_in_the_trace_backend(
+    running: Running,
+) -> None:
+    """Four requests round robin over the two replicas, each with its own traceparent: each trace's
+    three spans (server, admission, upstream) reach the traces service, under the client's span."""
+    parent = "00f067aa0ba902b7"
+    traces = [secrets.token_hex(16) for _ in range(4)]
+    async with httpx.AsyncClient(timeout=30) as client:
+        for t in traces:
+            r = await client.post(running.api + "/v1/chat/completions", json=chat(4),
+                                  headers=auth("acme", traceparent=f"00-{t}-{parent}-01"))  # fmt: skip
+            assert r.status_code == 200, r.text
+
+    def spans() -> list[dict[str, Any]]:
+        out = []
+        for line in running.stack.compose("logs", "traces", timeout=60, check=False).splitlines():
+            start = line.find("{")
+            if start >= 0:
+                with contextlib.suppress(ValueError):
+                    out.append(json.loads(line[start:]))
+        return out
+
+    async def arrived() -> bool:
+        got = await asyncio.to_thread(spans)
+        return all(sum(s.get("trace_id") == t for s in got) >= 3 for t in traces)
+
+    await eventually(arrived, timeout_s=60, interval_s=1.0, message="spans did not reach the traces service")
+    got = await asyncio.to_thread(spans)
+    for t in traces:
+        mine = {s["kind"]: s for s in got if s.get("trace_id") == t}
+        assert set(mine) == {"server", "internal", "client"}
+        assert mine["server"]["parent_id"] == parent
+        assert mine["client"]["attributes"]["gen_ai.request.model"] == MODEL
+        assert mine["server"]["attributes"]["tokengate.tenant"] == "acme"

@@ -1,20 +1,20 @@
-"""Real OTLP trace receivers for tests, on free loopback ports: gRPC (the collector's
-``TraceService/Export``, served by grpcio) and HTTP/protobuf (``POST /v1/traces``), both decoding
-the wire format with the OpenTelemetry protos. Each keeps the spans it received, flattened."""
+"""Real OTLP trace receivers for tests, on free loopback ports: gRPC (``TraceService/Export``, the
+gateway's own ``tokengate trace-receiver``, served by grpcio) and HTTP/protobuf (``POST /v1/traces``),
+both decoding the wire format with the OpenTelemetry protos. Each keeps the spans it received,
+flattened."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1 import trace_pb2
 
+from gateway.observe.trace_receiver import TraceReceiver
 from tests.conftest import Served, serve_asgi
 from tests.support import eventually
 
@@ -85,26 +85,20 @@ def _flatten(s: trace_pb2.Span, service: str) -> Span:
     )
 
 
-class GrpcReceiver(trace_service_pb2_grpc.TraceServiceServicer):
-    """``grpc://127.0.0.1:<port>``: an OTLP/gRPC trace receiver."""
+class GrpcReceiver:
+    """``http://127.0.0.1:<port>``: an OTLP/gRPC trace receiver (the gateway's own,
+    ``gateway.observe.trace_receiver``)."""
 
     def __init__(self) -> None:
         self.received = Received()
-        self._server = grpc.server(ThreadPoolExecutor(max_workers=2))
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self._server)
-        self.port = self._server.add_insecure_port("127.0.0.1:0")
-        self._server.start()
+        self._receiver = TraceReceiver(self.received.add)
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def Export(self, request: Any, context: Any) -> trace_service_pb2.ExportTraceServiceResponse:
-        self.received.add(request)
-        return trace_service_pb2.ExportTraceServiceResponse()
+        return self._receiver.endpoint
 
     def stop(self) -> None:
-        self._server.stop(grace=None).wait(5)
+        self._receiver.stop()
 
 
 class HttpReceiver:

@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from gateway.config.fields import ConfigError
 from gateway.config.loader import parse_config
 from gateway.observe.tracing import parse_traceparent
-from tests.conftest import GatewayFactory, RunningGateway, StubBackend, stub_pools
+from loadtest.processes import child_env, repo_root
+from tests.conftest import GatewayFactory, RunningGateway, StubBackend, free_port, stub_pools
 from tests.gateway.gw_support import access_lines, chat
 from tests.gateway.otlp_receiver import GrpcReceiver, HttpReceiver, Span
 from tests.support import eventually
@@ -325,3 +328,32 @@ async def test_a_traced_upstream_continues_the_trace_and_replicas_each_make_one_
         assert len(got) == 3 and {s.service for s in got} == {f"r{i % 2}"}
     await asyncio.sleep(0.1)
     assert all(len(grpc_receiver.received.trace(t)) == 3 for t in traces)
+
+
+async def test_the_trace_receiver_command_prints_each_span_as_a_json_line(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
+) -> None:
+    _, url = stub_backend
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway.cli", "trace-receiver", "--port", str(port),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=child_env(), cwd=repo_root(),
+    )  # fmt: skip
+    try:
+        assert proc.stderr is not None and proc.stdout is not None
+        assert b"OTLP/gRPC on 127.0.0.1:" in await asyncio.wait_for(proc.stderr.readline(), 30)
+        gw = await gateway_factory(traced(url, f"http://127.0.0.1:{port}", service_name="gw-cli"))
+        trace = "9" * 32
+        assert (
+            await post(gw, chat(max_tokens=3), {"traceparent": f"00-{trace}-{CLIENT_SPAN}-01"})
+        ).status_code == 200
+        lines = [orjson.loads(await asyncio.wait_for(proc.stdout.readline(), 10)) for _ in range(3)]
+        assert {line["trace_id"] for line in lines} == {trace} and {line["service"] for line in lines} == {
+            "gw-cli"
+        }
+        server = next(line for line in lines if line["kind"] == "server")
+        assert server["parent_id"] == CLIENT_SPAN and server["attributes"]["tokengate.tenant"] == "acme"
+        assert server["duration_ms"] > 0
+    finally:
+        proc.terminate()
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
