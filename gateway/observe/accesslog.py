@@ -77,6 +77,7 @@ class Record:
     response_id: str | None = None
     response_model: str | None = None
     finish_reasons: tuple[str, ...] | None = None
+    estimate_error: float | None = None  # priced on an estimate: exact / estimated prompt - 1
 
     def emit(self, end: float) -> None:
         """Write the line; never raises (a value orjson refuses is written as text instead)."""

@@ -212,6 +212,8 @@ class Tracer:
         waited = rec.queue_s
         if waited is not None:
             numbers.append(("tokengate.queue_wait_s", round(waited, 6)))
+        if rec.estimate_error is not None:
+            numbers.append(("tokengate.estimate_error", round(rec.estimate_error, 4)))
         shared = attrs.encode(tag, numbers)  # (the server's and the admission's)
         own = attrs.encode(
             tag, (("http.response.status_code", status), ("tokengate.request_id", rec.request_id))

@@ -625,6 +625,8 @@ class Proxy:
             x.exact = None
             return None
         x.exact = None
+        if x.record.trace is not None and x.estimated_prefill:
+            x.record.estimate_error = cost.prefill / x.estimated_prefill - 1.0
         return cost.prefill - x.estimated_prefill
 
     async def _count_now(self, x: Exchange) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import sys
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -357,3 +358,25 @@ async def test_the_trace_receiver_command_prints_each_span_as_a_json_line(
     finally:
         proc.terminate()
         assert await asyncio.wait_for(proc.wait(), 10) == 0
+
+
+async def test_a_prompt_priced_on_an_estimate_carries_the_estimates_error(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory, grpc_receiver: GrpcReceiver
+) -> None:
+    from tests.gateway.test_gw_estimates import ask, config, exact_prefill, train
+
+    _, url = stub_backend
+    gw = await gateway_factory(
+        {**config(url), "tracing": {"enabled": True, "endpoint": grpc_receiver.endpoint}}
+    )
+    rng = random.Random(5)
+    hostile = "".join(chr(rng.randrange(0x4E00, 0x9FFF)) for _ in range(25_000))  # dense: estimated low
+    async with httpx.AsyncClient(base_url=gw.url, timeout=30) as c:
+        await train(c, rng)
+        trace = "e" * 32
+        r = await ask(c, hostile, traceparent=f"00-{trace}-{CLIENT_SPAN}-01", **{"x-stub-delay": "1.0"})
+    assert r.status_code == 200
+    server = by_kind(await grpc_receiver.received.wait_for(trace, 3))["server"]
+    error = server.attributes["tokengate.estimate_error"]
+    assert error > 0.5  # counted far above its estimate
+    assert server.attributes["tokengate.cost"] >= await exact_prefill(hostile)
