@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -33,6 +34,7 @@ GATEWAY_CONFIG = yaml.safe_load((st.ROOT / "deploy" / "compose" / "gateway.yaml"
 KEYS = {name: t["keys"][0] for name, t in GATEWAY_CONFIG["tenants"].items()}
 LEASE_TTL_S = float(GATEWAY_CONFIG["leases"]["ttl_s"])
 MODEL = "tokengate-sim"
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 @dataclass
@@ -248,6 +250,61 @@ async def test_prometheus_has_tokengate_series_from_every_replica_and_the_rules_
         assert {"tokengate-class-latency", "tokengate-hol", "tokengate-store"} <= groups
 
 
+async def test_every_request_through_either_replica_leaves_its_trace_in_the_trace_backend(
+    running: Running,
+) -> None:
+    """Four requests round robin over the two replicas, each with its own traceparent: each trace's
+    three spans (server, admission, upstream) reach the traces service, under the client's span."""
+    parent = "00f067aa0ba902b7"
+    traces = [secrets.token_hex(16) for _ in range(4)]
+    async with httpx.AsyncClient(timeout=30) as client:
+        for t in traces:
+            r = await client.post(running.api + "/v1/chat/completions", json=chat(4),
+                                  headers=auth("acme", traceparent=f"00-{t}-{parent}-01"))  # fmt: skip
+            assert r.status_code == 200, r.text
+
+    def spans() -> list[dict[str, Any]]:
+        # podman-compose prefixes each line with the service and colours it, and Podman's log splits
+        # a long write into partial lines: the prefixes and colours go, the pieces are joined, and
+        # the JSON objects are read back one after another.
+        text = running.stack.compose("logs", "--tail", "5000", "traces", timeout=60, check=False)
+        body = "".join(ANSI.sub("", line).split("| ", 1)[-1] for line in text.splitlines())
+        decoder, out = json.JSONDecoder(), []
+        i = body.find('{"service"')
+        while i >= 0:
+            try:
+                obj, end = decoder.raw_decode(body, i)
+            except ValueError:
+                i = body.find('{"service"', i + 1)
+                continue
+            out.append(obj)
+            i = body.find('{"service"', end)
+        return out
+
+    async def arrived() -> bool:
+        got = await asyncio.to_thread(spans)
+        return all(sum(s.get("trace_id") == t for s in got) >= 3 for t in traces)
+
+    try:
+        await eventually(arrived, timeout_s=60, interval_s=1.0)
+    except AssertionError:
+        raw = running.stack.compose("logs", "--tail", "20", "traces", timeout=60, check=False)
+        gw = running.stack.compose("logs", "--tail", "20", "gateway-1", timeout=60, check=False)
+        got = await asyncio.to_thread(spans)
+        seen = sorted({str(x.get("trace_id")) for x in got})
+        raise AssertionError(
+            f"spans did not reach the traces service: {len(got)} spans of traces {seen}, sent {traces};"
+            f" its log:\n{raw[-3000:]}\ngateway-1's:\n{gw[-1000:]}"
+        ) from None
+    got = await asyncio.to_thread(spans)
+    for t in traces:
+        mine = {s["kind"]: s for s in got if s.get("trace_id") == t}
+        assert set(mine) == {"server", "internal", "client"}
+        assert mine["server"]["parent_id"] == parent
+        assert mine["client"]["attributes"]["gen_ai.request.model"] == MODEL
+        assert mine["server"]["attributes"]["tokengate.tenant"] == "acme"
+
+
 async def test_killing_a_replica_mid_load_keeps_serving_and_its_tokens_return_within_the_lease_ttl(
     running: Running,
 ) -> None:
@@ -316,39 +373,3 @@ async def test_killing_a_replica_mid_load_keeps_serving_and_its_tokens_return_wi
         # The survivor is still the one answering.
         r = await client.post(running.api + "/v1/chat/completions", json=chat(8), headers=auth("free"))
         assert r.status_code == 200
-
-
-async def test_every_request_through_either_replica_leaves_its_trace_in_the_trace_backend(
-    running: Running,
-) -> None:
-    """Four requests round robin over the two replicas, each with its own traceparent: each trace's
-    three spans (server, admission, upstream) reach the traces service, under the client's span."""
-    parent = "00f067aa0ba902b7"
-    traces = [secrets.token_hex(16) for _ in range(4)]
-    async with httpx.AsyncClient(timeout=30) as client:
-        for t in traces:
-            r = await client.post(running.api + "/v1/chat/completions", json=chat(4),
-                                  headers=auth("acme", traceparent=f"00-{t}-{parent}-01"))  # fmt: skip
-            assert r.status_code == 200, r.text
-
-    def spans() -> list[dict[str, Any]]:
-        out = []
-        for line in running.stack.compose("logs", "traces", timeout=60, check=False).splitlines():
-            start = line.find("{")
-            if start >= 0:
-                with contextlib.suppress(ValueError):
-                    out.append(json.loads(line[start:]))
-        return out
-
-    async def arrived() -> bool:
-        got = await asyncio.to_thread(spans)
-        return all(sum(s.get("trace_id") == t for s in got) >= 3 for t in traces)
-
-    await eventually(arrived, timeout_s=60, interval_s=1.0, message="spans did not reach the traces service")
-    got = await asyncio.to_thread(spans)
-    for t in traces:
-        mine = {s["kind"]: s for s in got if s.get("trace_id") == t}
-        assert set(mine) == {"server", "internal", "client"}
-        assert mine["server"]["parent_id"] == parent
-        assert mine["client"]["attributes"]["gen_ai.request.model"] == MODEL
-        assert mine["server"]["attributes"]["tokengate.tenant"] == "acme"
