@@ -76,7 +76,8 @@ class Attributes:
 
     def __init__(self, limit: int = 8192) -> None:
         self._keys: dict[str, bytes] = {}
-        self._strings: dict[tuple[bytes, str, str], bytes] = {}
+        self._strings: dict[tuple[bytes, str, Any], bytes] = {}  # strings, and ints (counts repeat)
+        self._names: dict[str, bytes] = {}
         self._limit = limit
 
     def _key(self, key: str) -> bytes:
@@ -105,6 +106,10 @@ class Attributes:
                     strings[(tag, key, value)] = tag + _varint(len(kv)) + kv
             else:
                 if kind is int:
+                    hit = strings.get((tag, key, value))
+                    if hit is not None:
+                        out.append(hit)
+                        continue
                     any_value = b"\x18" + _varint(value)
                 elif kind is float:
                     any_value = b"\x21" + _pack_d(value)
@@ -122,8 +127,22 @@ class Attributes:
                 n = len(any_value)
                 kv = k + (b"\x12" + bytes((n,)) + any_value if n < 0x80 else _field(b"\x12", any_value))
             n = len(kv)
-            out.append(tag + bytes((n,)) + kv if n < 0x80 else tag + _varint(n) + kv)
+            field = tag + bytes((n,)) + kv if n < 0x80 else tag + _varint(n) + kv
+            if kind is int and key not in unique:
+                if len(strings) >= self._limit:
+                    strings.clear()
+                strings[(tag, key, value)] = field
+            out.append(field)
         return b"".join(out)
+
+    def name(self, tag: bytes, name: str) -> bytes:
+        """A string field of ``tag`` (span and event names), encoded once per name (bounded)."""
+        hit = self._names.get(name)
+        if hit is None:
+            if len(self._names) >= self._limit:
+                self._names.clear()
+            hit = self._names[name] = _str(tag, name)
+        return hit
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +150,12 @@ class Event:
     name: str
     time_ns: int
     attributes: Sequence[tuple[str, Any]] = ()
+
+
+_TIMES = struct.Struct("<BQBQ")  # start_time_unix_nano (field 7) and end (field 8), fixed64 each
+_KIND = {k: b"\x30" + bytes((k,)) for k in range(6)}
+_SAMPLED = b"\x85\x01\x01\x00\x00\x00"  # flags (field 16, fixed32): W3C sampled
+_EVENT_TIME = struct.Struct("<BQ")
 
 
 def encode_span(
@@ -147,32 +172,25 @@ def encode_span(
     events: Sequence[Event] = (),
     status: int = UNSET,
     status_message: str | None = None,
-    sampled: bool = True,
 ) -> bytes:
-    """One ``Span`` message's bytes (not yet wrapped as a ``ScopeSpans.spans`` field);
+    """One sampled ``Span`` message's bytes (not yet wrapped as a ``ScopeSpans.spans`` field);
     ``attributes`` already encoded as its fields (``attrs.encode(SPAN_ATTRIBUTES, ...)``), so what
     several spans share is encoded once."""
-    parts = [
-        b"\x0a\x10" + trace_id.to_bytes(16, "big"),
-        b"\x12\x08" + span_id.to_bytes(8, "big"),
-    ]
+    out = b"\x0a\x10" + trace_id.to_bytes(16, "big") + b"\x12\x08" + span_id.to_bytes(8, "big")
     if parent_id is not None:
-        parts.append(b"\x22\x08" + parent_id.to_bytes(8, "big"))
-    parts.append(_str(b"\x2a", name))
-    parts.append(b"\x30" + _varint(kind))
-    parts.append(b"\x39" + _pack_q(start_ns))
-    parts.append(b"\x41" + _pack_q(end_ns))
-    parts.append(attributes)
+        out += b"\x22\x08" + parent_id.to_bytes(8, "big")
+    out += attrs.name(b"\x2a", name) + _KIND[kind] + _TIMES.pack(0x39, start_ns, 0x41, end_ns) + attributes
     for e in events:
-        body = b"\x09" + _pack_q(e.time_ns) + _str(b"\x12", e.name) + attrs.encode(b"\x1a", e.attributes)
-        parts.append(_field(b"\x5a", body))
+        body = _EVENT_TIME.pack(0x09, e.time_ns) + attrs.name(b"\x12", e.name)
+        if e.attributes:
+            body += attrs.encode(b"\x1a", e.attributes)
+        out += b"\x5a" + bytes((len(body),)) + body if len(body) < 0x80 else _field(b"\x5a", body)
     if status or status_message:
         st = (_str(b"\x12", status_message) if status_message else b"") + (
             b"\x18" + _varint(status) if status else b""
         )
-        parts.append(_field(b"\x7a", st))
-    parts.append(b"\x85\x01" + struct.pack("<I", 1 if sampled else 0))  # flags (fixed32): W3C sampled
-    return b"".join(parts)
+        out += _field(b"\x7a", st)
+    return out + _SAMPLED
 
 
 def export_request(resource: bytes, scope: bytes, spans: Sequence[bytes]) -> bytes:
