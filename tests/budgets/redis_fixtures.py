@@ -73,6 +73,17 @@ def session_cluster() -> RedisCluster:
     return _SessionCluster.get()
 
 
+def prefixes_on_distinct_shards(cluster: RedisCluster, n: int) -> list[str]:
+    """``n`` fresh key prefixes (budget domains) whose slots ``n`` different primaries own."""
+    from budgets.redis.cluster import slot_of
+
+    owners: dict[int, str] = {}
+    while len(owners) < n:
+        prefix = unique_prefix()
+        owners.setdefault(cluster.owner(slot_of("{tg:" + prefix + "}")).port, prefix)
+    return list(owners.values())
+
+
 async def redis_store_factory(layout: BudgetLayout, clock: Callable[[], float]) -> BudgetStore:
     """The contract suite's factory: a RedisStore on a fresh key prefix, driven by the test clock
     (its Lua code as a Redis 7 function library, the default)."""

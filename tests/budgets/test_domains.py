@@ -12,9 +12,14 @@ import pytest
 from budgets.domains import DEFAULT_DOMAIN, DomainStore, domain_layout, merge_snapshots, pool_owners
 from budgets.memory import MemoryStore
 from budgets.redis import RedisOptions, RedisStore
-from budgets.redis.cluster import slot_of
 from budgets.types import BudgetLayout, BudgetStore, QueueTimeout
-from tests.budgets.redis_fixtures import FAST, session_cluster, session_redis, unique_prefix
+from tests.budgets.redis_fixtures import (
+    FAST,
+    prefixes_on_distinct_shards,
+    session_cluster,
+    session_redis,
+    unique_prefix,
+)
 from tests.budgets.support import P, Q, assert_idle, demand, layout, private, shared
 
 EU = "backend:eu"
@@ -115,12 +120,7 @@ async def test_budgets_hold_per_domain_on_one_redis_two_prefixes() -> None:
 
 async def test_domains_on_a_cluster_live_on_different_shards() -> None:
     cluster = session_cluster()
-    # A prefix for each domain whose slot another primary owns.
-    owners: dict[int, str] = {}
-    while len(owners) < 2:
-        prefix = unique_prefix()
-        owners.setdefault(cluster.owner(slot_of("{tg:" + prefix + "}")).port, prefix)
-    first, second = owners.values()
+    first, second = prefixes_on_distinct_shards(cluster, 2)  # each domain on its own primary
     store = redis_domains(cluster.url, {DEFAULT_DOMAIN: first, "eu": second})
     await _budgets_hold_per_domain(store)
     where = store.describe()

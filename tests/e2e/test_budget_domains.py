@@ -13,8 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from budgets.redis.cluster import slot_of
-from tests.budgets.redis_fixtures import session_cluster, unique_prefix
+from tests.budgets.redis_fixtures import prefixes_on_distinct_shards, session_cluster
 from tests.conftest import GatewayFactory, RunningGateway, StubBackend, serve_asgi
 from tests.support import eventually
 
@@ -34,18 +33,8 @@ async def two_backends() -> AsyncIterator[tuple[str, str]]:
         await eu.stop()
 
 
-def prefixes_on_two_shards() -> tuple[str, str]:
-    cluster = session_cluster()
-    owners: dict[int, str] = {}
-    while len(owners) < 2:
-        prefix = unique_prefix()
-        owners.setdefault(cluster.owner(slot_of("{tg:" + prefix + "}")).port, prefix)
-    first, second = owners.values()
-    return first, second
-
-
 def config(chat_url: str, eu_url: str, tokens_file: str) -> dict[str, Any]:
-    home, eu = prefixes_on_two_shards()
+    home, eu = prefixes_on_distinct_shards(session_cluster(), 2)
     return {
         "store": {
             "kind": "redis",
