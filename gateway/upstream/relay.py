@@ -14,6 +14,7 @@ held against it (``gateway.upstream.health``).
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from time import perf_counter
 from typing import Any
@@ -129,7 +130,9 @@ def _response_facts(rec: Record, obj: dict[str, Any]) -> None:
     rec.response_model = model[:256] if isinstance(model, str) else None
     if isinstance(choices, list):
         reasons = [c.get("finish_reason") for c in choices[:64] if isinstance(c, dict)]
-        rec.finish_reasons = tuple(r[:64] for r in reasons if isinstance(r, str)) or None
+        found = tuple(r[:64] for r in reasons if isinstance(r, str))
+        if found:  # (a stream's usage event has no choices: its reasons came with the events before)
+            rec.finish_reasons = found
     elif obj.get("object") == "response":  # the Responses API: its status is the finish
         status = obj.get("status")
         rec.finish_reasons = (status[:64],) if isinstance(status, str) else None
@@ -234,6 +237,7 @@ async def relay_sse(
     await send({"type": "http.response.start", "status": 200, "headers": _answer_headers(x, resp)})
     content = resp.content
     first = True
+    traced = rec.trace is not None
     try:
         while True:
             chunk = await content.readany()
@@ -247,6 +251,8 @@ async def relay_sse(
                     x.gate.release()  # the prompt is prefilled: the next one may go
             # About one output token per event: count events (a C-level scan, no parsing).
             x.streamed_tokens += chunk.count(b"data:")
+            if traced:
+                _stream_finish_reasons(rec, chunk)
             if x.streamed_tokens >= x.grow_at and grow is not None:
                 await grow(x)  # before the output outgrows what the lease holds
             out = relay.feed(chunk)
@@ -271,6 +277,21 @@ async def relay_sse(
     x.done = True
     await send({"type": "http.response.body", "body": tail, "more_body": False})
     return relay.usage
+
+
+# A choice's finish reason in a stream's events (engines write it with or without a space).
+_FINISH = re.compile(rb'"finish_reason":\s*"([^"\\]{1,64})"')
+
+
+def _stream_finish_reasons(rec: Record, chunk: bytes) -> None:
+    """A traced stream's finish reasons, read off the events' bytes (a regex scan, no parsing)."""
+    found = _FINISH.findall(chunk)
+    if found:
+        have = list(rec.finish_reasons or ())
+        for r in found:
+            if len(have) < 64:
+                have.append(r.decode("utf-8", "replace"))
+        rec.finish_reasons = tuple(have)
 
 
 def _stream_ended(x: Exchange, relay: UsageRelay, t_up: float) -> None:

@@ -149,6 +149,7 @@ async def test_streamed_refused_and_queued_requests_over_http_protobuf(
     assert s["client"].attributes["gen_ai.request.stream"] is True
     assert s["client"].attributes["gen_ai.usage.output_tokens"] > 0
     assert "gen_ai.response.time_to_first_chunk" in s["client"].attributes
+    assert s["client"].attributes["gen_ai.response.finish_reasons"] == ["length"]  # (read off the bytes)
     # The id and model come from the usage event (the relay parses no other).
     assert (
         s["client"].attributes["gen_ai.response.model"] == "stub-model"
