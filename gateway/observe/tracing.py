@@ -202,10 +202,11 @@ class Tracer:
         granted = rec.granted
         upstream = rec.upstream_at is not None
         key = (rec.method, rec.path, rec.tenant, rec.tier, rec.klass, rec.outcome, rec.reason, rec.pool,
-               rec.backend, granted, upstream, rec.model, rec.stream, rec.backend_url, rec.response_model)  # fmt: skip
+               rec.backend, granted, upstream, status >= 500, rec.model, rec.stream, rec.backend_url,
+               rec.response_model)  # fmt: skip
         static = self._statics.get(key)
         if static is None:
-            static = self._static(rec)
+            static = self._static(rec, key)
         server_static, admission_static, upstream_static, server_name, upstream_name = static
         cost = rec.prefill + rec.decode
         numbers: list[tuple[str, Any]] = [("tokengate.cost", cost), ("tokengate.reserved_output", rec.decode)]
@@ -294,7 +295,7 @@ class Tracer:
             )
         return out
 
-    def _static(self, rec: Record) -> tuple[bytes, bytes, bytes, str, str]:
+    def _static(self, rec: Record, key: tuple[Any, ...]) -> tuple[bytes, bytes, bytes, str, str]:
         """The encoded attributes a request shares with every other of the same tenant, tier,
         class, route, outcome, pool, backend and model (per span: server, admission, upstream), and
         the names of its server and upstream spans."""
@@ -343,9 +344,7 @@ class Tracer:
         statics = self._statics
         if len(statics) >= 4096:
             statics.clear()
-        statics[(rec.method, rec.path, rec.tenant, rec.tier, rec.klass, rec.outcome, rec.reason, rec.pool,
-                 rec.backend, rec.granted, rec.upstream_at is not None, rec.model, rec.stream, rec.backend_url,
-                 rec.response_model)] = static  # fmt: skip
+        statics[key] = static
         return static
 
 
