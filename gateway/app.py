@@ -355,7 +355,7 @@ class Gateway:
         await self.store.close()
         self.pricer.close()
         if self.tracer is not None:  # (after the drain: the last requests' spans go too)
-            await asyncio.to_thread(self.tracer.close)
+            await self.tracer.close()
 
     async def drain(self, timeout_s: float) -> None:
         """Stop admitting (503), fail queued requests, let in-flight ones finish up to ``timeout_s``,

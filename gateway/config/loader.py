@@ -923,7 +923,7 @@ def _tracing(v: Any) -> TracingSettings:
             )
     if enabled and not otel_available(TracingSettings(protocol=protocol).resolved_protocol(os.environ)):
         raise ConfigError(
-            f"{w}.enabled: exporting traces over gRPC needs grpcio: pip install 'tokengate[otel]' "
+            f"{w}.enabled: exporting traces over gRPC needs h2: pip install 'tokengate[otel]' "
             "(or set tracing.protocol: http/protobuf, which needs nothing more)"
         )
     return TracingSettings(

@@ -5,10 +5,11 @@ continues the same trace.
 
 Off by default (``tracing.enabled``), and then nothing here runs: no header read, no field set.
 On, the request path pays for three random ids and a ``traceparent`` header when the request
-starts; once it is over, its spans are written from the times its access record holds
-(``Record.queued_at``, ``upstream_at``, ...) straight into OTLP's protobuf encoding
-(:mod:`gateway.observe.otlp`: a few µs a request, where the OpenTelemetry SDK's encoder costs more
-than the request) and exported in batches by a thread of their own.
+starts; once it is over, its access record is kept until its batch is exported, and then its
+spans are written from the times the record holds (``Record.queued_at``, ``upstream_at``, ...)
+straight into OTLP's protobuf encoding (:mod:`gateway.observe.otlp`: a few µs a request, where the
+OpenTelemetry SDK's encoder costs more than the request) and sent from the event loop
+(:mod:`gateway.observe.otlp_export`).
 
     tracing:
       enabled: true
@@ -22,8 +23,8 @@ than the request) and exported in batches by a thread of their own.
       service_name: tokengate   # default OTEL_SERVICE_NAME, else tokengate
 
 Headers, timeouts, compression and batching follow the standard ``OTEL_EXPORTER_OTLP_*`` and
-``OTEL_BSP_*`` variables (:mod:`gateway.observe.otlp`). Prompt and completion contents are never
-recorded. gRPC export needs grpcio (``pip install 'tokengate[otel]'``); HTTP/protobuf needs nothing.
+``OTEL_BSP_*`` variables (:mod:`gateway.observe.otlp_export`). Prompt and completion contents are never
+recorded. gRPC export needs ``h2`` (``pip install 'tokengate[otel]'``); HTTP/protobuf needs nothing.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from urllib.parse import urlsplit
 
 from gateway.observe import otlp
 from gateway.observe.accesslog import Record
+from gateway.observe.otlp_export import Exporter, ExportSettings, parse_pairs
 
 log = logging.getLogger("tokengate.tracing")
 
@@ -153,14 +155,18 @@ class Tracer:
         # perf_counter -> epoch nanoseconds, for the spans' times
         self._epoch_ns = time.time_ns() - int(perf_counter() * 1e9)
         self._attrs = otlp.Attributes()
-        self._statics: dict[tuple[Any, ...], tuple[bytes, bytes, bytes, str, str]] = {}
+        self._statics: dict[tuple[Any, ...], tuple[bytes, bytes, bytes, bytes, bytes]] = {}
+        self._admission_head = otlp.span_head(self._attrs, "tokengate.admission", otlp.INTERNAL)
         name = settings.service_name or env.get("OTEL_SERVICE_NAME") or "tokengate"
-        resource = [*otlp.parse_pairs(env.get("OTEL_RESOURCE_ATTRIBUTES")), ("service.name", name)]
-        export = otlp.ExportSettings.resolve(settings.resolved_protocol(env), settings.endpoint, env)
-        self.exporter = otlp.Exporter(
+        resource = [*parse_pairs(env.get("OTEL_RESOURCE_ATTRIBUTES")), ("service.name", name)]
+        export = ExportSettings.resolve(settings.resolved_protocol(env), settings.endpoint, env)
+        # A finished request is kept as it is and encoded with its batch, at export time.
+        self.exporter: Exporter[tuple[Record, TraceContext, float]] = Exporter(
             export,
             otlp.encode_resource(list(dict(resource).items())),
             otlp.encode_scope("tokengate", _version()),
+            self._encode,
+            spans_per_item=3,
         )
 
     def begin(self, traceparent: str | None, tracestate: str | None) -> TraceContext:
@@ -178,16 +184,16 @@ class Tracer:
         ctx = rec.trace
         if ctx is None or not ctx.sampled:
             return
-        self.exporter.add(self.spans(rec, ctx, end))
+        self.exporter.add((rec, ctx, end))
 
-    def close(self) -> None:
+    async def close(self) -> None:
         """Export what is still queued (bounded by the export timeout)."""
-        self.exporter.close()
+        await self.exporter.close()
+
+    def _encode(self, item: tuple[Record, TraceContext, float]) -> list[bytes]:
+        return self.spans(*item)
 
     # ---- spans ----
-
-    def _ns(self, t: float) -> int:
-        return self._epoch_ns + int(t * 1e9)
 
     def spans(self, rec: Record, ctx: TraceContext, end: float) -> list[bytes]:
         """The request's spans, encoded: server; admission when it asked the store; upstream when
@@ -196,106 +202,105 @@ class Tracer:
         What repeats from request to request (tenant, class, pool, backend, model, route, outcome:
         every string) is encoded once per combination and kept (:meth:`_static`); per request only
         the ids, times and numbers are written."""
-        enc, ns, attrs, tag = otlp.encode_span, self._ns, self._attrs, otlp.SPAN_ATTRIBUTES
-        tid, server_id = ctx.trace_id, ctx.server_id
+        enc, attrs, tag, epoch = otlp.encode_span, self._attrs, otlp.SPAN_ATTRIBUTES, self._epoch_ns
+        cached, real, id_bytes = attrs.cached, attrs.real, otlp.id_bytes
+        tid, server_id = id_bytes(ctx.trace_id, 16), id_bytes(ctx.server_id)
         status = rec.status or 499
+        failed = status >= 500
         granted = rec.granted
         upstream = rec.upstream_at is not None
         key = (rec.method, rec.path, rec.tenant, rec.tier, rec.klass, rec.outcome, rec.reason, rec.pool,
-               rec.backend, granted, upstream, status >= 500, rec.model, rec.stream, rec.backend_url,
+               rec.backend, granted, upstream, failed, rec.model, rec.stream, rec.backend_url,
                rec.response_model)  # fmt: skip
         static = self._statics.get(key)
         if static is None:
             static = self._static(rec, key)
-        server_static, admission_static, upstream_static, server_name, upstream_name = static
-        cost = rec.prefill + rec.decode
-        numbers: list[tuple[str, Any]] = [("tokengate.cost", cost), ("tokengate.reserved_output", rec.decode)]
+        server_attrs, admission_attrs, upstream_attrs, server_head, upstream_head = static
+        # (the server's and the admission's)
+        shared = cached(tag, "tokengate.cost", rec.prefill + rec.decode) + cached(
+            tag, "tokengate.reserved_output", rec.decode
+        )
         waited = rec.queue_s
         if waited is not None:
-            numbers.append(("tokengate.queue_wait_s", round(waited, 6)))
+            shared += real(tag, "tokengate.queue_wait_s", round(waited, 6))
         if rec.estimate_error is not None:
-            numbers.append(("tokengate.estimate_error", round(rec.estimate_error, 4)))
-        shared = attrs.encode(tag, numbers)  # (the server's and the admission's)
-        own = attrs.encode(
-            tag, (("http.response.status_code", status), ("tokengate.request_id", rec.request_id))
+            shared += real(tag, "tokengate.estimate_error", round(rec.estimate_error, 4))
+        own = cached(tag, "http.response.status_code", status) + attrs.text(
+            tag, "tokengate.request_id", rec.request_id
         )
+        error = otlp.ERROR_STATUS if failed else b""
         out = [
             enc(
-                attrs,
-                trace_id=tid,
-                span_id=server_id,
-                parent_id=ctx.parent_id,
-                name=server_name,
-                kind=otlp.SERVER,
-                start_ns=ns(rec.start),
-                end_ns=ns(end),
-                attributes=server_static + own + shared,
-                status=otlp.ERROR if status >= 500 else otlp.UNSET,
+                tid,
+                server_id,
+                None if ctx.parent_id is None else id_bytes(ctx.parent_id),
+                server_head,
+                epoch + int(rec.start * 1e9),
+                epoch + int(end * 1e9),
+                server_attrs + own + shared,
+                b"",
+                error,
             )
         ]
         if rec.queued_at is not None:
-            t0 = ns(rec.queued_at)
-            t1 = ns(rec.queued_at + (waited or 0.0))
-            refusal = rec.reason or "refused"
+            t0 = epoch + int(rec.queued_at * 1e9)
+            t1 = epoch + int((rec.queued_at + (waited or 0.0)) * 1e9)
+            if granted:
+                events, refused = otlp.event(attrs, "queued", t0) + otlp.event(attrs, "granted", t1), b""
+            else:
+                refusal = rec.reason or "refused"
+                events = otlp.event(attrs, "queued", t0) + otlp.event(
+                    attrs, "refused", t1, (("error.type", refusal),)
+                )
+                refused = otlp.status(otlp.ERROR, refusal)
             out.append(
                 enc(
-                    attrs,
-                    trace_id=tid,
-                    span_id=self._rand(64) or 1,
-                    parent_id=server_id,
-                    name="tokengate.admission",
-                    kind=otlp.INTERNAL,
-                    start_ns=t0,
-                    end_ns=t1,
-                    attributes=admission_static + shared,
-                    events=(
-                        otlp.Event("queued", t0),
-                        otlp.Event("granted", t1)
-                        if granted
-                        else otlp.Event("refused", t1, (("error.type", refusal),)),
-                    ),
-                    status=otlp.UNSET if granted else otlp.ERROR,
-                    status_message=None if granted else refusal,
+                    tid,
+                    id_bytes(self._rand(64) or 1),
+                    server_id,
+                    self._admission_head,
+                    t0,
+                    t1,
+                    admission_attrs + shared,
+                    events,
+                    refused,
                 )
             )
         if upstream:
-            assert rec.upstream_at is not None
-            up: list[tuple[str, Any]] = []
+            at = rec.upstream_at
+            assert at is not None
+            up = upstream_attrs
             if rec.max_tokens is not None:
-                up.append(("gen_ai.request.max_tokens", rec.max_tokens))
+                up += cached(tag, "gen_ai.request.max_tokens", rec.max_tokens)
             if rec.response_id:
-                up.append(("gen_ai.response.id", rec.response_id))
+                up += attrs.text(tag, "gen_ai.response.id", rec.response_id)
             if rec.finish_reasons:
-                up.append(("gen_ai.response.finish_reasons", rec.finish_reasons))
+                up += cached(tag, "gen_ai.response.finish_reasons", rec.finish_reasons)
             if rec.prompt_tokens is not None:
-                up.append(("gen_ai.usage.input_tokens", rec.prompt_tokens))
+                up += cached(tag, "gen_ai.usage.input_tokens", rec.prompt_tokens)
             if rec.completion_tokens is not None:
-                up.append(("gen_ai.usage.output_tokens", rec.completion_tokens))
+                up += cached(tag, "gen_ai.usage.output_tokens", rec.completion_tokens)
             if rec.ttft_s is not None:
-                up.append(
-                    (
-                        "gen_ai.response.time_to_first_chunk",
-                        max(0.0, rec.ttft_s - (rec.upstream_at - rec.start)),
-                    )
+                up += real(
+                    tag, "gen_ai.response.time_to_first_chunk", max(0.0, rec.ttft_s - (at - rec.start))
                 )
-            up_end = rec.upstream_at + rec.backend_s if rec.backend_s is not None else end
+            up_end = at + rec.backend_s if rec.backend_s is not None else end
             out.append(
                 enc(
-                    attrs,
-                    trace_id=tid,
-                    span_id=ctx.upstream_id,
-                    parent_id=server_id,
-                    name=upstream_name,
-                    kind=otlp.CLIENT,
-                    start_ns=ns(rec.upstream_at),
-                    end_ns=ns(max(up_end, rec.upstream_at)),
-                    attributes=upstream_static + attrs.encode(tag, up),
-                    status=otlp.ERROR if status >= 500 else otlp.UNSET,
+                    tid,
+                    id_bytes(ctx.upstream_id),
+                    server_id,
+                    upstream_head,
+                    epoch + int(at * 1e9),
+                    epoch + int(max(up_end, at) * 1e9),
+                    up,
+                    b"",
+                    error,
                 )
             )
         return out
 
-    def _static(self, rec: Record, key: tuple[Any, ...]) -> tuple[bytes, bytes, bytes, str, str]:
+    def _static(self, rec: Record, key: tuple[Any, ...]) -> tuple[bytes, bytes, bytes, bytes, bytes]:
         """The encoded attributes a request shares with every other of the same tenant, tier,
         class, route, outcome, pool, backend and model (per span: server, admission, upstream), and
         the names of its server and upstream spans."""
@@ -338,8 +343,8 @@ class Tracer:
             attrs.encode(tag, server) + shared,
             shared,
             attrs.encode(tag, up) + shared,
-            f"{rec.method} {path}",
-            f"{op} {model}".strip(),
+            otlp.span_head(attrs, f"{rec.method} {path}", otlp.SERVER),
+            otlp.span_head(attrs, f"{op} {model}".strip(), otlp.CLIENT),
         )
         statics = self._statics
         if len(statics) >= 4096:
@@ -364,12 +369,12 @@ def _version() -> str | None:
 
 
 def otel_available(protocol: str = "grpc") -> bool:
-    """Whether what the protocol's export needs is installed: grpcio for gRPC (``tokengate[otel]``);
+    """Whether what the protocol's export needs is installed: ``h2`` for gRPC (``tokengate[otel]``);
     HTTP/protobuf needs nothing beyond the standard library."""
     if protocol != "grpc":
         return True
     try:
-        import grpc  # noqa: F401
+        import h2  # noqa: F401
     except ImportError:
         return False
     return True
