@@ -142,13 +142,14 @@ class Attributes:
 
     def text(self, tag: bytes, key: str, value: str) -> bytes:
         """One string attribute's field, never cached (a value unique to its request)."""
-        head = self._texts.get((tag, key))
-        if head is None:
-            head = self._texts[(tag, key)] = self._key(key)
+        k = self._texts.get((tag, key))
+        if k is None:
+            k = self._texts[(tag, key)] = self._key(key)
         v = value.encode("utf-8", "replace")
         n = len(v)
-        any_value = (b"\x0a" + bytes((n,)) if n < 0x80 else b"\x0a" + _varint(n)) + v
-        kv = head + _field(b"\x12", any_value)
+        if n < 0x7C and len(k) + n < 0x7C:  # (every length one byte: a request id, a response id)
+            return tag + bytes((len(k) + n + 4,)) + k + b"\x12" + bytes((n + 2,)) + b"\x0a" + bytes((n,)) + v
+        kv = k + _field(b"\x12", _field(b"\x0a", v))
         return tag + _varint(len(kv)) + kv
 
     def name(self, tag: bytes, name: str) -> bytes:
@@ -161,10 +162,10 @@ class Attributes:
         return hit
 
 
-_TIMES = struct.Struct("<BQBQ")  # start_time_unix_nano (field 7) and end (field 8), fixed64 each
+TIMES = struct.Struct("<BQBQ")  # start_time_unix_nano (field 7) and end (field 8), fixed64 each
 _KIND = {k: b"\x30" + bytes((k,)) for k in range(6)}
-_SAMPLED = b"\x85\x01\x01\x00\x00\x00"  # flags (field 16, fixed32): W3C sampled
-_EVENT_TIME = struct.Struct("<BQ")
+SAMPLED = b"\x85\x01\x01\x00\x00\x00"  # flags (field 16, fixed32): W3C sampled
+EVENT_TIME = struct.Struct("<BQ")  # an event's time_unix_nano (field 1, fixed64)
 
 
 def span_head(attrs: Attributes, name: str, kind: int) -> bytes:
@@ -192,13 +193,13 @@ def encode_span(
     if parent_id is not None:
         ids += b"\x22\x08" + parent_id
     return b"".join(
-        (ids, head, _TIMES.pack(0x39, start_ns, 0x41, end_ns), attributes, events, status, _SAMPLED)
+        (ids, head, TIMES.pack(0x39, start_ns, 0x41, end_ns), attributes, events, status, SAMPLED)
     )
 
 
 def event(attrs: Attributes, name: str, time_ns: int, attributes: Sequence[tuple[str, Any]] = ()) -> bytes:
     """A span's ``Event`` field: its time, name and attributes."""
-    body = _EVENT_TIME.pack(0x09, time_ns) + attrs.name(b"\x12", name)
+    body = EVENT_TIME.pack(0x09, time_ns) + attrs.name(b"\x12", name)
     if attributes:
         body += attrs.encode(b"\x1a", attributes)
     return b"\x5a" + bytes((len(body),)) + body if len(body) < 0x80 else _field(b"\x5a", body)
@@ -252,9 +253,12 @@ __all__ = [
     "CLIENT",
     "ERROR",
     "ERROR_STATUS",
+    "EVENT_TIME",
     "INTERNAL",
+    "SAMPLED",
     "SERVER",
     "SPAN_ATTRIBUTES",
+    "TIMES",
     "UNSET",
     "Attributes",
     "encode_resource",
