@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from loadtest.processes import die_with_parent, free_port
 
@@ -28,11 +29,12 @@ REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
 
 def ping(port: int, timeout_s: float = 0.2) -> bool:
-    """True when a Redis answers PING on 127.0.0.1:``port`` (raw RESP: no client library state)."""
+    """True when a Redis answers PING on 127.0.0.1:``port`` (raw RESP: no client library state); one
+    that asks for a password first (``requirepass``) is up too."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
             s.sendall(b"*1\r\n$4\r\nPING\r\n")
-            return s.recv(16).startswith(b"+PONG")
+            return s.recv(16).startswith((b"+PONG", b"-NOAUTH"))
     except OSError:
         return False
 
@@ -179,13 +181,23 @@ class SentinelGroup:
     """A primary, its replica and three sentinels watching them, on free loopback ports: Redis's own
     failover, for real. ``url`` is the store's ``redis+sentinel://`` URL; ``kill_primary`` SIGKILLs
     the primary (the sentinels promote the replica), ``failover`` asks them to switch roles with both
-    alive (the old primary comes back as a replica, refusing writes with READONLY)."""
+    alive (the old primary comes back as a replica, refusing writes with READONLY). With ``password``
+    the data nodes ask for it (``requirepass``, and the replica gives it to its primary); with
+    ``sentinel_password`` so do the sentinels."""
 
     MASTER = "tgmaster"
 
-    def __init__(self, down_after_ms: int = 300, failover_timeout_ms: int = 2000) -> None:
-        self.primary = RedisServer()
-        self.replica = RedisServer()
+    def __init__(
+        self,
+        down_after_ms: int = 300,
+        failover_timeout_ms: int = 2000,
+        password: str | None = None,
+        sentinel_password: str | None = None,
+    ) -> None:
+        self.password, self.sentinel_password = password, sentinel_password
+        auth = ["--requirepass", password, "--masterauth", password] if password else []
+        self.primary = RedisServer(extra_args=auth)
+        self.replica = RedisServer(extra_args=auth)
         self.sentinel_ports = [free_port() for _ in range(3)]
         self._sentinels: list[subprocess.Popen[bytes]] = []
         self._dir = Path(tempfile.mkdtemp(prefix="tg-sentinel-"))
@@ -195,11 +207,15 @@ class SentinelGroup:
     @property
     def url(self) -> str:
         hosts = ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports)
-        return f"redis+sentinel://{hosts}/{self.MASTER}/0"
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        query = (
+            f"?sentinel_password={quote(self.sentinel_password, safe='')}" if self.sentinel_password else ""
+        )
+        return f"redis+sentinel://{auth}{hosts}/{self.MASTER}/0{query}"
 
     def start(self, timeout_s: float = 15.0) -> SentinelGroup:
         self.primary.start()
-        self.replica.extra_args = ["--replicaof", "127.0.0.1", str(self.primary.port)]
+        self.replica.extra_args += ["--replicaof", "127.0.0.1", str(self.primary.port)]
         self.replica.start()
         for port in self.sentinel_ports:
             conf = self._dir / f"sentinel-{port}.conf"
@@ -210,6 +226,8 @@ class SentinelGroup:
                 f"sentinel down-after-milliseconds {self.MASTER} {self._down_after_ms}\n"
                 f"sentinel failover-timeout {self.MASTER} {self._failover_timeout_ms}\n"
                 f"sentinel parallel-syncs {self.MASTER} 1\n"
+                + (f'sentinel auth-pass {self.MASTER} "{self.password}"\n' if self.password else "")
+                + (f'requirepass "{self.sentinel_password}"\n' if self.sentinel_password else "")
             )
             self._sentinels.append(
                 subprocess.Popen(
@@ -231,7 +249,9 @@ class SentinelGroup:
     def primary_port(self) -> int | None:
         """The port the sentinels give for the master now (None: none answered)."""
         for port in self.sentinel_ports:
-            reply = _command(port, "SENTINEL", "get-master-addr-by-name", self.MASTER)
+            reply = _command(
+                port, "SENTINEL", "get-master-addr-by-name", self.MASTER, password=self.sentinel_password
+            )
             if isinstance(reply, list) and len(reply) == 2:
                 return int(reply[1])
         return None
@@ -249,7 +269,9 @@ class SentinelGroup:
         heard such a report yet answers NOGOODSLAVE, so that is asked again (bounded)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            reply = _command(self.sentinel_ports[0], "SENTINEL", "failover", self.MASTER)
+            reply = _command(
+                self.sentinel_ports[0], "SENTINEL", "failover", self.MASTER, password=self.sentinel_password
+            )
             if reply == "OK":
                 return
             if "NOGOODSLAVE" not in str(reply) or time.monotonic() > deadline:
@@ -262,7 +284,7 @@ class SentinelGroup:
         while time.monotonic() < deadline:
             port = self.primary_port()
             if port is not None and port != old_port:
-                role = _command(port, "ROLE")
+                role = _command(port, "ROLE", password=self.password)
                 if isinstance(role, list) and role and role[0] == "master":
                     return port
             time.sleep(0.05)
@@ -283,7 +305,7 @@ class SentinelGroup:
         """How many sentinels see the replica in sync with the primary (and so could promote it)."""
         known = 0
         for port in self.sentinel_ports:
-            reply = _command(port, "SENTINEL", "replicas", self.MASTER)
+            reply = _command(port, "SENTINEL", "replicas", self.MASTER, password=self.sentinel_password)
             for replica in reply if isinstance(reply, list) else ():
                 fields = dict(zip(replica[::2], replica[1::2], strict=False))
                 if fields.get("master-link-status") == "ok" and fields.get("flags") == "slave":
@@ -292,13 +314,18 @@ class SentinelGroup:
         return known
 
 
-def _command(port: int, *args: str, timeout_s: float = 1.0) -> Any:
-    """One command to 127.0.0.1:``port`` and its reply (None when nothing answered)."""
+def _command(port: int, *args: str, timeout_s: float = 1.0, password: str | None = None) -> Any:
+    """One command to 127.0.0.1:``port`` and its reply (None when nothing answered), after an AUTH
+    with ``password`` when given."""
     import hiredis
 
-    payload = f"*{len(args)}\r\n".encode() + b"".join(
-        f"${len(a.encode())}\r\n".encode() + a.encode() + b"\r\n" for a in args
-    )
+    def encode(cmd: Sequence[str]) -> bytes:
+        return f"*{len(cmd)}\r\n".encode() + b"".join(
+            f"${len(a.encode())}\r\n".encode() + a.encode() + b"\r\n" for a in cmd
+        )
+
+    payload = (encode(("AUTH", password)) if password else b"") + encode(args)
+    replies: list[Any] = []
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
             s.sendall(payload)
@@ -308,9 +335,10 @@ def _command(port: int, *args: str, timeout_s: float = 1.0) -> Any:
                 if not data:
                     return None
                 reader.feed(data)
-                reply = reader.gets()
-                if reply is not False:
-                    return reply
+                while (reply := reader.gets()) is not False:
+                    replies.append(reply)
+                if len(replies) == (2 if password else 1):
+                    return replies[-1]
     except OSError:
         return None
 

@@ -1,7 +1,7 @@
 """Redis through Sentinel: every connection goes to the current primary of a named master.
 
-A ``redis+sentinel://[[user]:password@]host:port[,host:port...]/master[/db]`` URL names the
-sentinels and the master. Each connection, the lean one the scripts use (resp.py) and redis-py's
+A ``redis+sentinel://[[user]:password@]host:port[,host:port...]/master[/db][?sentinel_password=...]``
+URL names the sentinels and the master. Each connection, the lean one the scripts use (resp.py) and redis-py's
 (pub/sub, snapshots), asks the sentinels for the master's address as it connects (the first that
 answers; it is asked first next time) and then checks with ``ROLE`` that the node really is a
 primary: a sentinel may still name a primary it is about to fail over, and a demoted primary that
@@ -9,8 +9,9 @@ comes back answers as a replica. Nothing else changes when the primary changes: 
 break (it died), or its writes fail with ``READONLY`` (it was demoted, resp.py tears the connection
 down), the store is down until its recovery connects again, to the new primary, and re-registers
 the leases this replica runs there (what an asynchronous replica had not received yet), as after a
-Redis restart (failover.py). The user and password are the data nodes'; the sentinels are asked
-without them (a sentinel with ``requirepass`` is not supported).
+Redis restart (failover.py). The user and password before the ``@`` are the data nodes'; sentinels
+that want their own (``requirepass`` in sentinel.conf) get ``sentinel_password`` (and
+``sentinel_username``, for an ACL user) from the query string, URL-encoded.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ class SentinelSpec:
     db: int = 0
     username: str | None = None
     password: str | None = None
+    sentinel_username: str | None = None  # the sentinels' own credentials, when they ask for them
+    sentinel_password: str | None = None
+
+
+_QUERY = ("sentinel_username", "sentinel_password")
 
 
 def is_sentinel_url(url: str) -> bool:
@@ -57,8 +63,20 @@ def parse_sentinel_url(url: str) -> SentinelSpec:
     if auth:
         user, sep, secret = auth.partition(":")
         username, password = (unquote(user) or None, unquote(secret)) if sep else (None, unquote(user))
+    query: dict[str, str] = {}
+    for item in parts.query.split("&") if parts.query else ():
+        name, sep, value = item.partition("=")
+        if name not in _QUERY or not sep:
+            raise ValueError(f"query {name!r}: expected {' or '.join(q + '=...' for q in _QUERY)}")
+        query[name] = unquote(value)
     return SentinelSpec(
-        tuple(sentinels), unquote(path[0]), int(path[1]) if len(path) == 2 else 0, username, password
+        tuple(sentinels),
+        unquote(path[0]),
+        int(path[1]) if len(path) == 2 else 0,
+        username,
+        password,
+        query.get("sentinel_username") or None,
+        query.get("sentinel_password"),
     )
 
 
@@ -78,7 +96,9 @@ class SentinelResolver:
         problems = []
         for i, (host, port) in enumerate(self._order):
             conn = RespConnection(
-                Address(host, port), connect_timeout_s=self._timeout_s, op_timeout_s=self._timeout_s
+                Address(host, port, None, 0, spec.sentinel_username, spec.sentinel_password),
+                connect_timeout_s=self._timeout_s,
+                op_timeout_s=self._timeout_s,
             )
             try:
                 reply = await conn.execute("SENTINEL", "get-master-addr-by-name", spec.master)

@@ -101,6 +101,50 @@ async def test_a_demoted_primary_that_answers_readonly_sends_the_store_to_the_ne
     await assert_idle(store)
 
 
+async def test_sentinels_and_data_nodes_that_ask_for_passwords_are_given_theirs(
+    make_store: StoreMaker,
+) -> None:
+    """``requirepass`` on the data nodes (the URL's user info) and on the sentinels
+    (``sentinel_password``), each its own: the store resolves, grants and follows a failover; a
+    wrong sentinel password is a store that is down, saying why, never a grant."""
+    group = SentinelGroup(password="d@ta/p#1", sentinel_password="s&p=1").start()
+    try:
+        store = make_store(group.primary, small_layout(ttl=2.0), url=group.url)
+        await store.start()
+        held = await store.acquire(demand("a", 30, P, "tenant:a"), 1)
+        old = group.primary_port()
+        assert old is not None
+        group.failover()
+        await asyncio.to_thread(group.wait_primary_change, old)
+
+        async def granted() -> bool:
+            try:
+                lease = await store.acquire(demand("b", 20, P), 0.5)
+            except (StoreUnavailable, QueueTimeout):
+                return False
+            await store.release(lease.id, 0)
+            return True
+
+        await eventually(
+            granted, timeout_s=10, message="the store did not follow the failover with passwords"
+        )
+        assert await in_flight(store, P) == 30
+        await store.release(held.id, 0)
+        await assert_idle(store)
+
+        wrong = make_store(group.primary, small_layout(), url=group.url.replace("s%26p%3D1", "not-it"))
+        with pytest.raises(StoreUnavailable):
+            await wrong.start()
+            await wrong.acquire(demand("c", 10, P), 0.5)
+        assert not await wrong.healthy()
+        resolver = wrong._transport.resolver
+        assert resolver is not None
+        with pytest.raises(Exception, match=r"no sentinel gave the primary.*(WRONGPASS|invalid password)"):
+            await resolver()
+    finally:
+        group.stop()
+
+
 def test_a_sentinel_url_names_the_sentinels_the_master_and_the_data_nodes_credentials() -> None:
     assert parse_sentinel_url(
         "redis+sentinel://:s3cret@10.0.0.1:26379,[::1]:26380/mymaster/2"
@@ -108,11 +152,19 @@ def test_a_sentinel_url_names_the_sentinels_the_master_and_the_data_nodes_creden
     assert parse_sentinel_url("redis+sentinel://u:p@s1:26379/m") == SentinelSpec(
         (("s1", 26379),), "m", 0, "u", "p"
     )
+    # The sentinels' own credentials, from the query string.
+    assert parse_sentinel_url(
+        "redis+sentinel://:d@s1:26379/m?sentinel_password=s%26p&sentinel_username=watcher"
+    ) == SentinelSpec((("s1", 26379),), "m", 0, None, "d", "watcher", "s&p")
     for bad, says in (
         ("redis+sentinel://s1/m", "expected host:port"),
         ("redis+sentinel://s1:26379", "master's name"),
         ("redis+sentinel://s1:26379/m/x", "db 'x'"),
         ("redis+sentinel://s1:99999/m", "expected host:port"),
+        (
+            "redis+sentinel://s1:26379/m?password=x",
+            "query 'password': expected sentinel_username=... or sentinel_password=...",
+        ),
     ):
         with pytest.raises(ValueError, match=says):
             parse_sentinel_url(bad)
