@@ -490,7 +490,7 @@ def report(
             if g["cpu_ms_per_req"] and b["cpu_ms_per_req"]:
                 ratio = g["cpu_ms_per_req"] / b["cpu_ms_per_req"]
                 checks.append(f"- {mode} c={conc}: gateway CPU/req ÷ bare CPU/req = **{ratio:.2f}**"
-                              f" (target <= 1.5: {'met' if ratio <= 1.5 else 'NOT met'})")  # fmt: skip
+                              f" (target <= {CPU_TARGETS[mode]:g}: {_verdict(ratio <= CPU_TARGETS[mode])})")  # fmt: skip
                 base = summary.get(f"baseline|c{conc}|{mode}")
                 if base is not None and base["cpu_ms_per_req"]:
                     checks.append(
