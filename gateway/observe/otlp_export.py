@@ -446,7 +446,7 @@ class Exporter(Generic[T]):
 
     def add(self, item: T) -> None:
         items = self._items
-        if len(items) >= self._limit:
+        if len(items) >= self._limit or self._closed:
             self.dropped += 1
             return
         items.append(item)
@@ -504,12 +504,15 @@ class Exporter(Generic[T]):
 
     async def close(self) -> None:
         """Send what is waiting (each export bounded by the export timeout), then close."""
-        self._closed = True
+        self._closed = True  # (what comes after is dropped and counted)
         self._timer.cancel()
         if self._task is not None:
             with contextlib.suppress(Exception):
                 await self._task
-        await self._drain(everything=True)
+        # As a task of its own, so that nothing else starts an export beside it on the connection.
+        self._task = self._loop.create_task(self._drain(everything=True), name="tokengate-otlp-export")
+        with contextlib.suppress(Exception):
+            await self._task
         self.sender.close()
 
 

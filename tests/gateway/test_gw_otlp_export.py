@@ -326,6 +326,9 @@ async def test_closing_sends_what_waits_and_a_request_that_cannot_be_encoded_los
     assert http_collector.got == []  # neither a full batch nor the schedule yet
     await exp.close()
     assert sorted(http_collector.got) == [n for n in range(20) if n != 7]
+    exp.add(99)  # a request that ends after the exporter closed: dropped and counted, never sent
+    await asyncio.sleep(0.1)
+    assert exp.dropped == 1 and 99 not in http_collector.got
 
 
 def test_the_settings_follow_the_standard_variables() -> None:
