@@ -42,6 +42,19 @@ async def grants_while_down(store: object, stop: asyncio.Event) -> list[Lease]:
     return granted
 
 
+async def grants(store: object) -> bool:
+    """Whether the store grants (and then releases) 20 of P now."""
+    from budgets.redis import RedisStore
+
+    assert isinstance(store, RedisStore)
+    try:
+        lease = await store.acquire(demand("b", 20, P), 0.5)
+    except (StoreUnavailable, QueueTimeout):
+        return False
+    await store.release(lease.id, 0)
+    return True
+
+
 async def test_the_store_follows_the_primarys_death_to_the_new_primary_over_admitting_nothing(
     sentinels: SentinelGroup, make_store: StoreMaker
 ) -> None:
@@ -87,15 +100,9 @@ async def test_a_demoted_primary_that_answers_readonly_sends_the_store_to_the_ne
     sentinels.failover()
     await asyncio.to_thread(sentinels.wait_primary_change, old)
 
-    async def granted() -> bool:
-        try:
-            lease = await store.acquire(demand("b", 20, P), 0.5)
-        except (StoreUnavailable, QueueTimeout):
-            return False
-        await store.release(lease.id, 0)
-        return True
-
-    await eventually(granted, timeout_s=10, message="the store kept writing to the demoted primary")
+    await eventually(
+        lambda: grants(store), timeout_s=10, message="the store kept writing to the demoted primary"
+    )
     assert await in_flight(store, P) == 30
     await store.release(before.id, 0)
     await assert_idle(store)
@@ -117,16 +124,10 @@ async def test_sentinels_and_data_nodes_that_ask_for_passwords_are_given_theirs(
         group.failover()
         await asyncio.to_thread(group.wait_primary_change, old)
 
-        async def granted() -> bool:
-            try:
-                lease = await store.acquire(demand("b", 20, P), 0.5)
-            except (StoreUnavailable, QueueTimeout):
-                return False
-            await store.release(lease.id, 0)
-            return True
-
         await eventually(
-            granted, timeout_s=10, message="the store did not follow the failover with passwords"
+            lambda: grants(store),
+            timeout_s=10,
+            message="the store did not follow the failover with passwords",
         )
         assert await in_flight(store, P) == 30
         await store.release(held.id, 0)
