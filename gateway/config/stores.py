@@ -26,8 +26,10 @@ domain. ``kind: memory`` takes ``domains`` too (``pools`` only): one process-loc
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from budgets.domains import DEFAULT_DOMAIN, DomainStore, domain_layout, pool_owners
 from budgets.memory import MemoryStore
@@ -109,9 +111,21 @@ def _url(url: str, where: str) -> str:
         raise ConfigError(
             f"{where}: expected redis://host:port/db, rediss://..., unix://..., "
             f"redis+sentinel://host:port[,host:port...]/master[/db] or "
-            f"redis+cluster://host:port[,host:port...], got {show(url)}"
+            f"redis+cluster://host:port[,host:port...], got {show(_without_secrets(url))}"
         )
     return url
+
+
+def _without_secrets(url: str) -> str:
+    """``url`` fit for a message: a password in its user info or its query is ``***``."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    auth, at, hosts = netloc.rpartition("@")
+    if at:
+        user, colon, _ = auth.partition(":")
+        netloc = f"{user}:***@{hosts}" if colon else f"***@{hosts}"
+    query = re.sub(r"(?i)(password=)[^&]*", r"\1***", parts.query)
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 def _prefix(prefix: str, where: str) -> str:

@@ -74,6 +74,17 @@ def test_invalid_sections_name_the_field(options: dict[str, Any], message: str) 
     assert str(info.value).startswith(message)
 
 
+def test_a_refused_url_is_quoted_without_its_passwords() -> None:
+    for url in (
+        "http://user:s3cret@host:6379/0",
+        "http://s3cret@host:6379",
+        "https://h:1/?sentinel_password=s3cret&x=1",
+    ):
+        with pytest.raises(ConfigError, match=r"store\.url: expected redis://") as info:
+            parse_store({"kind": "redis", "url": url})
+        assert "s3cret" not in str(info.value) and "***" in str(info.value), str(info.value)
+
+
 def test_unknown_kind_and_memory_options_are_refused() -> None:
     with pytest.raises(ConfigError, match=r"store\.kind: expected one of 'memory', 'redis', got 'etcd'"):
         parse_store({"kind": "etcd"})
