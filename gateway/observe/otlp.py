@@ -162,6 +162,8 @@ class Attributes:
         return hit
 
 
+# A span is written as: trace_id (field 1), span_id (2), parent_span_id (4), then span_head (name,
+# kind), TIMES, its attributes, events and status, and SAMPLED (gateway.observe.tracing does it).
 TIMES = struct.Struct("<BQBQ")  # start_time_unix_nano (field 7) and end (field 8), fixed64 each
 _KIND = {k: b"\x30" + bytes((k,)) for k in range(6)}
 SAMPLED = b"\x85\x01\x01\x00\x00\x00"  # flags (field 16, fixed32): W3C sampled
@@ -171,30 +173,6 @@ EVENT_TIME = struct.Struct("<BQ")  # an event's time_unix_nano (field 1, fixed64
 def span_head(attrs: Attributes, name: str, kind: int) -> bytes:
     """A span's name and kind fields: what spans of one name and kind share (kept by the caller)."""
     return attrs.name(b"\x2a", name) + _KIND[kind]
-
-
-def encode_span(
-    trace_id: bytes,
-    span_id: bytes,
-    parent_id: bytes | None,
-    head: bytes,
-    start_ns: int,
-    end_ns: int,
-    attributes: bytes,
-    events: bytes = b"",
-    status: bytes = b"",
-) -> bytes:
-    """One sampled ``Span`` message's bytes (not yet wrapped as a ``ScopeSpans.spans`` field), from
-    parts encoded before: the ids as their big-endian bytes (16, 8, 8: :func:`id_bytes`), ``head``
-    (:func:`span_head`), the attributes as their fields (``Attributes.encode(SPAN_ATTRIBUTES,
-    ...)``, so what several spans share is encoded once), ``events`` (:func:`event`) and
-    ``status`` (:func:`status`)."""
-    ids = b"\x0a\x10" + trace_id + b"\x12\x08" + span_id
-    if parent_id is not None:
-        ids += b"\x22\x08" + parent_id
-    return b"".join(
-        (ids, head, TIMES.pack(0x39, start_ns, 0x41, end_ns), attributes, events, status, SAMPLED)
-    )
 
 
 def event(attrs: Attributes, name: str, time_ns: int, attributes: Sequence[tuple[str, Any]] = ()) -> bytes:
@@ -214,11 +192,6 @@ def status(code: int, message: str | None = None) -> bytes:
 
 
 ERROR_STATUS = status(ERROR)
-
-
-def id_bytes(n: int, size: int = 8) -> bytes:
-    """A trace (16) or span (8) id as a span carries it."""
-    return n.to_bytes(size, "big")
 
 
 def export_request(resource: bytes, scope: bytes, spans: Sequence[bytes]) -> bytes:
@@ -263,10 +236,8 @@ __all__ = [
     "Attributes",
     "encode_resource",
     "encode_scope",
-    "encode_span",
     "event",
     "export_request",
-    "id_bytes",
     "span_head",
     "status",
 ]

@@ -234,7 +234,7 @@ class Tracer:
         error = otlp.ERROR_STATUS if failed else b""
         times, sampled, event_time = otlp.TIMES.pack, otlp.SAMPLED, otlp.EVENT_TIME.pack
         parent = b"" if ctx.parent_id is None else b"\x22\x08" + ctx.parent_id.to_bytes(8, "big")
-        # Each span as otlp.encode_span writes it, inline: three calls a request are worth saving.
+        # Each span in one join: ids, head, times, attributes, events, status, flags (otlp.TIMES).
         out = [
             b"".join(
                 (

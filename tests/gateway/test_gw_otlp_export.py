@@ -18,6 +18,8 @@ from typing import Any
 import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.trace.v1 import trace_pb2
 
 from gateway.observe import otlp
 from gateway.observe.otlp_export import Exporter, ExportSettings
@@ -26,14 +28,23 @@ from tests.support import eventually
 
 RESOURCE = otlp.encode_resource([("service.name", "test")])
 SCOPE = otlp.encode_scope("tokengate", None)
-ATTRS = otlp.Attributes()
 
 
 def span(n: int, pad: int = 0) -> bytes:
-    """A span carrying its number (``n``) and ``pad`` bytes of attribute."""
-    attributes = ATTRS.encode(otlp.SPAN_ATTRIBUTES, [("n", n), ("pad", "x" * pad)])
-    head = otlp.span_head(ATTRS, "s", otlp.SERVER)
-    return otlp.encode_span(otlp.id_bytes(n + 1, 16), otlp.id_bytes(n + 1), None, head, 1, 2, attributes)
+    """A span carrying its number (``n``) and ``pad`` bytes of attribute, written by the official
+    protos (what the exporter sends is the caller's bytes as they are)."""
+    return trace_pb2.Span(
+        trace_id=(n + 1).to_bytes(16, "big"),
+        span_id=(n + 1).to_bytes(8, "big"),
+        name="s",
+        kind=trace_pb2.Span.SPAN_KIND_SERVER,
+        start_time_unix_nano=1,
+        end_time_unix_nano=2,
+        attributes=[
+            KeyValue(key="n", value=AnyValue(int_value=n)),
+            KeyValue(key="pad", value=AnyValue(string_value="x" * pad)),
+        ],
+    ).SerializeToString()
 
 
 def numbers(request: trace_service_pb2.ExportTraceServiceRequest) -> list[int]:
