@@ -35,7 +35,7 @@ from gateway.admin.api import AdminApi, AdminParts
 from gateway.admin.control import ConfigSource, Control, state_store_for
 from gateway.admin.tokens import Role, load_tokens
 from gateway.config.schema import GatewayConfig, TenantConfig
-from gateway.config.stores import build_store
+from gateway.config.stores import build_store, quota_ledger
 from gateway.live import LiveParts, build_live
 from gateway.observe import Observer, ReservationSources, ScrapeTarget, StatsSources, observe_routes
 from gateway.observe.accesslog import Record
@@ -48,6 +48,7 @@ from gateway.request.exchange import CancelReason, Exchange, Phase, Receive, Rou
 from gateway.request.leases import LeaseKeeper
 from gateway.request.paths import path_problem
 from gateway.request.proxy import Proxy, ProxyParts
+from gateway.request.quotas import QuotaGate
 from gateway.request.requestid import from_client, new_id
 from gateway.upstream.client import make_session
 from gateway.upstream.health import HealthChecker, HealthSettings
@@ -145,6 +146,9 @@ class Gateway:
             tenants=[t.name for t in self.tenants], top_tenants=config.metrics.top_tenants
         )
         self.keeper = LeaseKeeper(self.store, config.leases.ttl_s)
+        self.quotas = QuotaGate(
+            quota_ledger(self.store, config.leases.ttl_s), on_refused=self.metrics.quota_refused
+        )
         h = config.health
         self.health = HealthChecker(
             list(self.router.backends),
@@ -209,7 +213,9 @@ class Gateway:
         self.tokens = load_tokens(config.admin.tokens_file)
         self.control = Control(self.apply, self.source, state_store_for(config), raw)
         self.admin_api = AdminApi(
-            AdminParts(self.control, self.tokens, self.live, self.router, self.store, self.exchanges)
+            AdminParts(
+                self.control, self.tokens, self.live, self.router, self.store, self.exchanges, self.quotas
+            )
         )
         self.request_hooks.append(self.admin_api.recent)
         self.ops_app = OpsApp(self.serve_ops)  # the ASGI app of the ops listener
@@ -312,6 +318,7 @@ class Gateway:
             max_connections=self.config.upstream.max_connections, keepalive_s=self.config.upstream.keepalive_s
         )
         await self.store.start()
+        await self.quotas.start()
         await self.control.start()
         self.keeper.start()
         await self.health.start()
@@ -333,6 +340,7 @@ class Gateway:
             cooldown_s=self.config.health.cooldown_s,
             draining=lambda: self.draining,
             tracer=self.tracer,
+            quotas=self.quotas,
         )
         self._proxy = Proxy(parts, self.live, self.session)
 
@@ -345,6 +353,7 @@ class Gateway:
         leaked = await self.keeper.close()
         if leaked:
             log.warning("released %d leases still held at shutdown", leaked)
+        await self.quotas.close()
         await self.health.close()
         await self.observer.close()
         await self.control.close()

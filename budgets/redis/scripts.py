@@ -55,6 +55,11 @@ ENTRY_SCRIPTS: dict[str, tuple[str, ...]] = {
     "restore": ("restore",),
     "reap": ("reap",),
     "apply_layout": ("apply_layout",),
+    "quota_reserve": ("quota", "quota_reserve"),
+    "quota_settle": ("quota", "quota_settle"),
+    "quota_beat": ("quota", "quota_beat"),
+    "quota_expire": ("quota", "quota_expire"),
+    "quota_usage": ("quota", "quota_usage"),
 }
 
 FUNCTIONS = "functions"

@@ -47,6 +47,7 @@ from budgets.redis.fallback import Fallback, Moved
 from budgets.redis.held import Held, HeldLeases
 from budgets.redis.keys import KeyLayout, layout_args, layout_from_json, pack_demand, usage_arg
 from budgets.redis.options import RedisOptions
+from budgets.redis.quotas import RedisQuotas
 from budgets.redis.replies import Granted, Invalid, Outcome, Queued, QueueIsFull, Release, Withdrawn
 from budgets.redis.settle import SettleGate
 from budgets.redis.snapshot import held_snapshot, read_snapshot
@@ -153,6 +154,15 @@ class RedisStore:
         )
 
     # ---- properties for the gateway and tests ----
+
+    def quota_ledger(self, ttl_s: float) -> RedisQuotas:
+        """Quota windows in this store's Redis, under its domain's keys (budgets/redis/quotas.py)."""
+        return RedisQuotas(
+            self._transport,
+            ttl_s=ttl_s,
+            fail_open=self._opts.fail_mode == "open",
+            replicas=self._opts.replicas,
+        )
 
     @property
     def replica_id(self) -> str:

@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from budgets.types import BudgetStore
+from budgets.types import BudgetStore, StoreUnavailable
 from gateway.admin.control import Control
 from gateway.admin.openapi import document
 from gateway.admin.state import (
@@ -37,10 +37,12 @@ from gateway.admin.state import (
 )
 from gateway.admin.tokens import AdminTokens, Caller, Role
 from gateway.config.fields import ConfigError
+from gateway.config.quotas import quota_section
 from gateway.config.schema import DEFAULT_TIERS, TENANT_KEYS
 from gateway.live import LiveParts
 from gateway.observe.accesslog import Record
 from gateway.request.errors import ApiError, show_value
+from gateway.request.quotas import QuotaGate, quota_usage
 from gateway.upstream.pools import Router
 
 Handler = Callable[[Request, Caller], Awaitable[Response]]
@@ -101,6 +103,7 @@ class AdminParts:
     router: Router  # the pools and backends as they run
     store: BudgetStore
     exchanges: Collection[object]  # the requests in the gateway now (counted in the live state)
+    quotas: QuotaGate | None = None  # the tenants' quota windows (usage reads)
 
 
 class AdminApi:
@@ -121,6 +124,7 @@ class AdminApi:
             ("/admin/v1/tenants/{name}", self.get_tenant, "GET", Role.READ),
             ("/admin/v1/tenants/{name}", self.update_tenant, "PATCH", Role.ADMIN),
             ("/admin/v1/tenants/{name}", self.delete_tenant, "DELETE", Role.ADMIN),
+            ("/admin/v1/tenants/{name}/quotas", self.tenant_quotas, "GET", Role.READ),
             ("/admin/v1/tenants/{name}/keys", self.list_keys, "GET", Role.READ),
             ("/admin/v1/tenants/{name}/keys", self.create_key, "POST", Role.ADMIN),
             ("/admin/v1/keys/{key_id}", self.revoke_key, "DELETE", Role.ADMIN),
@@ -210,6 +214,7 @@ class AdminApi:
                 d.pop("keys")
                 d["models"] = list(t.models)
                 d["server_tools"] = None if t.server_tools is None else list(t.server_tools)
+                d["quotas"] = [quota_section(q) for q in t.quotas]
                 d["source"] = self._source("tenants", name)
                 return d
         raise ApiError(404, f"No tenant {show_value(name)}", code="tenant_not_found")
@@ -226,6 +231,21 @@ class AdminApi:
 
     async def get_tenant(self, request: Request, caller: Caller) -> Response:
         return _json(self._tenant_view(request.path_params["name"]))
+
+    async def tenant_quotas(self, request: Request, caller: Caller) -> Response:
+        """Each quota of the tenant: its window now, what is used and reserved in it, what is left."""
+        name = request.path_params["name"]
+        tenant = next((t for t in self.parts.live.current.config.tenants if t.name == name), None)
+        if tenant is None:
+            raise ApiError(404, f"No tenant {show_value(name)}", code="tenant_not_found")
+        gate = self.parts.quotas
+        if gate is None or not tenant.quotas:
+            return _json({"tenant": name, "quotas": []})
+        try:
+            views = await quota_usage(gate.ledger, tenant.quotas, time.time())
+        except StoreUnavailable as exc:
+            raise ApiError(503, exc.message, code="store_unavailable", retry_after_s=1.0) from None
+        return _json({"tenant": name, "quotas": views})
 
     async def create_tenant(self, request: Request, caller: Caller) -> Response:
         body = await self._body(request)

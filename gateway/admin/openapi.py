@@ -60,6 +60,25 @@ def document() -> dict[str, Any]:
             "description": "server-run Responses tools it may use (code_interpreter, mcp:<label>, mcp:*); "
             "[]: none; null: any the engine runs",
         },
+        "quotas": {
+            "type": "array",
+            "description": "token and cost quotas over time (docs/quotas.md); replaced as a whole",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string"},
+                    "tokens": {"type": "integer", "minimum": 1},
+                    "cost": {"type": "number", "exclusiveMinimum": 0, "description": "currency units"},
+                    "window": {"type": "string", "description": "minute|hour|day|week|month or <n>[smhd]"},
+                    "rolling": {"type": "boolean"},
+                    "timezone": {"type": "string"},
+                    "reset": {"type": "string", "description": "HH:MM local time (day/week/month)"},
+                    "models": {"type": "array", "items": {"type": "string"}},
+                    "enforce": {"type": "boolean", "description": "false: shadow mode, never refuses"},
+                },
+                "required": ["window"],
+            },
+        },
     }
     backend: dict[str, Any] = {
         "type": "object",
@@ -232,6 +251,13 @@ def document() -> dict[str, Any]:
             },
             "delete": {
                 "summary": "Delete a tenant: new requests refused at once, running ones finish",
+                "responses": _ok({"type": "object"}),
+            },
+        },
+        "/admin/v1/tenants/{name}/quotas": {
+            "parameters": [_name("tenant")],
+            "get": {
+                "summary": "A tenant's quotas: each window now, used, reserved and remaining",
                 "responses": _ok({"type": "object"}),
             },
         },

@@ -45,6 +45,7 @@ from gateway.config.fields import (
     string_list,
     valid_name,
 )
+from gateway.config.quotas import model_price, tenant_quotas
 from gateway.config.schema import (
     DEFAULT_CONTEXT_LENGTH,
     DEFAULT_TIERS,
@@ -500,6 +501,7 @@ def _models(v: Any) -> tuple[ModelConfig, ...]:
                 "vocab_size",
                 "prompt_overhead_tokens",
                 "learn_prompt_overhead",
+                "price",
             ),
         )
         tokenizer = opt_string(b, "tokenizer", where)
@@ -521,6 +523,7 @@ def _models(v: Any) -> tuple[ModelConfig, ...]:
                 vocab_size=opt_integer(b, "vocab_size", where, minimum=1),
                 prompt_overhead_tokens=overhead,
                 learn_prompt_overhead=boolean(b, "learn_prompt_overhead", where, True),
+                price=model_price(b.get("price"), f"{where}.price"),
             )
         )
     return tuple(out)
@@ -635,6 +638,7 @@ def _tenants(v: Any, tiers: Sequence[TierConfig], tier_names: set[str]) -> tuple
                 max_queue_len=integer(t, "max_queue_len", where, 64, minimum=0),
                 models=string_list(t, "models", where),
                 server_tools=_server_tools(t, where),
+                quotas=tenant_quotas(t.get("quotas"), f"{where}.quotas", name),
             )
         )
     return tuple(out)

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from budgets.quota import ModelPrice, QuotaSpec
 from budgets.redis import RedisOptions
 from budgets.types import QueueOrder
 from classifiers import ClassRule, PricingSettings
@@ -110,6 +111,8 @@ class ModelConfig:
     # learn_prompt_overhead (classifiers/prompt_overhead.py).
     prompt_overhead_tokens: int | None = None
     learn_prompt_overhead: bool = True
+    # Currency per million tokens, for cost quotas (budgets.quota); None: not priced.
+    price: ModelPrice | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +137,8 @@ class TenantConfig:
     # Server-run Responses tools it may use (gateway/request/server_tools.py): tool types, "mcp:<label>",
     # "mcp:*"; () none; None whatever the engine runs.
     server_tools: tuple[str, ...] | None = None
+    # Token and cost quotas over time (budgets.quota; docs/quotas.md).
+    quotas: tuple[QuotaSpec, ...] = ()
 
 
 # The keys of a tenant's section in the file (all but its name).

@@ -33,6 +33,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from budgets.domains import DEFAULT_DOMAIN, DomainStore, domain_layout, pool_owners
 from budgets.memory import MemoryStore
+from budgets.quotas import MemoryQuotas, QuotaLedger
 from budgets.redis import RedisOptions, RedisStore
 from budgets.redis.cluster import is_cluster_url, parse_cluster_url
 from budgets.redis.sentinel import is_sentinel_url, parse_sentinel_url
@@ -213,6 +214,16 @@ def build_store(
     return DomainStore(stores, owner)
 
 
+def quota_ledger(store: BudgetStore, ttl_s: float) -> QuotaLedger:
+    """Where quota windows live: a tenant's quotas are fleet-wide, so in the Redis of the store (of
+    its default domain when there are several), else in this process."""
+    if isinstance(store, DomainStore):
+        store = store.stores[DEFAULT_DOMAIN]
+    if isinstance(store, RedisStore):
+        return store.quota_ledger(ttl_s)
+    return MemoryQuotas(ttl_s)
+
+
 def _one_store(
     kind: str, redis: RedisOptions | None, layout: BudgetLayout, clock: Callable[[], float] | None
 ) -> BudgetStore:
@@ -221,4 +232,4 @@ def _one_store(
     return MemoryStore(layout, clock=clock) if clock is not None else MemoryStore(layout)
 
 
-__all__ = ["KINDS", "build_store", "check_domain_pools", "is_shared", "parse_store"]
+__all__ = ["KINDS", "build_store", "check_domain_pools", "is_shared", "parse_store", "quota_ledger"]

@@ -58,6 +58,7 @@ class Record:
     backend_s: float | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    cached_tokens: int | None = None  # of the prompt, served from the engine's prefix cache
     # The engine sent no usage: prompt_tokens is the priced prompt, completion_tokens the output
     # events the stream relayed (gateway.request.usage).
     usage_estimated: bool = False

@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, GCCollector, Hi
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from budgets.quota import QuotaSpec
 from budgets.types import StoreSnapshot
 from gateway.observe.percentile import percentile
 from gateway.upstream.pools import Backend
@@ -334,6 +335,12 @@ class GatewayMetrics:
             ("class", "tenant"),
             registry=r,
         )
+        self.quota_refusals = Counter(
+            "tokengate_quota_refusals",
+            "Requests a quota refused (enforced=true) or would have refused in shadow mode (enforced=false)",
+            ("tenant", "quota", "enforced"),
+            registry=r,
+        )
         self.extensions = Counter(
             "tokengate_lease_extensions",
             "Leases grown while a stream ran (its output outgrew the reservation)",
@@ -407,6 +414,11 @@ class GatewayMetrics:
 
     def tenant_label(self, tenant: str) -> str:
         return tenant if tenant in self._named_tenants else "other"
+
+    def quota_refused(self, quota: QuotaSpec, enforced: bool) -> None:
+        label = self.tenant_label(quota.tenant)
+        name = quota.name if label != "other" else "other"
+        self.quota_refusals.labels(label, name, "true" if enforced else "false").inc()
 
     def bind(self, klass: str, tenant: str, tier: str) -> Bound:
         key = (klass, tenant, tier)

@@ -56,6 +56,7 @@ class ApiError(Exception):
         type: str | None = None,
         retry_after_s: float | None = None,
         close: bool = False,
+        headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -65,6 +66,7 @@ class ApiError(Exception):
         self.type = type or _TYPES.get(status, "server_error")
         self.retry_after_s = retry_after_s
         self.close = close  # answer with "connection: close": the server closes it after the answer
+        self.extra_headers = headers  # more headers of the answer (a quota's rate-limit headers)
 
     def body(self) -> bytes:
         return error_body(self.message, self.type, self.param, self.code)
@@ -75,6 +77,8 @@ class ApiError(Exception):
             h.append((b"retry-after", str(retry_after_seconds(self.retry_after_s)).encode()))
         if self.close:
             h.append((b"connection", b"close"))
+        if self.extra_headers:
+            h.extend(self.extra_headers)
         return h
 
 

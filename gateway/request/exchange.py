@@ -20,6 +20,7 @@ from gateway.config.schema import TenantConfig, TierConfig
 from gateway.observe.accesslog import Record
 from gateway.observe.metrics import Bound
 from gateway.request.passthrough import PassthroughRoute
+from gateway.request.quotas import QuotaHold
 from gateway.request.reservations import Reserved
 from gateway.upstream.client import HeaderNames
 from gateway.upstream.gate import GatePass
@@ -110,6 +111,8 @@ class Exchange:
     reserved: Reserved | None = None  # output tokens held for it, and what they may grow to
     oracle_output: int | None = None  # benchmarks: the true output length (x-tokengate-oracle-output)
     lease: Lease | None = None
+    quota: QuotaHold | None = None  # what its quotas hold for it (settled once, at its end)
+    ratelimit: list[tuple[bytes, bytes]] | None = None  # OpenAI's x-ratelimit-* headers of its quotas
     # forward
     client_wants_usage: bool = True
     gate: GatePass | None = None  # in the backend's prefill gate: released at the first token or the end

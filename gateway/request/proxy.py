@@ -41,6 +41,7 @@ from gateway.request.exchange import CancelReason, Exchange, Phase, Placement, R
 from gateway.request.held_bodies import HeldBodies
 from gateway.request.media_fetch import MediaFetcher
 from gateway.request.passthrough import PassthroughRoute
+from gateway.request.quotas import QuotaGate, Usage
 from gateway.request.requestid import from_client, new_id
 from gateway.request.reservations import with_decode
 from gateway.request.tenant_connections import TenantConnections
@@ -229,6 +230,7 @@ class ProxyParts:
     cooldown_s: float  # a backend's breaker cooldown: the Retry-After when none is healthy
     draining: Callable[[], bool]
     tracer: Tracer | None = None  # None: tracing off, and the request path reads no trace header
+    quotas: QuotaGate | None = None  # None: no tenant has a quota, and the request path never asks
 
 
 # Read (and replaced by ours) while tracing is on; forwarded as they came while it is off.
@@ -261,6 +263,7 @@ class Proxy:
         self.cooldown_s = parts.cooldown_s
         self.draining = parts.draining
         self.tracer = parts.tracer
+        self.quotas = parts.quotas
         self._drop = REQUEST_DROP if parts.tracer is None else REQUEST_DROP | _TRACE_HEADERS
         self._demand_pools: dict[tuple[str, str, str | None], tuple[str, ...]] = {}
         self._urls: dict[tuple[int, bytes], URL] = {}
@@ -290,6 +293,8 @@ class Proxy:
         self.enforce_max_tokens = cfg.enforce_max_tokens
         self.open_mode = cfg.open_mode
         self.trust_request_id = cfg.logging.trust_request_id
+        if self.quotas is not None:
+            self.quotas.bind(cfg.tenants, cfg.models)
         self._demand_pools.clear()  # pool names may have changed meaning
         self._urls.clear()  # backends may have moved
 
@@ -377,18 +382,24 @@ class Proxy:
             if x.exact is not None and self._class_depends_on_count(x):
                 await self._count_now(x)
             self.classify(x)
+            if self.quotas is not None and self.quotas.configured:
+                await self.reserve_quota(x)
             try:
-                await self.admit(x)
-            except _CountFirst:  # too big on the estimate: the exact count decides
-                await self._count_now(x)
-                self.classify(x)
-                await self.admit(x)
-            if x.exact is not None:
-                x.correction = asyncio.create_task(self._correct(x))
-            try:
-                await self.forward(x)
+                try:
+                    await self.admit(x)
+                except _CountFirst:  # too big on the estimate: the exact count decides
+                    await self._count_now(x)
+                    self.classify(x)
+                    await self.admit(x)
+                if x.exact is not None:
+                    x.correction = asyncio.create_task(self._correct(x))
+                try:
+                    await self.forward(x)
+                finally:
+                    await self.release(x)
             finally:
-                await self.release(x)
+                if x.quota is not None:
+                    await self.settle_quota(x)
         finally:
             # An exact count still being made finishes, unless the request was cancelled (its
             # client gone, a drain): it teaches the ratio and the estimate's error, at the cost of
@@ -809,6 +820,35 @@ class Proxy:
 
     # ---- 5. admit ----
 
+    async def reserve_quota(self, x: Exchange) -> None:
+        """Reserve the request's price in every quota of its tenant (a 429 at once when one is full:
+        only time frees a window, so it never queues for one)."""
+        cost, tenant = x.cost, x.tenant
+        assert cost is not None and tenant is not None and self.quotas is not None
+        try:
+            x.quota, x.ratelimit = await self.quotas.reserve(tenant.name, x.model, cost.prefill, cost.decode)
+        except ApiError as exc:
+            x.ratelimit = exc.extra_headers
+            x.record.reason = exc.code
+            raise
+
+    async def settle_quota(self, x: Exchange) -> None:
+        """Exactly once per reservation: what the request used (nothing, if it never ran)."""
+        hold, x.quota = x.quota, None
+        assert hold is not None and self.quotas is not None
+        rec = x.record
+        used: Usage | None
+        if not rec.granted:
+            used = Usage(0, 0, 0)
+        elif x.completion_tokens is None:
+            used = None  # unknown: what it reserved is charged
+        else:
+            prompt = rec.prompt_tokens
+            if prompt is None:  # no usage: the priced prompt, unless nothing reached an engine
+                prompt = 0 if x.completion_tokens == 0 and not x.started else rec.prefill
+            used = Usage(prompt, rec.cached_tokens or 0, x.completion_tokens)
+        await self.quotas.settle(hold, used)
+
     async def admit(self, x: Exchange) -> None:
         """Take the cost from every pool at once, now or after waiting in the queue."""
         cost, placement, tenant, tier = x.cost, x.placement, x.tenant, x.tier
@@ -1153,6 +1193,8 @@ class Proxy:
         headers = exc.headers()
         headers.append((b"content-length", str(len(body)).encode()))
         headers.append((b"x-request-id", rec.request_id.encode()))
+        if x.ratelimit and not exc.extra_headers:
+            headers.extend(x.ratelimit)
         if rec.klass != "unclassified":
             headers.append((b"x-tokengate-class", rec.klass.encode()))
             headers.append((b"x-tokengate-cost", str(rec.prefill + rec.decode).encode()))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from gateway.request.exchange import Exchange, RouteKind
 from gateway.upstream.pools import Backend
-from gateway.upstream.sse import usage_counts
+from gateway.upstream.sse import cached_count, usage_counts
 
 # The kinds whose answers carry token usage (pass-through routes are not read).
 _METERED = (RouteKind.CHAT, RouteKind.COMPLETION, RouteKind.RESPONSES)
@@ -27,6 +27,7 @@ def reported(x: Exchange, usage: object) -> None:
     """Take the engine's usage object (any API's form) into the record, as soon as it is seen."""
     rec = x.record
     rec.prompt_tokens, rec.completion_tokens = usage_counts(usage)
+    rec.cached_tokens = cached_count(usage)
     if rec.completion_tokens is not None:
         x.completion_tokens = rec.completion_tokens
 

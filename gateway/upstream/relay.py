@@ -49,6 +49,8 @@ def _answer_headers(x: Exchange, resp: aiohttp.ClientResponse) -> list[tuple[byt
     headers.append((b"x-tokengate-class", rec.klass.encode()))
     headers.append((b"x-tokengate-cost", str(rec.prefill + rec.decode).encode()))
     headers.append((b"x-tokengate-queue-ms", f"{(rec.queue_s or 0.0) * 1000.0:.1f}".encode()))
+    if x.ratelimit:
+        headers.extend(x.ratelimit)
     return headers
 
 

@@ -67,6 +67,15 @@ def usage_counts(usage: object) -> tuple[int | None, int | None]:
     return prompt, completion
 
 
+def cached_count(usage: object) -> int | None:
+    """Prompt tokens served from the prefix cache (``prompt_tokens_details.cached_tokens``, the
+    Responses API's ``input_tokens_details.cached_tokens``), None where not reported."""
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
+    return _count(details.get("cached_tokens")) if isinstance(details, dict) else None
+
+
 def _strip_null_usage(data: bytes) -> bytes:
     if b"null" not in data:
         return data
