@@ -20,6 +20,7 @@ from dataclasses import replace
 from budgets.background import BackgroundTask
 from budgets.quota import Charge, Refused, Reserved
 from budgets.quotas import MemoryQuotas
+from budgets.redis import replies
 from budgets.redis.transport import Down, Transport
 from budgets.types import StoreUnavailable
 
@@ -34,21 +35,6 @@ def reserve_args(rid: str, ttl_s: float, charges: Sequence[Charge]) -> list[str]
         args += [c.key, str(c.limit), str(c.amount), str(c.bucket), str(c.oldest), "1" if c.enforce else "0"]
         args.append(str(c.keep_s))
     return args
-
-
-def parse_reserve(reply: list[object]) -> Reserved | Refused:
-    kind = _text(reply[0])
-    if kind == "R":
-        flat = [int(_text(v)) for v in reply[2:]]
-        return Refused(int(_text(reply[1])), dict(sorted(zip(flat[::2], flat[1::2], strict=True))))
-    n = int(_text(reply[1]))
-    used = tuple(int(_text(v)) for v in reply[2 : 2 + n])
-    over = tuple(int(_text(v)) for v in reply[2 + n :])
-    return Reserved(used, over)
-
-
-def _text(v: object) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 class RedisQuotas:
@@ -83,7 +69,7 @@ class RedisQuotas:
             if isinstance(outcome, Reserved):
                 self._local.add(rid)
             return outcome
-        return parse_reserve(reply)
+        return replies.quota_reserve(reply)
 
     async def settle(self, rid: str, actual: Sequence[int] | None = None) -> bool:
         if rid in self._local and self._fallback is not None:
@@ -114,9 +100,8 @@ class RedisQuotas:
             n += await self._fallback.expire()
         try:
             while True:
-                settled, more = (
-                    int(_text(v)) for v in await self._transport.eval("quota_expire", [str(_EXPIRE_BATCH)])
-                )
+                reply = await self._transport.eval("quota_expire", [str(_EXPIRE_BATCH)])
+                settled, more = replies.quota_expire(reply)
                 n += settled
                 if not more:
                     return n
@@ -126,10 +111,10 @@ class RedisQuotas:
     async def usage(self, windows: Sequence[tuple[str, int]]) -> list[tuple[int, int]]:
         args = [a for key, oldest in windows for a in (key, str(oldest))]
         try:
-            flat = [int(_text(v)) for v in await self._transport.eval("quota_usage", args)]
+            reply = await self._transport.eval("quota_usage", args)
         except Down as err:
             raise StoreUnavailable(f"quota store unreachable: {err}") from None
-        return list(zip(flat[::2], flat[1::2], strict=True))
+        return replies.quota_usage(reply)
 
     async def _expire_forever(self) -> None:
         while True:

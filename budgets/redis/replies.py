@@ -18,6 +18,11 @@ heartbeat          ``NOLAYOUT`` | the ids Redis does not know
 reap               ``[leases reaped, tickets withdrawn, more left 0/1]``
 restore            leases re-created (``-1`` without a layout)
 apply_layout       ``[changed 0/1, version]``
+quota_reserve      ``OK, n, used_1..used_n, over...`` reserved | ``R, index, bucket, total, ...``
+                   refused by the charge at ``index``, its window's buckets
+quota_settle       ``1`` settled | ``0`` not held
+quota_expire       ``[settled, more left 0/1]``
+quota_usage        ``used_1, reserved_1, used_2, ...``
 wake-up            ``G<SEP>seq<SEP>granted_at<SEP>queued_s`` granted |
                    ``F<SEP>seq<SEP>kind<SEP>name<SEP>limit`` failed: a new layout can never grant it
 =================  ===========================================================================
@@ -30,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from budgets.quota import Refused, Reserved
 from budgets.redis.keys import SEP
 
 # Reply codes, as the scripts write them.
@@ -43,6 +49,8 @@ WAITING = "W"  # status
 WITHDRAWN = "W"  # withdraw
 RELEASED = "R"
 UNKNOWN = "U"
+QUOTA_RESERVED = "OK"  # quota_reserve
+QUOTA_REFUSED = "R"
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,3 +228,25 @@ def restore(reply: Any) -> int:
 def layout_version(reply: Sequence[Any]) -> int:
     """apply_layout's version of the layout now in Redis."""
     return int(reply[1])
+
+
+def quota_reserve(reply: Sequence[Any]) -> Reserved | Refused:
+    code = reply[0]
+    if code == QUOTA_REFUSED:
+        flat = [int(v) for v in reply[2:]]
+        return Refused(int(reply[1]), dict(sorted(zip(flat[::2], flat[1::2], strict=True))))
+    if code != QUOTA_RESERVED:
+        raise _unexpected("quota_reserve", reply)
+    n = int(reply[1])
+    return Reserved(tuple(int(v) for v in reply[2 : 2 + n]), tuple(int(v) for v in reply[2 + n :]))
+
+
+def quota_expire(reply: Sequence[Any]) -> tuple[int, bool]:
+    """(reservations settled, more left)."""
+    settled, more = reply
+    return int(settled), bool(int(more))
+
+
+def quota_usage(reply: Sequence[Any]) -> list[tuple[int, int]]:
+    flat = [int(v) for v in reply]
+    return list(zip(flat[::2], flat[1::2], strict=True))
