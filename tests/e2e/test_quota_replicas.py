@@ -34,14 +34,15 @@ async def test_two_replicas_share_one_daily_quota(
             r = await c.post(
                 "/v1/chat/completions",
                 json=chat(max_tokens=400),  # reserves prompt + 400; the stub uses 11 + 3
-                headers={"authorization": f"Bearer {KEY}", "x-stub-delay": "0.05", "x-stub-chunks": "3"},
+                headers={"authorization": f"Bearer {KEY}", "x-stub-delay": "0.5", "x-stub-chunks": "3"},
             )
         assert r.status_code in (200, 429), r.text
         return r.status_code
 
     statuses = await asyncio.gather(*(one(i) for i in range(50)))
     ok = statuses.count(200)
-    # ~24 reservations of ~410 fit in 10,000 at once; the rest are refused while they are held
+    # ~24 reservations of ~410 fit in 10,000 at once; the rest arrive while those are held (each
+    # takes half a second upstream) and are refused
     assert 0 < ok < 50 and statuses.count(429) == 50 - ok
     quota = a.app.config.tenants[0].quotas[0]
     window = [(quota.key, quota.window.oldest(time.time()))]
