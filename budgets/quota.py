@@ -50,7 +50,6 @@ from typing import Literal
 from zoneinfo import ZoneInfo
 
 Unit = Literal["tokens", "cost"]
-UNITS: tuple[Unit, ...] = ("tokens", "cost")
 
 CALENDAR = ("hour", "day", "week", "month")
 _NAMED_S = {"minute": 60, "hour": 3600, "day": 86_400, "week": 7 * 86_400, "month": 30 * 86_400}

@@ -16,7 +16,6 @@ tenants:
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -136,7 +135,3 @@ def quota_section(q: QuotaSpec) -> dict[str, Any]:
     if not q.enforce:
         out["enforce"] = False
     return out
-
-
-def price_section(p: ModelPrice) -> Mapping[str, float]:
-    return {"input": p.input, "output": p.output, "cached_input": p.cached_input or p.input}

@@ -825,12 +825,10 @@ class Proxy:
         only time frees a window, so it never queues for one)."""
         cost, tenant = x.cost, x.tenant
         assert cost is not None and tenant is not None and self.quotas is not None
-        try:
-            x.quota, x.ratelimit = await self.quotas.reserve(tenant.name, x.model, cost.prefill, cost.decode)
-        except ApiError as exc:
-            x.ratelimit = exc.extra_headers
-            x.record.reason = exc.code
-            raise
+        # The output it asked for; not the share of the engine's sequence slots held beside it in
+        # the pools (slot_tokens: KV room, not usage).
+        decode = cost.decode - x.record.slot_tokens
+        x.quota, x.ratelimit = await self.quotas.reserve(tenant.name, x.model, cost.prefill, decode)
 
     async def settle_quota(self, x: Exchange) -> None:
         """Exactly once per reservation: what the request used (nothing, if it never ran)."""
@@ -1193,7 +1191,7 @@ class Proxy:
         headers = exc.headers()
         headers.append((b"content-length", str(len(body)).encode()))
         headers.append((b"x-request-id", rec.request_id.encode()))
-        if x.ratelimit and not exc.extra_headers:
+        if x.ratelimit:  # (a quota's own refusal carries them in exc.headers())
             headers.extend(x.ratelimit)
         if rec.klass != "unclassified":
             headers.append((b"x-tokengate-class", rec.klass.encode()))

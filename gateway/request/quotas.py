@@ -82,9 +82,6 @@ class QuotaGate:
         specs = self._specs.get(tenant, ())
         return tuple(q for q in specs if not q.models or any(fnmatchcase(model, g) for g in q.models))
 
-    def specs_of(self, tenant: str) -> tuple[QuotaSpec, ...]:
-        return self._specs.get(tenant, ())
-
     async def start(self) -> None:
         await self.ledger.start()
         self._beat.start()

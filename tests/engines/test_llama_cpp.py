@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import httpx
@@ -252,3 +253,24 @@ async def test_a_client_that_hangs_up_mid_stream_stops_the_engines_generation(
     await idle(gw)
     [line] = access_lines(caplog)
     assert (line["status"], line["outcome"]) == (499, "client_disconnect")
+
+
+async def test_a_quota_charges_llama_cpps_usage_and_the_streams_estimate(
+    llama: Engine, gateway_factory: GatewayFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """llama.cpp reports usage in answers but not in streams: an answer is charged its usage, a
+    stream the gateway's estimate (its priced prompt + the output events relayed), each once."""
+    caplog.set_level(logging.INFO, logger="tokengate.access")
+    cfg = config(llama)
+    cfg["tenants"]["acme"]["quotas"] = [{"tokens": 100_000, "window": "hour", "rolling": True}]
+    gw = await gateway_factory(cfg)
+    c = client(gw.url)
+    await chat_text(c, max_tokens=6)
+    await stream_text(c, max_tokens=6)
+    answer, stream = access_lines(caplog)
+    assert answer["usage_estimated"] is None and stream["usage_estimated"]
+    spent = sum(line["prompt_tokens"] + line["completion_tokens"] for line in (answer, stream))
+    [quota] = gw.app.config.tenants[0].quotas
+    window = [(quota.key, quota.window.oldest(time.time()))]
+    assert await gw.app.quotas.ledger.usage(window) == [(spent, 0)]
+    await idle(gw)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -264,4 +265,39 @@ async def test_a_saturated_engine_is_not_preempted_behind_the_gateway(
     # Learned: most requests reserved less than their max_tokens (a miss grows its lease).
     assert sum(line["decode"] < 400 for line in lines) > len(lines) // 2
     assert sum(line["completion_tokens"] for line in lines) == through.completion_tokens
+    await idle(gw)
+
+
+async def test_a_daily_quota_is_settled_to_the_engines_usage(
+    vllm: Engine, tiny_llama_dir: Path, gateway_factory: GatewayFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Streamed and not, the window holds exactly the prompt + completion tokens vLLM reported, and
+    the SDK sees the rate-limit headers; once the quota is used up, a 429 quota_exceeded."""
+    caplog.set_level(logging.INFO, logger="tokengate.access")
+    cfg = config(vllm, tiny_llama_dir)
+    cfg["tenants"]["acme"]["quotas"] = [{"tokens": 2000, "window": "day"}]
+    gw = await gateway_factory(cfg)
+    c = client(gw.url)
+    for i in range(6):
+        kw: dict[str, Any] = {"max_tokens": 3 + i, "extra_body": {"ignore_eos": True}}
+        if i % 2:
+            await stream_events(c, **kw)
+        else:
+            raw = await c.chat.completions.with_raw_response.create(
+                model=MODEL, messages=MESSAGES, temperature=0, **kw
+            )
+            assert raw.headers["x-ratelimit-limit-tokens"] == "2000"
+    lines = access_lines(caplog)
+    assert all(line["usage_estimated"] is None for line in lines)
+    spent = sum(line["prompt_tokens"] + line["completion_tokens"] for line in lines)
+    [quota] = gw.app.config.tenants[0].quotas
+    window = [(quota.key, quota.window.oldest(time.time()))]
+    assert await gw.app.quotas.ledger.usage(window) == [(spent, 0)]
+    with pytest.raises(openai.RateLimitError) as refused:
+        for _ in range(100):
+            await c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=200)
+    assert refused.value.code == "quota_exceeded"
+    assert int(refused.value.response.headers["retry-after"]) >= 1
+    used, reserved = (await gw.app.quotas.ledger.usage(window))[0]
+    assert reserved == 0 and used <= 2000
     await idle(gw)

@@ -259,3 +259,20 @@ def test_two_quotas_with_one_name_are_refused() -> None:
                 },
             }
         )
+
+
+async def test_the_engines_slot_share_is_not_charged_to_a_quota(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
+) -> None:
+    """With max_num_seqs a request holds its share of the engine's KV room in the pools (here
+    50,000 tokens); its quota is charged what it asked for, not that share."""
+    _, url = stub_backend
+    cfg = config(url, [{"tokens": 1000, "window": "day"}])
+    cfg["pools"] = stub_pools(url, max_num_seqs=2)
+    cfg["tenants"]["acme"]["tier"] = "critical"
+    gw = await gateway_factory(cfg)
+    r = await post(gw, max_tokens=20)
+    assert r.status_code == 200, r.text
+    assert int(r.headers["x-tokengate-cost"]) > 1000  # the pools held the slot share
+    assert 1000 - 40 < int(r.headers["x-ratelimit-remaining-tokens"]) < 1000 - 20
+    assert await settled(gw) == [(PROMPT + CHUNKS, 0)]
