@@ -6,7 +6,8 @@ Redis store in Lua, budgets/redis/lua/quota.lua); this docstring is the specific
 
 Windows
 -------
-A quota counts an integer *amount* (tokens, or cost in micro-units of a currency) in *buckets*, each
+A quota counts an integer *amount* (tokens, requests, or cost in micro-units of a currency) in
+*buckets*, each
 named by its start (epoch seconds, an integer).
 
 - **Fixed** windows (the default) are one bucket each. ``minute`` and windows given in seconds
@@ -49,7 +50,7 @@ from functools import lru_cache
 from typing import Literal
 from zoneinfo import ZoneInfo
 
-Unit = Literal["tokens", "cost"]
+Unit = Literal["tokens", "requests", "cost"]
 
 CALENDAR = ("hour", "day", "week", "month")
 _NAMED_S = {"minute": 60, "hour": 3600, "day": 86_400, "week": 7 * 86_400, "month": 30 * 86_400}
@@ -172,20 +173,27 @@ class QuotaSpec:
     name: str
     tenant: str
     unit: Unit
-    limit: int  # tokens, or micro-units of the currency
+    limit: int  # tokens, requests, or micro-units of the currency
     window: Window
     models: tuple[str, ...] = ()  # model globs it applies to; () every model
     enforce: bool = True
+    per_key: bool = False  # each API key of the tenant has a window of its own
     key: str = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "key", f"{self.tenant}/{self.name}/{self.window.tag}")
 
-    def charge(self, amount: int, now: float) -> Charge:
+    def charge(self, amount: int, now: float, api_key: str = "") -> Charge:
+        """``api_key``: the key's id (a digest) when the quota is per key."""
         w = self.window
         # (kept in the store for two windows and an hour: a month's hash outlives a 31-day month)
         keep = 2 * w.length_s + 3600
-        return Charge(self.key, self.limit, amount, w.bucket(now), w.oldest(now), self.enforce, keep)
+        key = self.key_for(api_key)
+        return Charge(key, self.limit, amount, w.bucket(now), w.oldest(now), self.enforce, keep)
+
+    def key_for(self, api_key: str) -> str:
+        """The store's name of the window this quota counts a request with ``api_key`` in."""
+        return f"{self.key}/key:{api_key}" if self.per_key else self.key
 
 
 @dataclass(frozen=True, slots=True)

@@ -242,7 +242,12 @@ class AdminApi:
         if gate is None or not tenant.quotas:
             return _json({"tenant": name, "quotas": []})
         try:
-            views = await quota_usage(gate.ledger, tenant.quotas, time.time())
+            records = {r.digest: r for r in self.parts.control.state.keys.values()}
+            keys = {}
+            for d in self.parts.live.current.auth.key_ids(name):
+                r = records.get(d)
+                keys[d] = f"{r.id} ({r.prefix}…)" if r is not None else f"sha256:{d[:12]}…"
+            views = await quota_usage(gate.ledger, tenant.quotas, keys, time.time())
         except StoreUnavailable as exc:
             raise ApiError(503, exc.message, code="store_unavailable", retry_after_s=1.0) from None
         return _json({"tenant": name, "quotas": views})

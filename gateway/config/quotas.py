@@ -10,6 +10,7 @@ tenants:
       - {tokens: 5000000, window: day}                                   # fixed, UTC midnight
       - {name: monthly-spend, cost: 200, window: month, timezone: Europe/Berlin, reset: "06:00"}
       - {tokens: 100000, window: hour, rolling: true, models: ["gpt-4o*"], enforce: false}
+      - {requests: 1000, window: day, per: key}                          # each API key its own
 ```
 """
 
@@ -23,6 +24,7 @@ from budgets.quota import CALENDAR, MICRO, ModelPrice, QuotaSpec, Window, window
 from gateway.config.fields import (
     ConfigError,
     boolean,
+    choice,
     number,
     section,
     show,
@@ -31,7 +33,9 @@ from gateway.config.fields import (
     valid_name,
 )
 
-QUOTA_KEYS = ("name", "tokens", "cost", "window", "rolling", "timezone", "reset", "models", "enforce")
+QUOTA_KEYS = (
+    "name", "tokens", "requests", "cost", "window", "rolling", "timezone", "reset", "models", "per", "enforce",
+)  # fmt: skip
 _RESET_RE = re.compile(r"^([01][0-9]|2[0-3]):([0-5][0-9])$")
 
 
@@ -65,22 +69,24 @@ def tenant_quotas(v: Any, where: str, tenant: str) -> tuple[QuotaSpec, ...]:
 
 def _quota(v: Any, where: str, tenant: str) -> QuotaSpec:
     b = section(v, where, QUOTA_KEYS)
-    if ("tokens" in b) == ("cost" in b):
+    given = [k for k in ("tokens", "requests", "cost") if k in b]
+    if len(given) != 1:
         raise ConfigError(
-            f"{where}: give exactly one of tokens (a token limit) or cost (a limit in currency)"
+            f"{where}: give exactly one of tokens (a token limit), requests (a request count) or cost "
+            "(a limit in currency)"
         )
-    if "tokens" in b:
-        limit = b["tokens"]
+    unit = given[0]
+    if unit != "cost":
+        limit = b[unit]
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise ConfigError(f"{where}.tokens: expected a positive integer, got {show(limit)}")
-        unit = "tokens"
+            raise ConfigError(f"{where}.{unit}: expected a positive integer, got {show(limit)}")
     else:
         cost = number(b, "cost", where, None, minimum=0)
         if cost <= 0:
             raise ConfigError(
                 f"{where}.cost: expected a positive number (currency units), got {show(b['cost'])}"
             )
-        limit, unit = round(cost * MICRO), "cost"
+        limit = round(cost * MICRO)
     period = string(b, "window", where, None)
     if window_length(period) is None:
         raise ConfigError(
@@ -112,6 +118,7 @@ def _quota(v: Any, where: str, tenant: str) -> QuotaSpec:
         window=Window(period, rolling=rolling, timezone=timezone, reset_s=reset_s),
         models=string_list(b, "models", where),
         enforce=boolean(b, "enforce", where, True),
+        per_key=choice(b, "per", where, "tenant", ("tenant", "key")) == "key",
     )
 
 
@@ -119,10 +126,7 @@ def quota_section(q: QuotaSpec) -> dict[str, Any]:
     """A quota in the file's shape (what the admin API shows and takes back)."""
     w = q.window
     out: dict[str, Any] = {"name": q.name}
-    if q.unit == "tokens":
-        out["tokens"] = q.limit
-    else:
-        out["cost"] = q.limit / MICRO
+    out[q.unit] = q.limit if q.unit != "cost" else q.limit / MICRO
     out["window"] = w.period
     if w.rolling:
         out["rolling"] = True
@@ -132,6 +136,8 @@ def quota_section(q: QuotaSpec) -> dict[str, Any]:
         out["reset"] = f"{w.reset_s // 3600:02d}:{w.reset_s % 3600 // 60:02d}"
     if q.models:
         out["models"] = list(q.models)
+    if q.per_key:
+        out["per"] = "key"
     if not q.enforce:
         out["enforce"] = False
     return out

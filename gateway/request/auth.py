@@ -38,9 +38,18 @@ class Authenticator:
                 else:
                     self._by_digest[_digest(key)] = tenant
 
+    def key_ids(self, tenant: str) -> list[str]:
+        """The ids (SHA-256, hex) of the keys that name ``tenant`` now."""
+        return [d.hex() for d, t in self._by_digest.items() if t.name == tenant]
+
     def authenticate(self, key: str | None) -> TenantConfig:
+        return self.identify(key)[0]
+
+    def identify(self, key: str | None) -> tuple[TenantConfig, str]:
+        """The key's tenant and the key's id (its SHA-256, hex; "" in open mode): what per-key
+        quotas count by."""
         if self.open_tenant is not None:
-            return self.open_tenant
+            return self.open_tenant, ""
         if not key:
             raise ApiError(
                 401,
@@ -60,7 +69,7 @@ class Authenticator:
         if tenant is None:
             # Never echo the key itself, not even partly.
             raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
-        return tenant
+        return tenant, d.hex()
 
     def tier_for(self, tenant: TenantConfig, requested: str | None) -> TierConfig:
         """The tenant's own tier, or a lower one the client asked for with x-tokengate-tier."""

@@ -82,6 +82,7 @@ class Exchange:
     # authenticate
     tenant: TenantConfig | None = None
     tier: TierConfig | None = None
+    api_key: str = ""  # the key's id (its SHA-256, hex) when it named a tenant; "" in open mode
     headers: list[tuple[str, str]] = field(default_factory=list)  # forwarded upstream
     has_content_type: bool = False
     content_length: int = -1

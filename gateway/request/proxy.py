@@ -41,7 +41,7 @@ from gateway.request.exchange import CancelReason, Exchange, Phase, Placement, R
 from gateway.request.held_bodies import HeldBodies
 from gateway.request.media_fetch import MediaFetcher
 from gateway.request.passthrough import PassthroughRoute
-from gateway.request.quotas import QuotaGate, Usage
+from gateway.request.quotas import NOT_RUN, QuotaGate, Usage
 from gateway.request.requestid import from_client, new_id
 from gateway.request.reservations import with_decode
 from gateway.request.tenant_connections import TenantConnections
@@ -482,7 +482,7 @@ class Proxy:
             fwd[:] = [(n, v) for n, v in fwd if n not in hop]  # (ASGI names are lower case)
             x.has_content_type = x.has_content_type and "content-type" not in hop
 
-        tenant = self.auth.authenticate(key or alt_key)
+        tenant, x.api_key = self.auth.identify(key or alt_key)
         x.record.tenant = tenant.name
         tier = self.auth.tier_for(tenant, tier_name)
         x.record.tier = tier.name
@@ -828,7 +828,9 @@ class Proxy:
         # The output it asked for; not the share of the engine's sequence slots held beside it in
         # the pools (slot_tokens: KV room, not usage).
         decode = cost.decode - x.record.slot_tokens
-        x.quota, x.ratelimit = await self.quotas.reserve(tenant.name, x.model, cost.prefill, decode)
+        x.quota, x.ratelimit = await self.quotas.reserve(
+            tenant.name, x.model, cost.prefill, decode, x.api_key
+        )
 
     async def settle_quota(self, x: Exchange) -> None:
         """Exactly once per reservation: what the request used (nothing, if it never ran)."""
@@ -837,7 +839,7 @@ class Proxy:
         rec = x.record
         used: Usage | None
         if not rec.granted:
-            used = Usage(0, 0, 0)
+            used = NOT_RUN
         elif x.completion_tokens is None:
             used = None  # unknown: what it reserved is charged
         else:

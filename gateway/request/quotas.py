@@ -47,6 +47,10 @@ class Usage:
     prompt: int
     cached: int
     output: int
+    ran: bool = True  # False: never admitted (a request quota counts it as no request)
+
+
+NOT_RUN = Usage(0, 0, 0, ran=False)
 
 
 class QuotaGate:
@@ -97,10 +101,11 @@ class QuotaGate:
         await self.ledger.close()
 
     async def reserve(
-        self, tenant: str, model: str, prefill: int, decode: int
+        self, tenant: str, model: str, prefill: int, decode: int, api_key: str = ""
     ) -> tuple[QuotaHold | None, list[tuple[bytes, bytes]]]:
-        """Reserve in every quota of ``tenant`` that applies to ``model``; the hold (None when none
-        applies) and the rate-limit headers. Raises the 429 (or 413) of the first full quota."""
+        """Reserve in every quota of ``tenant`` that applies to ``model`` (per-key ones in
+        ``api_key``'s window); the hold (None when none applies) and the rate-limit headers. Raises
+        the 429 (or 413) of the first full quota."""
         specs = self.applying(tenant, model)
         if not specs:
             return None, []
@@ -112,15 +117,12 @@ class QuotaGate:
                 "gateway's operator must give the model a price (models.<glob>.price) before it can be used",
                 code="model_not_priced",
             )
-        amounts = tuple(
-            prefill + decode if q.unit == "tokens" else cost_micros(prefill, 0, decode, price)  # type: ignore[arg-type]
-            for q in specs
-        )
+        amounts = tuple(_amount_of(q, Usage(prefill, 0, decode), price) for q in specs)
         now = self._wall()
         rid = f"{self._prefix}-{next(self._ids):x}"
         try:
             outcome = await self.ledger.reserve(
-                rid, [q.charge(a, now) for q, a in zip(specs, amounts, strict=True)]
+                rid, [q.charge(a, now, api_key) for q, a in zip(specs, amounts, strict=True)]
             )
         except StoreUnavailable as exc:
             raise ApiError(503, exc.message, code="store_unavailable", retry_after_s=1.0) from None
@@ -130,7 +132,7 @@ class QuotaGate:
             if self._on_refused is not None:
                 self._on_refused(q, True)
             used = sum(outcome.buckets.values())
-            headers = _headers(q, used, outcome.buckets, now) if q.unit == "tokens" else []
+            headers = _headers(q, used, outcome.buckets, now) if q.unit != "cost" else []
             raise _refusal(q, amount, outcome, now, headers)
         for i in outcome.over:
             q = specs[i]
@@ -158,14 +160,7 @@ class QuotaGate:
     async def settle(self, hold: QuotaHold, usage: Usage | None) -> None:
         """Once per hold. ``usage`` None: what was reserved (the use is unknown)."""
         self._live.pop(hold.rid, None)
-        actual: list[int] | None = None
-        if usage is not None:
-            actual = [
-                usage.prompt + usage.output
-                if q.unit == "tokens"
-                else cost_micros(usage.prompt, usage.cached, usage.output, hold.price)  # type: ignore[arg-type]
-                for q in hold.specs
-            ]
+        actual = None if usage is None else [_amount_of(q, usage, hold.price) for q in hold.specs]
         try:
             await self.ledger.settle(hold.rid, actual)
         except Exception:
@@ -176,11 +171,13 @@ class QuotaGate:
     def _tightest(
         self, specs: Sequence[QuotaSpec], used: Sequence[int], now: float
     ) -> list[tuple[bytes, bytes]]:
-        tokens = [(q, u) for q, u in zip(specs, used, strict=True) if q.unit == "tokens" and q.enforce]
-        if not tokens:
-            return []
-        q, u = min(tokens, key=lambda p: p[0].limit - p[1])
-        return _headers(q, u, None, now)
+        headers: list[tuple[bytes, bytes]] = []
+        for unit in ("tokens", "requests"):
+            mine = [(q, u) for q, u in zip(specs, used, strict=True) if q.unit == unit and q.enforce]
+            if mine:
+                q, u = min(mine, key=lambda p: p[0].limit - p[1])
+                headers += _headers(q, u, None, now)
+        return headers
 
     async def _heartbeat(self) -> None:
         while True:
@@ -217,25 +214,37 @@ def _refusal(
     )
 
 
+def _amount_of(q: QuotaSpec, usage: Usage, price: ModelPrice | None) -> int:
+    """What ``usage`` (or a price: the prompt and the reserved output) counts in quota ``q``."""
+    if q.unit == "tokens":
+        return usage.prompt + usage.output
+    if q.unit == "requests":
+        return 1 if usage.ran else 0
+    assert price is not None  # (a cost quota on an unpriced model is refused before this)
+    return cost_micros(usage.prompt, usage.cached, usage.output, price)
+
+
 def _amount(q: QuotaSpec, n: int) -> str:
-    return f"{n:,} tokens" if q.unit == "tokens" else f"{n / MICRO:,.2f}"
+    return f"{n:,} {q.unit}" if q.unit != "cost" else f"{n / MICRO:,.2f}"
 
 
 def _headers(
     q: QuotaSpec, used: int, buckets: Mapping[int, int] | None, now: float
 ) -> list[tuple[bytes, bytes]]:
-    """OpenAI's ``x-ratelimit-*-tokens`` for token quota ``q`` holding ``used``: its limit, what is
-    left, and when it is whole again (the window's end; a rolling window's oldest use leaving)."""
+    """OpenAI's ``x-ratelimit-*-tokens`` (``-requests``) for token (request) quota ``q`` holding
+    ``used``: its limit, what is left, and when it is whole again (the window's end; a rolling
+    window's oldest use leaving)."""
     w = q.window
     if w.rolling:
         oldest = min(buckets) if buckets else w.bucket(now)
         reset = w.frees_at(oldest, now) - now
     else:
         reset = w.frees_at(w.bucket(now), now) - now
+    unit = q.unit
     return [
-        (b"x-ratelimit-limit-tokens", str(q.limit).encode()),
-        (b"x-ratelimit-remaining-tokens", str(max(0, q.limit - used)).encode()),
-        (b"x-ratelimit-reset-tokens", duration(reset).encode()),
+        (f"x-ratelimit-limit-{unit}".encode(), str(q.limit).encode()),
+        (f"x-ratelimit-remaining-{unit}".encode(), str(max(0, q.limit - used)).encode()),
+        (f"x-ratelimit-reset-{unit}".encode(), duration(reset).encode()),
     ]
 
 
@@ -253,30 +262,35 @@ def duration(seconds: float) -> str:
     return f"{sec}s"
 
 
-async def quota_usage(ledger: QuotaLedger, specs: Sequence[QuotaSpec], now: float) -> list[dict[str, object]]:
-    """Each quota's window at ``now`` as the admin API shows it (cost in currency units)."""
-    found = await ledger.usage([(q.key, q.window.oldest(now)) for q in specs])
+async def quota_usage(
+    ledger: QuotaLedger, specs: Sequence[QuotaSpec], keys: Mapping[str, str], now: float
+) -> list[dict[str, object]]:
+    """Each quota's window at ``now`` as the admin API shows it (cost in currency units); a per-key
+    quota once per key of ``keys`` (key id -> how the operator knows it)."""
+    rows = [(q, k) for q in specs for k in (keys if q.per_key else [""])]
+    found = await ledger.usage([(q.key_for(k), q.window.oldest(now)) for q, k in rows])
     out: list[dict[str, object]] = []
-    for q, (used, reserved) in zip(specs, found, strict=True):
+    for (q, k), (used, reserved) in zip(rows, found, strict=True):
         w = q.window
 
         def shown(n: int, q: QuotaSpec = q) -> float | int:
-            return n if q.unit == "tokens" else n / MICRO
+            return n if q.unit != "cost" else n / MICRO
 
-        out.append(
-            {
-                "name": q.name,
-                "unit": q.unit,
-                "window": w.period,
-                "rolling": w.rolling,
-                "enforce": q.enforce,
-                "limit": shown(q.limit),
-                "used": shown(used),
-                "reserved": shown(reserved),
-                "remaining": shown(max(0, q.limit - used - reserved)),
-                "window_start": w.oldest(now) if w.rolling else w.bucket(now),
-                "window_end": now if w.rolling else w.frees_at(w.bucket(now), now),
-                "models": list(q.models),
-            }
-        )
+        row: dict[str, object] = {
+            "name": q.name,
+            "unit": q.unit,
+            "window": w.period,
+            "rolling": w.rolling,
+            "enforce": q.enforce,
+            "limit": shown(q.limit),
+            "used": shown(used),
+            "reserved": shown(reserved),
+            "remaining": shown(max(0, q.limit - used - reserved)),
+            "window_start": w.oldest(now) if w.rolling else w.bucket(now),
+            "window_end": now if w.rolling else w.frees_at(w.bucket(now), now),
+            "models": list(q.models),
+        }
+        if q.per_key:
+            row["key"] = keys[k]
+        out.append(row)
     return out

@@ -237,6 +237,9 @@ async def test_admin_sets_quotas_live_and_reads_their_usage(
         ({"tokens": 5, "window": "day", "reset": "25:00"}, "quotas[0].reset: expected a local time HH:MM"),
         ({"tokens": 5, "window": "hour", "reset": "06:00"}, "only fixed day, week and month windows"),
         ({"tokens": 5, "window": "day", "colour": "red"}, "colour"),
+        ({"requests": 1.5, "window": "day"}, "quotas[0].requests: expected a positive integer"),
+        ({"requests": 5, "tokens": 5, "window": "day"}, "give exactly one of tokens"),
+        ({"requests": 5, "window": "day", "per": "team"}, "quotas[0].per: expected one of 'tenant', 'key'"),
     ],
 )
 def test_config_errors_name_the_field(quota: dict[str, Any], message: str) -> None:
@@ -276,3 +279,41 @@ async def test_the_engines_slot_share_is_not_charged_to_a_quota(
     assert int(r.headers["x-tokengate-cost"]) > 1000  # the pools held the slot share
     assert 1000 - 40 < int(r.headers["x-ratelimit-remaining-tokens"]) < 1000 - 20
     assert await settled(gw) == [(PROMPT + CHUNKS, 0)]
+
+
+async def test_request_quotas_count_requests_that_ran_and_send_their_headers(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
+) -> None:
+    _, url = stub_backend
+    gw = await gateway_factory(config(url, [{"requests": 3, "window": "minute"}, {"tokens": 10**6, "window": "day"}]))
+    first = await post(gw)
+    assert first.headers["x-ratelimit-limit-requests"] == "3"
+    assert first.headers["x-ratelimit-remaining-requests"] == "2"
+    assert first.headers["x-ratelimit-limit-tokens"] == str(10**6)  # both kinds of header
+    assert (await post(gw, **{"x-stub-status": "500"})).status_code == 502  # it ran: it counts
+    assert (await post(gw)).status_code == 200
+    refused = await post(gw)
+    assert refused.status_code == 429 and "3 requests" in refused.json()["error"]["message"]
+    assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+    assert (await settled(gw))[0] == (3, 0)
+
+
+async def test_per_key_quotas_give_each_key_its_own_window(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TOKENGATE_ADMIN_TOKEN", ADMIN)
+    _, url = stub_backend
+    cfg = config(url, [{"name": "trial", "requests": 1, "window": "day", "per": "key"}])
+    cfg["tenants"]["acme"]["keys"] = [KEY, "sk-second"]
+    gw = await gateway_factory(cfg)
+    assert (await post(gw)).status_code == 200
+    assert (await post(gw)).status_code == 429  # this key's one request is used
+    async with httpx.AsyncClient(base_url=gw.url) as c:
+        other = await c.post(
+            "/v1/chat/completions", json=chat(max_tokens=5), headers={"authorization": "Bearer sk-second"}
+        )
+    assert other.status_code == 200  # the other key's window is its own
+    async with httpx.AsyncClient(base_url=gw.ops_url, headers={"authorization": f"Bearer {ADMIN}"}) as c:
+        view = (await c.get("/admin/v1/tenants/acme/quotas")).json()["quotas"]
+    assert sorted((row["name"], row["used"]) for row in view) == [("trial", 1), ("trial", 1)]
+    assert all(row["key"].startswith("sha256:") and KEY not in row["key"] for row in view)
