@@ -285,7 +285,9 @@ async def test_request_quotas_count_requests_that_ran_and_send_their_headers(
     stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory
 ) -> None:
     _, url = stub_backend
-    gw = await gateway_factory(config(url, [{"requests": 3, "window": "minute"}, {"tokens": 10**6, "window": "day"}]))
+    gw = await gateway_factory(
+        config(url, [{"requests": 3, "window": "minute"}, {"tokens": 10**6, "window": "day"}])
+    )
     first = await post(gw)
     assert first.headers["x-ratelimit-limit-requests"] == "3"
     assert first.headers["x-ratelimit-remaining-requests"] == "2"
