@@ -40,6 +40,7 @@ from gateway.live import LiveParts, build_live
 from gateway.observe import Observer, ReservationSources, ScrapeTarget, StatsSources, observe_routes
 from gateway.observe.accesslog import Record
 from gateway.observe.metrics import CONTENT_TYPE, GatewayMetrics
+from gateway.observe.quota_use import QuotaUse
 from gateway.observe.stats import BackendHealth, config_view
 from gateway.observe.tracing import Tracer
 from gateway.request.auth import visible_models
@@ -50,6 +51,7 @@ from gateway.request.paths import path_problem
 from gateway.request.proxy import Proxy, ProxyParts
 from gateway.request.quotas import QuotaGate
 from gateway.request.requestid import from_client, new_id
+from gateway.request.shadow import ShadowLimits, shadow_view
 from gateway.upstream.client import make_session
 from gateway.upstream.health import HealthChecker, HealthSettings
 from gateway.upstream.pools import BreakerSettings, Router
@@ -149,6 +151,11 @@ class Gateway:
         self.quotas = QuotaGate(
             quota_ledger(self.store, config.leases.ttl_s), on_refused=self.metrics.quota_refused
         )
+        self.shadow = ShadowLimits(self.quotas, on_over=self.metrics.shadow_over)
+        self.quota_use = QuotaUse(
+            self.quotas.ledger, lambda: self.live.current.tenants, label=self.metrics.tenant_label
+        )
+        self.metrics.registry.register(self.quota_use)
         h = config.health
         self.health = HealthChecker(
             list(self.router.backends),
@@ -201,6 +208,7 @@ class Gateway:
             store=self.store.describe,
             prompt_overheads=self._prompt_overheads,
             tenant_connections=self._tenant_connections,
+            limits=self._limits,
         )
         self.draining = False
         self._drained = False
@@ -319,6 +327,7 @@ class Gateway:
         )
         await self.store.start()
         await self.quotas.start()
+        self.quota_use.start()
         await self.control.start()
         self.keeper.start()
         await self.health.start()
@@ -341,6 +350,7 @@ class Gateway:
             draining=lambda: self.draining,
             tracer=self.tracer,
             quotas=self.quotas,
+            shadow=self.shadow,
         )
         self._proxy = Proxy(parts, self.live, self.session)
 
@@ -353,6 +363,7 @@ class Gateway:
         leaked = await self.keeper.close()
         if leaked:
             log.warning("released %d leases still held at shutdown", leaked)
+        await self.quota_use.close()
         await self.quotas.close()
         await self.health.close()
         await self.observer.close()
@@ -601,6 +612,15 @@ class Gateway:
         """The learned prompt overheads with the model settings that apply them (/stats, /metrics)."""
         live = self.live.current
         return live.prompt_overheads.snapshot(live.models.prompt_overhead)
+
+    def _limits(self) -> dict[str, Any]:
+        use = self.quota_use
+        return {
+            "shadow": shadow_view(self.shadow, self.live.current.tenants),
+            "quotas": use.rows,
+            "quotas_read_at": use.read_at,
+            "quotas_error": use.error,
+        }
 
     def _tenant_connections(self) -> tuple[dict[str, int], int]:
         most = self.config.limits.max_connections_per_tenant

@@ -105,8 +105,23 @@ def _add_common(p: argparse.ArgumentParser, url: bool = True) -> None:
     )
 
 
+def _switch(text: str) -> bool:
+    """``true`` or ``false``."""
+    if text.lower() in ("true", "yes", "on", "1"):
+        return True
+    if text.lower() in ("false", "no", "off", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def _tenant_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-tokens", type=_count, help="tokens in flight at once ('none': pools only)")
+    p.add_argument(
+        "--budget-enforce",
+        type=_switch,
+        metavar="true|false",
+        help="false: shadow mode, the budget never holds a request back; what it would have is counted",
+    )
     p.add_argument("--weight", type=float, help="fair-share weight")
     p.add_argument("--tier", help="the highest tier the tenant may use")
     p.add_argument("--default-max-tokens", type=_count, help="reservation when a request names no limit")
@@ -195,6 +210,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--rank", type=int, required=True, help="lower ranks are granted first")
     p.add_argument("--ceiling", type=float, help="share of a shared pool the tier may fill (default 1.0)")
     p.add_argument("--max-queue-wait-s", type=float, help="longest wait in the queue (default 60)")
+    p.add_argument(
+        "--ceiling-enforce",
+        type=_switch,
+        metavar="true|false",
+        help="false: shadow mode (counted, never enforced)",
+    )
     action(ti, "delete", "delete a tier (refused while a tenant or class uses it)").add_argument("name")
 
     groups.add_parser("state", help="live state: pools, tenants, queues, recent errors")
@@ -287,6 +308,7 @@ def _body(args: argparse.Namespace, fields: Mapping[str, str]) -> dict[str, Any]
 
 _TENANT_FLAGS = {
     "budget_tokens": "budget_tokens",
+    "budget_enforce": "budget_enforce",
     "weight": "weight",
     "tier": "tier",
     "default_max_tokens": "default_max_tokens",
@@ -371,7 +393,14 @@ def _request(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None,
         if a == "set":
             body = {
                 "rank": args.rank,
-                **_body(args, {"ceiling": "ceiling", "max_queue_wait_s": "max_queue_wait_s"}),
+                **_body(
+                    args,
+                    {
+                        "ceiling": "ceiling",
+                        "max_queue_wait_s": "max_queue_wait_s",
+                        "ceiling_enforce": "ceiling_enforce",
+                    },
+                ),
             }
             return "PUT", f"/tiers/{name}", body, None, lambda d: render.tiers(d["tiers"])
         return "DELETE", f"/tiers/{name}", None, None, lambda d: render.tiers(d["tiers"])

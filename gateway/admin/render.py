@@ -84,6 +84,8 @@ def tenants(items: Sequence[Mapping[str, Any]]) -> str:
 def tenant(t: Mapping[str, Any]) -> str:
     lines = [f"{'tenant:':20} {cell(t.get('name'))}"]
     lines += [f"{k + ':':20} {cell(t.get(k))}" for k in _TENANT_COLUMNS[1:]]
+    if t.get("budget_enforce") is False:
+        lines.append(f"{'budget_enforce:':20} false (shadow mode: counted, never enforced)")
     lines.append(f"{'models:':20} {_models(t.get('models'))}")
     tools = t.get("server_tools")
     lines.append(f"{'server_tools:':20} {'(any)' if tools is None else ','.join(tools) or '(none)'}")
@@ -206,7 +208,13 @@ def tiers(items: Sequence[Mapping[str, Any]]) -> str:
     return table(
         ["TIER", "RANK", "CEILING", "MAX_QUEUE_WAIT_S", "SOURCE"],
         [
-            [t.get("name"), t.get("rank"), t.get("ceiling"), t.get("max_queue_wait_s"), t.get("source")]
+            [
+                t.get("name"),
+                t.get("rank"),
+                f"{t.get('ceiling')} (shadow)" if t.get("ceiling_enforce") is False else t.get("ceiling"),
+                t.get("max_queue_wait_s"),
+                t.get("source"),
+            ]
             for t in sorted(items, key=lambda t: (t.get("rank", 0), t.get("name", "")))
         ],
     )

@@ -1,9 +1,10 @@
 """Config -> the budget store's layout: which pools exist and how big they are.
 
 * ``tenant:<name>``: the tenant's own budget (private, not shared). A tenant without
-  ``budget_tokens`` (and the open tenant) gets the total capacity of all backend pools, i.e.
-  it is limited by the backends only.
-* ``backend:<pool>``: the sum of the pool's backends' capacities (shared: tier ceilings apply).
+  ``budget_tokens`` (and the open tenant, and one whose budget is in shadow mode) gets the total
+  capacity of all backend pools, i.e. it is limited by the backends only.
+* ``backend:<pool>``: the sum of the pool's backends' capacities (shared: tier ceilings apply; a
+  ceiling in shadow mode is 1.0 here).
 * ``class:<name>``: only for class rules with ``budget_tokens`` (shared).
 """
 
@@ -32,7 +33,8 @@ def build_layout(
     pools: dict[str, PoolSpec] = {}
     for t in tenants:
         name = tenant_pool(t.name)
-        pools[name] = PoolSpec(name, t.budget_tokens if t.budget_tokens is not None else total, shared=False)
+        budget = t.enforced_budget  # (a budget in shadow mode holds nothing back: gateway/request/shadow.py)
+        pools[name] = PoolSpec(name, budget if budget is not None else total, shared=False)
     for p in config.pools:
         name = backend_pool(p.name)
         pools[name] = PoolSpec(name, p.capacity_tokens, shared=True)
@@ -42,7 +44,10 @@ def build_layout(
             pools[name] = PoolSpec(name, r.budget_tokens, shared=True)
     return BudgetLayout(
         pools=pools,
-        tiers={t.name: TierSpec(t.name, t.rank, t.ceiling, t.max_queue_wait_s) for t in config.tiers},
+        tiers={
+            t.name: TierSpec(t.name, t.rank, t.ceiling if t.ceiling_enforce else 1.0, t.max_queue_wait_s)
+            for t in config.tiers
+        },
         tenants={t.name: TenantSpec(t.name, t.weight, t.max_queue_len) for t in tenants},
         policy=PolicySpec(
             prefill_weight=config.fairness.prefill_weight,

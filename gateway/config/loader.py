@@ -277,7 +277,7 @@ def _tiers(v: Any) -> tuple[TierConfig, ...]:
     ranks: dict[int, str] = {}
     for name, body in m.items():
         where = f"tiers.{valid_name(name, 'tiers')}"
-        t = section(body, where, ("rank", "ceiling", "max_queue_wait_s"))
+        t = section(body, where, ("rank", "ceiling", "max_queue_wait_s", "ceiling_enforce"))
         rank = integer(t, "rank", where, None, minimum=0)
         if rank in ranks:
             raise ConfigError(f"{where}.rank: {rank} is already the rank of tier {ranks[rank]!r}")
@@ -286,7 +286,10 @@ def _tiers(v: Any) -> tuple[TierConfig, ...]:
         if not 0.0 < ceiling <= 1.0:
             raise ConfigError(f"{where}.ceiling: expected a number in (0, 1], got {show(ceiling)}")
         wait = number(t, "max_queue_wait_s", where, 60.0, minimum=0.0)
-        out.append(TierConfig(name=name, rank=rank, ceiling=ceiling, max_queue_wait_s=wait))
+        enforce = boolean(t, "ceiling_enforce", where, True)
+        out.append(
+            TierConfig(name=name, rank=rank, ceiling=ceiling, max_queue_wait_s=wait, ceiling_enforce=enforce)
+        )
     out.sort(key=lambda t: t.rank)
     return tuple(out)
 
@@ -631,6 +634,7 @@ def _tenants(v: Any, tiers: Sequence[TierConfig], tier_names: set[str]) -> tuple
                 name=name,
                 keys=keys,
                 budget_tokens=opt_integer(t, "budget_tokens", where, minimum=1),
+                budget_enforce=boolean(t, "budget_enforce", where, True),
                 weight=weight,
                 tier=tier,
                 default_max_tokens=default_max,

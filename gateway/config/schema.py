@@ -62,6 +62,9 @@ class TierConfig:
     rank: int
     ceiling: float = 1.0
     max_queue_wait_s: float = 60.0
+    # False: shadow mode, the ceiling never holds a request back; what it would have is counted
+    # (gateway/request/shadow.py).
+    ceiling_enforce: bool = True
 
 
 DEFAULT_TIERS: tuple[TierConfig, ...] = (
@@ -128,6 +131,9 @@ class TenantConfig:
     name: str
     keys: tuple[str, ...] = ()  # plain keys or "sha256:<hex>"
     budget_tokens: int | None = None  # None = bounded only by the backend pools
+    # False: shadow mode, the budget never holds a request back; what it would have is counted
+    # (gateway/request/shadow.py).
+    budget_enforce: bool = True
     weight: float = 1.0
     tier: str = "standard"  # highest tier this tenant may use
     default_max_tokens: int | None = None  # None = pricing.default_max_tokens
@@ -139,6 +145,11 @@ class TenantConfig:
     server_tools: tuple[str, ...] | None = None
     # Token and cost quotas over time (budgets.quota; docs/quotas.md).
     quotas: tuple[QuotaSpec, ...] = ()
+
+    @property
+    def enforced_budget(self) -> int | None:
+        """The budget the pools hold it to: None without one, or with one in shadow mode."""
+        return self.budget_tokens if self.budget_enforce else None
 
 
 # The keys of a tenant's section in the file (all but its name).

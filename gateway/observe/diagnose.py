@@ -16,7 +16,7 @@ LEVELS = ("ok", "info", "warn", "crit")
 @dataclass(frozen=True, slots=True)
 class Finding:
     level: str  # ok | info | warn | crit
-    topic: str  # slo | hol | backend | one_server | gate | kv | slots | split | queue | store | bodies | connections | encode | pricing
+    topic: str  # slo | hol | backend | one_server | gate | kv | slots | split | queue | store | bodies | connections | encode | pricing | shadow | quota
     text: str
 
     def as_dict(self) -> dict[str, str]:
@@ -46,7 +46,56 @@ def diagnose(stats: Mapping[str, Any]) -> list[Finding]:
     out += _connections(stats)
     out += _encode(stats)
     out += _pricing(stats)
+    out += _shadow(stats)
+    out += _quotas(stats)
     out.sort(key=lambda f: -LEVELS.index(f.level))
+    return out
+
+
+def _shadow(stats: Mapping[str, Any]) -> list[Finding]:
+    """One line: the limits in shadow mode and what they would have refused (since this replica
+    started), those that would have refused first."""
+    shadow = (stats.get("limits") or {}).get("shadow") or []
+    if not shadow:
+        return []
+    rows = sorted(
+        shadow, key=lambda r: (-int(r.get("would_refuse") or 0), str(r.get("kind")), str(r.get("name")))
+    )
+    hits = sum(int(r.get("would_refuse") or 0) for r in rows)
+    parts = [f"{r['kind']} {r['name']} {int(r.get('would_refuse') or 0):,}" for r in rows[:6]]
+    more = f", {len(rows) - 6} more" if len(rows) > 6 else ""
+    text = (
+        f"{len(rows)} limit{'s' if len(rows) != 1 else ''} in shadow mode (enforce: false) would have refused "
+        f"{hits:,} request{'s' if hits != 1 else ''} here: {'; '.join(parts)}{more}. Enforce one by setting "
+        "enforce (budget_enforce, ceiling_enforce) to true."
+    )
+    return [Finding("info", "shadow", text)]
+
+
+def _quotas(stats: Mapping[str, Any]) -> list[Finding]:
+    """Enforced quotas nine tenths used: their tenants' requests are about to get 429s."""
+    out = []
+    for r in (stats.get("limits") or {}).get("quotas") or []:
+        limit = r.get("limit") or 0
+        held = (r.get("used") or 0) + (r.get("reserved") or 0)
+        if not r.get("enforce", True) or not limit or held < 0.9 * limit:
+            continue
+        full = held >= limit
+        unit = r.get("unit")
+
+        def n(v: float, unit: object = unit) -> str:
+            return f"{v:,.2f}" if unit == "cost" else f"{int(v):,}"
+
+        window = f"{'rolling ' if r.get('rolling') else ''}{r.get('window')}"
+        out.append(
+            Finding(
+                "warn" if full else "info",
+                "quota",
+                f"quota {r['name']} of tenant {r['tenant']} is {min(held / limit, 1.0):.0%} used "
+                f"({n(held)} of {n(limit)} {unit} per {window}): {'its' if full else 'soon its'} requests get "
+                "429 quota_exceeded until the window frees room. Raise it with the admin API if that is not meant.",
+            )
+        )
     return out
 
 

@@ -341,6 +341,13 @@ class GatewayMetrics:
             ("tenant", "quota", "enforced"),
             registry=r,
         )
+        self.shadow_refusals = Counter(
+            "tokengate_shadow_refusals",
+            "Requests a limit in shadow mode (enforce: false) would have refused or kept waiting; they "
+            "ran. kind: quota, budget (a tenant's budget_tokens) or ceiling (a tier's, of a pool)",
+            ("kind", "limit"),
+            registry=r,
+        )
         self.extensions = Counter(
             "tokengate_lease_extensions",
             "Leases grown while a stream ran (its output outgrew the reservation)",
@@ -419,6 +426,15 @@ class GatewayMetrics:
         label = self.tenant_label(quota.tenant)
         name = quota.name if label != "other" else "other"
         self.quota_refusals.labels(label, name, "true" if enforced else "false").inc()
+        if not enforced:
+            self.shadow_refusals.labels("quota", f"{label}/{name}").inc()
+
+    def shadow_over(self, kind: str, name: str) -> None:
+        """A limit in shadow mode would have held a request back (``name``: the tenant of a budget,
+        ``<tier>/<pool>`` of a ceiling)."""
+        if kind == "budget":
+            name = self.tenant_label(name)
+        self.shadow_refusals.labels(kind, name).inc()
 
     def bind(self, klass: str, tenant: str, tier: str) -> Bound:
         key = (klass, tenant, tier)

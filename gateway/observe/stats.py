@@ -146,6 +146,9 @@ class StatsSources:
     estimates: Callable[[], Mapping[str, Any]] | None = None
     # Where the pools live (BudgetStore.describe): the kind; for Redis the domain, topology and node
     store: Callable[[], Mapping[str, Any]] | None = None
+    # Limits in shadow mode and what they would have refused; every tenant's quota windows now
+    # (gateway/request/shadow.py, gateway/observe/quota_use.py)
+    limits: Callable[[], Mapping[str, Any]] | None = None
 
 
 def _top(counts: Mapping[str, int], n: int = 5) -> list[tuple[str, int]]:
@@ -500,6 +503,7 @@ async def build_stats(src: StatsSources, domain: str | None = None) -> dict[str,
         "domains": domains,
         "tenant_connections": _tenant_connections(src),
         "pricing": dict(src.prompt_overheads()) if src.prompt_overheads is not None else None,
+        "limits": dict(src.limits()) if src.limits is not None else None,
     }
     stats["findings"] = [f.as_dict() for f in diagnose(stats)]
     return stats

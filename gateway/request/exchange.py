@@ -22,6 +22,7 @@ from gateway.observe.metrics import Bound
 from gateway.request.passthrough import PassthroughRoute
 from gateway.request.quotas import QuotaHold
 from gateway.request.reservations import Reserved
+from gateway.request.shadow import ShadowHold
 from gateway.upstream.client import HeaderNames
 from gateway.upstream.gate import GatePass
 
@@ -114,6 +115,7 @@ class Exchange:
     lease: Lease | None = None
     quota: QuotaHold | None = None  # what its quotas hold for it (settled once, at its end)
     ratelimit: list[tuple[bytes, bytes]] | None = None  # OpenAI's x-ratelimit-* headers of its quotas
+    shadow: ShadowHold | None = None  # its place in the gauges of limits in shadow mode (given back once)
     # forward
     client_wants_usage: bool = True
     gate: GatePass | None = None  # in the backend's prefill gate: released at the first token or the end

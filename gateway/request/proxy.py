@@ -44,6 +44,7 @@ from gateway.request.passthrough import PassthroughRoute
 from gateway.request.quotas import NOT_RUN, QuotaGate, Usage
 from gateway.request.requestid import from_client, new_id
 from gateway.request.reservations import with_decode
+from gateway.request.shadow import ShadowLimits
 from gateway.request.tenant_connections import TenantConnections
 from gateway.upstream.client import REQUEST_DROP, HeaderNames, classify_error
 from gateway.upstream.pools import Backend, NoBackend
@@ -231,6 +232,7 @@ class ProxyParts:
     draining: Callable[[], bool]
     tracer: Tracer | None = None  # None: tracing off, and the request path reads no trace header
     quotas: QuotaGate | None = None  # None: no tenant has a quota, and the request path never asks
+    shadow: ShadowLimits | None = None  # in-flight limits in shadow mode (watched, never enforced)
 
 
 # Read (and replaced by ours) while tracing is on; forwarded as they came while it is off.
@@ -264,6 +266,7 @@ class Proxy:
         self.draining = parts.draining
         self.tracer = parts.tracer
         self.quotas = parts.quotas
+        self.shadow = parts.shadow
         self._drop = REQUEST_DROP if parts.tracer is None else REQUEST_DROP | _TRACE_HEADERS
         self._demand_pools: dict[tuple[str, str, str | None], tuple[str, ...]] = {}
         self._urls: dict[tuple[int, bytes], URL] = {}
@@ -295,6 +298,8 @@ class Proxy:
         self.trust_request_id = cfg.logging.trust_request_id
         if self.quotas is not None:
             self.quotas.bind(cfg.tenants, cfg.models)
+        if self.shadow is not None:
+            self.shadow.bind(live.tenants, cfg.tiers, live.layout)
         self._demand_pools.clear()  # pool names may have changed meaning
         self._urls.clear()  # backends may have moved
 
@@ -394,6 +399,8 @@ class Proxy:
                 if x.exact is not None:
                     x.correction = asyncio.create_task(self._correct(x))
                 try:
+                    if self.shadow is not None and self.shadow.configured:
+                        await self.watch_shadow(x)
                     await self.forward(x)
                 finally:
                     await self.release(x)
@@ -857,7 +864,7 @@ class Proxy:
         # request reserves less (learned reservations): what it may run to stays within its
         # budget, however low its past has trained the estimate (budgets.types.Demand).
         r = x.reserved
-        limit = r.limit if r is not None and r.reduced and tenant.budget_tokens is not None else 0
+        limit = r.limit if r is not None and r.reduced and tenant.enforced_budget is not None else 0
         demand = Demand(tenant.name, tier.name, placement.pools, cost.prefill, cost.decode, limit)
         self._refuse_if_draining()
         x.phase = Phase.QUEUED
@@ -882,6 +889,16 @@ class Proxy:
             rec.queue_s = perf_counter() - t_queue
         self.keeper.add(x.lease.id)
         self.observer.admitted(rec)
+
+    async def watch_shadow(self, x: Exchange) -> None:
+        """A granted request in the gauges of the limits in shadow mode: counted where one of them
+        would have kept it waiting (it runs all the same)."""
+        lease, tenant, tier = x.lease, x.tenant, x.tier
+        assert lease is not None and tenant is not None and tier is not None and self.shadow is not None
+        d = lease.demand
+        r = x.reserved  # what the budget would hold: the whole output limit (admit)
+        private = d.prefill + max(d.decode, r.limit if r is not None and r.reduced else 0)
+        x.shadow = await self.shadow.hold(tenant.name, tier.name, d.pools, d.cost, private)
 
     def _refuse_if_draining(self) -> None:
         # Checked on arrival and again just before queueing: drain may begin while a body is read.
@@ -1164,6 +1181,10 @@ class Proxy:
                 await correction
         self.keeper.discard(lease.id)
         await self.store.release(lease.id, x.completion_tokens)
+        if x.shadow is not None:
+            hold, x.shadow = x.shadow, None
+            assert self.shadow is not None
+            await self.shadow.release(hold)
         if x.reserved is not None:
             self.reservations.observe(x.reserved, x.record.completion_tokens)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
 from budgets.background import BackgroundTask
-from budgets.quota import MICRO, ModelPrice, QuotaSpec, Refused, cost_micros, retry_after_s
+from budgets.quota import MICRO, Charge, ModelPrice, QuotaSpec, Refused, Reserved, cost_micros, retry_after_s
 from budgets.quotas import QuotaLedger
 from budgets.types import StoreUnavailable
 from classifiers.bymodel import ByModel
@@ -65,13 +65,16 @@ class QuotaGate:
         self._wall = wall
         self._specs: dict[str, tuple[QuotaSpec, ...]] = {}
         self._prices: ByModel[ModelPrice | None] = ByModel((), None)
-        self._live: dict[str, None] = {}  # reservations of requests in flight (heartbeated)
+        # Reservations of requests in flight (heartbeated): None a quota hold (at shutdown charged
+        # what it reserved); n a gauge of n charges (hold(): released with nothing used)
+        self._live: dict[str, int | None] = {}
         self._ids = itertools.count(1)
         self._prefix = secrets.token_hex(6)
         self._beat = BackgroundTask("quota-heartbeat", self._heartbeat, log)
         self._on_refused = on_refused  # (quota, enforced): metrics
         self.refused = 0
         self.would_refuse = 0
+        self.shadow_counts: dict[tuple[str, str], int] = {}  # shadow quota (tenant, name) -> would-refuse
         self._logged: set[tuple[str, int]] = set()  # shadow refusals logged: (quota key, bucket)
 
     def bind(self, tenants: Sequence[TenantConfig], models: Sequence[ModelConfig]) -> None:
@@ -93,9 +96,9 @@ class QuotaGate:
     async def close(self) -> None:
         await self._beat.stop()
         for rid in list(self._live):  # requests cut by the shutdown: what they reserved is charged
-            self._live.pop(rid, None)
+            n = self._live.pop(rid, None)
             try:
-                await self.ledger.settle(rid, None)
+                await self.ledger.settle(rid, None if n is None else [0] * n)
             except Exception:
                 log.exception("settling quota reservation %s at shutdown failed", rid)
         await self.ledger.close()
@@ -137,6 +140,7 @@ class QuotaGate:
         for i in outcome.over:
             q = specs[i]
             self.would_refuse += 1
+            self.shadow_counts[q.tenant, q.name] = self.shadow_counts.get((q.tenant, q.name), 0) + 1
             if self._on_refused is not None:
                 self._on_refused(q, False)
             mark = (q.key, q.window.bucket(now))
@@ -167,6 +171,21 @@ class QuotaGate:
             # Left in the store, it expires there at the amount reserved: never lost, at worst
             # over-counted by what the request did not use.
             log.exception("settling quota reservation %s failed", hold.rid)
+
+    async def hold(self, charges: Sequence[Charge]) -> tuple[str, Reserved]:
+        """Hold ``charges`` (none enforced) as a gauge while a request runs, heartbeated like a
+        quota reservation; :meth:`drop` gives it back with nothing used."""
+        assert not any(c.enforce for c in charges)
+        rid = f"{self._prefix}-{next(self._ids):x}"
+        outcome = await self.ledger.reserve(rid, charges)
+        assert isinstance(outcome, Reserved)  # (nothing enforced: nothing refuses)
+        self._live[rid] = len(charges)
+        return rid, outcome
+
+    async def drop(self, rid: str) -> None:
+        n = self._live.pop(rid, None)
+        if n is not None:
+            await self.ledger.settle(rid, [0] * n)
 
     def _tightest(
         self, specs: Sequence[QuotaSpec], used: Sequence[int], now: float

@@ -49,6 +49,8 @@ def load_warnings(config: GatewayConfig, tenants: Iterable[TenantConfig] | None 
             continue
         capacity = pool.capacity_tokens
         for tier in tiers:
+            if not tier.ceiling_enforce:
+                continue
             limit = math.floor(tier.ceiling * capacity)
             if per_seq > limit:
                 out.append(
@@ -58,7 +60,7 @@ def load_warnings(config: GatewayConfig, tenants: Iterable[TenantConfig] | None 
                     f"really runs at once, raise the tier's ceiling, or leave max_num_seqs unset."
                 )
         for tenant in config.tenants if tenants is None else tenants:
-            if tenant.budget_tokens is not None and per_seq > tenant.budget_tokens:
+            if tenant.enforced_budget is not None and per_seq > tenant.enforced_budget:
                 out.append(
                     f"{_floor_text(pool, per_seq)}, more than tenant {tenant.name}'s budget_tokens "
                     f"({tenant.budget_tokens}): every request of {tenant.name} to pool {pool.name} "
