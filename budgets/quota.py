@@ -35,6 +35,9 @@ reserving (queue full, waited too long, cancelled) settles with nothing used.
 A quota with ``enforce = False`` (shadow mode) reserves and settles the same way but never refuses:
 :func:`reserve` reports it as *would refuse* and the gateway counts and logs that.
 
+An operator's *reset* forgets what a quota's buckets used; the reservations in them stay (their
+requests are running) and settle as usual.
+
 A request whose amount alone is larger than an enforced quota's limit can never be admitted in any
 window: :func:`reserve` reports it like any refusal, and ``retry_after_s`` is None for it.
 """
@@ -288,6 +291,16 @@ def expire(state: LedgerState, now: float) -> int:
     for rid in due:
         settle(state, rid, None)
     return len(due)
+
+
+def reset(state: LedgerState, key: str) -> int:
+    """Forget what the quota's windows used (an operator's reset); reservations of requests still
+    running stay, and settle as usual. Returns the use forgotten."""
+    cleared = 0
+    for cell in state.buckets.get(key, {}).values():
+        cleared += cell[0]
+        cell[0] = 0
+    return cleared
 
 
 def usage(state: LedgerState, key: str, oldest: int) -> tuple[int, int]:

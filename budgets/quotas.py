@@ -32,7 +32,8 @@ class QuotaLedger(Protocol):
       the reservation expired, or was lost with the store's data). ``actual``: per charge, the
       amount used; None settles at the amount reserved.
     - ``heartbeat`` keeps reservations alive; ``expire`` settles those not beaten within ``ttl_s``.
-    - ``usage`` reads (used, reserved) of quota windows, each given as (key, oldest bucket)."""
+    - ``usage`` reads (used, reserved) of quota windows, each given as (key, oldest bucket).
+    - ``reset`` forgets the use counted under each key (reservations stay); the total forgotten."""
 
     ttl_s: float
 
@@ -49,6 +50,8 @@ class QuotaLedger(Protocol):
     async def expire(self) -> int: ...
 
     async def usage(self, windows: Sequence[tuple[str, int]]) -> list[tuple[int, int]]: ...
+
+    async def reset(self, keys: Sequence[str]) -> int: ...
 
 
 class MemoryQuotas:
@@ -85,6 +88,9 @@ class MemoryQuotas:
 
     async def usage(self, windows: Sequence[tuple[str, int]]) -> list[tuple[int, int]]:
         return [quota.usage(self._state, key, oldest) for key, oldest in windows]
+
+    async def reset(self, keys: Sequence[str]) -> int:
+        return sum(quota.reset(self._state, key) for key in keys)
 
     def held(self) -> int:
         """Reservations not settled yet (tests and /stats)."""

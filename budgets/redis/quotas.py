@@ -116,6 +116,13 @@ class RedisQuotas:
             raise StoreUnavailable(f"quota store unreachable: {err}") from None
         return replies.quota_usage(reply)
 
+    async def reset(self, keys: Sequence[str]) -> int:
+        try:
+            reply = await self._transport.eval("quota_reset", list(keys))
+        except Down as err:
+            raise StoreUnavailable(f"quota store unreachable: {err}") from None
+        return int(reply)
+
     async def _expire_forever(self) -> None:
         while True:
             await asyncio.sleep(max(0.05, self.ttl_s / 4))

@@ -23,6 +23,7 @@ quota_reserve      ``OK, n, used_1..used_n, over...`` reserved | ``R, index, buc
 quota_settle       ``1`` settled | ``0`` not held
 quota_expire       ``[settled, more left 0/1]``
 quota_usage        ``used_1, reserved_1, used_2, ...``
+quota_reset        ``n``: the use forgotten
 wake-up            ``G<SEP>seq<SEP>granted_at<SEP>queued_s`` granted |
                    ``F<SEP>seq<SEP>kind<SEP>name<SEP>limit`` failed: a new layout can never grant it
 =================  ===========================================================================

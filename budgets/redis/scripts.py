@@ -60,6 +60,7 @@ ENTRY_SCRIPTS: dict[str, tuple[str, ...]] = {
     "quota_beat": ("quota", "quota_beat"),
     "quota_expire": ("quota", "quota_expire"),
     "quota_usage": ("quota", "quota_usage"),
+    "quota_reset": ("quota", "quota_reset"),
 }
 
 FUNCTIONS = "functions"

@@ -21,8 +21,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
+from budgets.quota import MICRO
 from budgets.types import BudgetStore, StoreUnavailable
-from gateway.admin.control import Control
+from gateway.admin.control import Control, write_audit
 from gateway.admin.openapi import document
 from gateway.admin.state import (
     KINDS,
@@ -125,6 +126,9 @@ class AdminApi:
             ("/admin/v1/tenants/{name}", self.update_tenant, "PATCH", Role.ADMIN),
             ("/admin/v1/tenants/{name}", self.delete_tenant, "DELETE", Role.ADMIN),
             ("/admin/v1/tenants/{name}/quotas", self.tenant_quotas, "GET", Role.READ),
+            ("/admin/v1/tenants/{name}/quotas/{quota}", self.put_quota, "PUT", Role.ADMIN),
+            ("/admin/v1/tenants/{name}/quotas/{quota}", self.delete_quota, "DELETE", Role.ADMIN),
+            ("/admin/v1/tenants/{name}/quotas/{quota}/reset", self.reset_quota, "POST", Role.ADMIN),
             ("/admin/v1/tenants/{name}/keys", self.list_keys, "GET", Role.READ),
             ("/admin/v1/tenants/{name}/keys", self.create_key, "POST", Role.ADMIN),
             ("/admin/v1/keys/{key_id}", self.revoke_key, "DELETE", Role.ADMIN),
@@ -242,15 +246,109 @@ class AdminApi:
         if gate is None or not tenant.quotas:
             return _json({"tenant": name, "quotas": []})
         try:
-            records = {r.digest: r for r in self.parts.control.state.keys.values()}
-            keys = {}
-            for d in self.parts.live.current.auth.key_ids(name):
-                r = records.get(d)
-                keys[d] = f"{r.id} ({r.prefix}…)" if r is not None else f"sha256:{d[:12]}…"
-            views = await quota_usage(gate.ledger, tenant.quotas, keys, time.time())
+            views = await quota_usage(gate.ledger, tenant.quotas, self._key_labels(name), time.time())
         except StoreUnavailable as exc:
             raise ApiError(503, exc.message, code="store_unavailable", retry_after_s=1.0) from None
         return _json({"tenant": name, "quotas": views})
+
+    def _quota_list(self, name: str) -> list[Any]:
+        current = (self._raw().get("tenants") or {}).get(name)
+        if not isinstance(current, Mapping):
+            raise ApiError(404, f"No tenant {show_value(name)}", code="tenant_not_found")
+        return [dict(q) if isinstance(q, Mapping) else q for q in current.get("quotas") or []]
+
+    async def _set_quotas(self, caller: Caller, action: str, name: str, quotas: list[Any]) -> None:
+        current = (self._raw().get("tenants") or {}).get(name) or {}
+        merged = {k: v for k, v in current.items() if k not in ("keys", "quotas")}
+        if quotas:
+            merged["quotas"] = quotas
+        await self.parts.control.change(
+            caller, action, f"tenants/{name}", lambda s: s.with_override("tenants", name, merged)
+        )
+
+    async def put_quota(self, request: Request, caller: Caller) -> Response:
+        """Add the quota by this name, or replace it (its use carries over while its window is
+        the same)."""
+        name, quota = request.path_params["name"], request.path_params["quota"]
+        body = await self._body(request)
+        if body.get("name", quota) != quota:
+            raise ApiError(
+                400,
+                f"The body names quota {show_value(body['name'])}, the path {show_value(quota)}",
+                param="name",
+            )
+        quotas = self._quota_list(name)
+        entry = {**body, "name": quota}
+        at = next((i for i, q in enumerate(quotas) if _quota_name(q) == quota), None)
+        if at is None:
+            quotas.append(entry)
+        else:
+            quotas[at] = entry
+        await self._set_quotas(caller, "quota.put", name, quotas)
+        return _json(self._tenant_view(name))
+
+    async def delete_quota(self, request: Request, caller: Caller) -> Response:
+        name, quota = request.path_params["name"], request.path_params["quota"]
+        quotas = self._quota_list(name)
+        kept = [q for q in quotas if _quota_name(q) != quota]
+        if len(kept) == len(quotas):
+            raise ApiError(
+                404, f"Tenant {show_value(name)} has no quota {show_value(quota)}", code="quota_not_found"
+            )
+        await self._set_quotas(caller, "quota.delete", name, kept)
+        return _json(self._tenant_view(name))
+
+    async def reset_quota(self, request: Request, caller: Caller) -> Response:
+        """Forget what the quota's window used, on every replica (the windows live in the store);
+        requests running keep their reservations. ``?key=<key id>``: one key's window of a ``per:
+        key`` quota (default: every key's)."""
+        name, quota = request.path_params["name"], request.path_params["quota"]
+        tenant = next((t for t in self.parts.live.current.config.tenants if t.name == name), None)
+        if tenant is None:
+            raise ApiError(404, f"No tenant {show_value(name)}", code="tenant_not_found")
+        spec = next((q for q in tenant.quotas if q.name == quota), None)
+        if spec is None:
+            raise ApiError(
+                404, f"Tenant {show_value(name)} has no quota {show_value(quota)}", code="quota_not_found"
+            )
+        gate = self.parts.quotas
+        assert gate is not None
+        keys = [""]
+        if spec.per_key:
+            labels = self._key_labels(name)
+            wanted = request.query_params.get("key")
+            if wanted is not None:
+                digest = wanted.removeprefix("sha256:").rstrip("…")
+                keys = [
+                    d
+                    for d, label in labels.items()
+                    if label.split(" ")[0] == wanted or (len(digest) >= 12 and d.startswith(digest))
+                ]
+                if not keys:
+                    raise ApiError(
+                        404,
+                        f"Tenant {show_value(name)} has no key {show_value(wanted)}",
+                        param="key",
+                        code="key_not_found",
+                    )
+            else:
+                keys = list(labels)
+        try:
+            cleared = await gate.ledger.reset([spec.key_for(k) for k in keys])
+        except StoreUnavailable as exc:
+            raise ApiError(503, exc.message, code="store_unavailable", retry_after_s=1.0) from None
+        shown = cleared / MICRO if spec.unit == "cost" else cleared
+        write_audit(caller, "quota.reset", f"tenants/{name}/quotas/{quota}", {"used": shown}, {"used": 0})
+        return _json({"tenant": name, "reset": quota, "forgotten": shown, "unit": spec.unit})
+
+    def _key_labels(self, name: str) -> dict[str, str]:
+        """The tenant's key ids (digests) -> how the operator knows them (never the key)."""
+        records = {r.digest: r for r in self.parts.control.state.keys.values()}
+        keys = {}
+        for d in self.parts.live.current.auth.key_ids(name):
+            r = records.get(d)
+            keys[d] = f"{r.id} ({r.prefix}…)" if r is not None else f"sha256:{d[:12]}…"
+        return keys
 
     async def create_tenant(self, request: Request, caller: Caller) -> Response:
         body = await self._body(request)
@@ -608,6 +706,16 @@ class AdminApi:
 
     async def openapi(self, request: Request, caller: Caller) -> Response:
         return _json(document())
+
+
+def _quota_name(q: object) -> object:
+    """A quota entry's name as the loader gives it (``<unit>-<window>`` when it has none)."""
+    if not isinstance(q, Mapping):
+        return None
+    if q.get("name") is not None:
+        return q["name"]
+    unit = next((u for u in ("tokens", "requests", "cost") if u in q), "tokens")
+    return f"{unit}-{'rolling-' if q.get('rolling') else ''}{q.get('window')}"
 
 
 def _tenant_section(body: Mapping[str, Any]) -> dict[str, Any]:

@@ -33,6 +33,8 @@ examples:
   tokengate admin tenants list
   tokengate admin tenants create newco --budget-tokens 20000 --tier batch
   tokengate admin keys create newco --name ci
+  tokengate admin quotas set newco daily --tokens 5000000 --window day
+  tokengate admin quotas show newco
   tokengate admin pools drain default --url http://10.0.0.7:8000
   tokengate admin --json state | jq .pools
 
@@ -177,6 +179,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = action(k, "rotate", "replace a key; the old one stays valid for --overlap-s")
     p.add_argument("id")
     p.add_argument("--overlap-s", type=float, help="seconds the old key keeps working (default 3600)")
+
+    q = group("quotas", "a tenant's quotas over time: their use now, set, delete, reset")
+    action(q, "show", "each quota's window now: used, reserved, remaining").add_argument("tenant")
+    p = action(q, "set", "add a quota, or replace the one by this name (its use carries over)")
+    p.add_argument("tenant")
+    p.add_argument("name")
+    limit = p.add_mutually_exclusive_group(required=True)
+    limit.add_argument("--tokens", type=int, help="tokens per window")
+    limit.add_argument("--requests", type=int, help="requests per window")
+    limit.add_argument("--cost", type=float, help="currency per window (models' prices)")
+    p.add_argument("--window", required=True, help="minute, hour, day, week, month, or <n>[smhd]")
+    p.add_argument("--rolling", action="store_true", help="the last --window at any moment")
+    p.add_argument("--timezone", help="IANA time zone of calendar windows (default UTC)")
+    p.add_argument("--reset", dest="reset_at", help="HH:MM local time day/week/month windows start")
+    p.add_argument("--models", type=_globs, help="model globs it counts, comma-separated (default: all)")
+    p.add_argument("--per", choices=["tenant", "key"], help="key: each API key a window of its own")
+    p.add_argument("--enforce", type=_switch, metavar="true|false", help="false: shadow mode")
+    p = action(q, "delete", "remove a quota")
+    p.add_argument("tenant")
+    p.add_argument("name")
+    p = action(
+        q, "reset", "forget what the quota's window used (every replica; running requests keep theirs)"
+    )
+    p.add_argument("tenant")
+    p.add_argument("name")
+    p.add_argument("--key", help="one key's window of a per-key quota (its id; default every key's)")
 
     pl = group("pools", "backend pools and their backends")
     action(pl, "list", "list pools and backends with their live load")
@@ -367,6 +395,41 @@ def _request(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None,
             )
         body = {} if args.overlap_s is None else {"overlap_s": args.overlap_s}
         return "POST", f"/keys/{kid}/rotate", body, None, lambda d: render.new_key(d, "Rotated: new")
+    if g == "quotas":
+        base = f"/tenants/{_segment(args.tenant)}/quotas"
+        if a == "show":
+            return "GET", base, None, None, render.quotas
+        name = _segment(args.name)
+        if a == "set":
+            body = _body(
+                args,
+                {
+                    "tokens": "tokens",
+                    "requests": "requests",
+                    "cost": "cost",
+                    "window": "window",
+                    "timezone": "timezone",
+                    "reset_at": "reset",
+                    "models": "models",
+                    "per": "per",
+                    "enforce": "enforce",
+                },
+            )
+            if args.rolling:
+                body["rolling"] = True
+            return "PUT", f"{base}/{name}", body, None, lambda d: "Set.\n" + render.tenant(d)
+        if a == "delete":
+            return "DELETE", f"{base}/{name}", None, None, lambda d: "Deleted.\n" + render.tenant(d)
+        query = {"key": args.key} if args.key else None
+        return (
+            "POST",
+            f"{base}/{name}/reset",
+            None,
+            query,
+            lambda d: (
+                f"Reset quota {d['reset']} of {d['tenant']}: {d['forgotten']:,} {d['unit']} of use forgotten."
+            ),
+        )
     if g == "pools":
         if a == "list":
             return "GET", "/pools", None, None, lambda d: render.pools(d["pools"])

@@ -129,7 +129,7 @@ class Control:
             config = self.effective(self.state, raw)  # raises ConfigError: nothing changes
             kept = await self._apply(config, key_expiries(self.state))
             self.file_raw = raw
-        _write(caller, "reload", path, None, None)
+        write_audit(caller, "reload", path, None, None)
         return kept
 
     async def _changed_elsewhere(self, state: AdminState) -> None:
@@ -148,7 +148,7 @@ class Control:
 
 
 def _audit(caller: Caller, action: str, target: str, before: AdminState, after: AdminState) -> None:
-    _write(caller, action, target, _view(before, target), _view(after, target))
+    write_audit(caller, action, target, _view(before, target), _view(after, target))
 
 
 def _view(state: AdminState, target: str) -> Any:
@@ -162,7 +162,7 @@ def _view(state: AdminState, target: str) -> Any:
     return redacted(state.overrides[kind][name])
 
 
-def _write(caller: Caller | None, action: str, target: str, before: Any, after: Any) -> None:
+def write_audit(caller: Caller | None, action: str, target: str, before: Any, after: Any) -> None:
     """One audit line: the fields are keys of the JSON line (``gateway.process.logs``), or ``key=value`` in text.
 
     ``before`` and ``after`` go through JSON once here, so the line shows exactly what a JSON dump of

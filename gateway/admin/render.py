@@ -93,6 +93,28 @@ def tenant(t: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def quotas(d: Mapping[str, Any]) -> str:
+    rows = []
+    for q in d.get("quotas") or []:
+        window = f"{'rolling ' if q.get('rolling') else ''}{q.get('window')}"
+        rows.append(
+            [
+                q.get("name"),
+                q.get("key") or "",
+                q.get("unit"),
+                window,
+                q.get("used"),
+                q.get("reserved"),
+                q.get("remaining"),
+                q.get("limit"),
+                "yes" if q.get("enforce", True) else "shadow",
+                when(q.get("window_end")) if not q.get("rolling") else "",
+            ]
+        )
+    head = ["QUOTA", "KEY", "UNIT", "WINDOW", "USED", "RESERVED", "REMAINING", "LIMIT", "ENFORCED", "RESETS"]
+    return f"tenant {d.get('tenant')}\n" + table(head, rows, empty="(no quotas)")
+
+
 # ---- keys ----
 
 

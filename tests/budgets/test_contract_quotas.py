@@ -150,6 +150,21 @@ async def test_an_abandoned_reservation_expires_at_its_amount(
     assert await ledger.usage([(q.key, q.window.oldest(NOW))]) == [(35, 0)]
 
 
+async def test_a_reset_forgets_the_use_and_keeps_running_reservations(ledger_factory: LedgerFactory) -> None:
+    ledger = await ledger_factory()
+    q, other = tokens(100), tokens(100, name="other")
+    await ledger.reserve("r1", [q.charge(70, NOW), other.charge(70, NOW)])
+    await ledger.settle("r1", [70, 70])
+    await ledger.reserve("r2", [q.charge(20, NOW)])  # still running
+    assert await ledger.reset([q.key]) == 70
+    windows = [(q.key, q.window.oldest(NOW)), (other.key, other.window.oldest(NOW))]
+    assert await ledger.usage(windows) == [(0, 20), (70, 0)]  # the other quota keeps its use
+    assert isinstance(await ledger.reserve("r3", [q.charge(80, NOW)]), Reserved)
+    assert await ledger.settle("r2", [15]) is True  # settles as usual after the reset
+    assert await ledger.usage(windows[:1]) == [(15, 80)]
+    assert await ledger.reset(["never-used"]) == 0
+
+
 async def test_unknown_reservations_settle_nothing(ledger_factory: LedgerFactory) -> None:
     ledger = await ledger_factory()
     assert await ledger.settle("never", [10]) is False

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
@@ -19,6 +20,7 @@ from gateway import cli
 from gateway.admin.cli import URL_ENV
 from gateway.admin.tokens import ADMIN_ENV, METRICS_ENV, READONLY_ENV
 from tests.conftest import GatewayFactory, RunningGateway, StubBackend, free_port, serve_asgi, stub_pools
+from tests.gateway.gw_support import chat
 from tests.gateway.gw_support import use_status as use
 
 ADMIN_TOKEN = "admin-secret"
@@ -375,3 +377,66 @@ async def test_state_of_one_budget_domain_and_of_all_merged(
         assert r.code != 0 and "No budget domain 'us'; this gateway's domains: default, eu" in r.err
     finally:
         await eu.stop()
+
+
+async def test_quota_commands_set_show_reset_and_delete_live(gw: RunningGateway, admin: Any) -> None:
+    g = gateway_args(gw)
+    r = await admin(*g, "quotas", "set", "acme", "daily", "--tokens", "30", "--window", "day")
+    assert r.code == 0, r.err
+    assert (await admin(*g, "--json", "tenants", "get", "acme")).json()["quotas"] == [
+        {"name": "daily", "tokens": 30, "window": "day"}
+    ]
+    r = await admin(
+        *g, "quotas", "set", "acme", "hourly", "--requests", "100", "--window", "hour", "--enforce", "false"
+    )
+    assert r.code == 0, r.err
+    key = {"authorization": "Bearer sk-acme-0123456789", "x-stub-chunks": "3"}
+    async with httpx.AsyncClient(base_url=gw.url) as c:
+        body = chat(max_tokens=5)
+        assert (await c.post("/v1/chat/completions", json=body, headers=key)).status_code == 200
+        assert (await c.post("/v1/chat/completions", json=body, headers=key)).status_code == 200
+        assert (
+            await c.post("/v1/chat/completions", json=body, headers=key)
+        ).status_code == 429  # 28 of 30 used
+
+        shown = await admin(*g, "quotas", "show", "acme")
+        assert shown.code == 0, shown.err
+        lines = {ln.split()[0]: ln.split() for ln in shown.out.splitlines()[3:]}
+        assert lines["daily"][1:6] == ["tokens", "day", "28", "0", "2"] and lines["hourly"][-3] == "shadow"
+
+        r = await admin(*g, "quotas", "reset", "acme", "daily")
+        assert r.code == 0 and "28 tokens of use forgotten" in r.out, r.out + r.err
+        assert (await c.post("/v1/chat/completions", json=body, headers=key)).status_code == 200
+
+    used = (await admin(*g, "--json", "quotas", "show", "acme")).json()["quotas"]
+    assert [(q["name"], q["used"]) for q in used] == [("daily", 14), ("hourly", 3)]  # reset: daily only
+    r = await admin(*g, "quotas", "set", "acme", "daily", "--tokens", "1000", "--window", "day")
+    assert r.code == 0
+    assert (await admin(*g, "--json", "quotas", "show", "acme")).json()["quotas"][0]["used"] == 14  # kept
+    r = await admin(*g, "quotas", "set", "acme", "weekly", "--tokens", "10", "--window", "fortnight")
+    assert r.code == 1 and "tenants.acme.quotas[2].window" in r.err
+    r = await admin(*g, "quotas", "reset", "acme", "monthly")
+    assert r.code == 1 and "has no quota 'monthly'" in r.err
+    r = await admin(*g, "quotas", "delete", "acme", "hourly")
+    assert r.code == 0
+    assert [q["name"] for q in (await admin(*g, "--json", "tenants", "get", "acme")).json()["quotas"]] == [
+        "daily"
+    ]
+    r = await admin(*g, "--token", READ_TOKEN, "quotas", "reset", "acme", "daily")
+    assert r.code == 1 and "needs an admin token" in r.err
+
+
+async def test_shadow_mode_flags_for_budgets_and_ceilings(gw: RunningGateway, admin: Any) -> None:
+    g = gateway_args(gw)
+    r = await admin(*g, "tenants", "update", "acme", "--budget-enforce", "false")
+    assert r.code == 0 and "shadow mode" in r.out, r.err
+    assert await capacity(gw, "tenant:acme") == 100_000  # the pool holds it to the backends only
+    r = await admin(
+        *g, "tiers", "set", "batch", "--rank", "2", "--ceiling", "0.5", "--ceiling-enforce", "false"
+    )
+    assert r.code == 0, r.err
+    assert "0.5 (shadow)" in r.out
+    r = await admin(*g, "tenants", "update", "acme", "--budget-enforce", "maybe")
+    assert r.code == 2 and "expected true or false" in r.err
+    r = await admin(*g, "tenants", "update", "acme", "--budget-enforce", "true")
+    assert r.code == 0 and await capacity(gw, "tenant:acme") == 1000

@@ -319,3 +319,19 @@ async def test_per_key_quotas_give_each_key_its_own_window(
         view = (await c.get("/admin/v1/tenants/acme/quotas")).json()["quotas"]
     assert sorted((row["name"], row["used"]) for row in view) == [("trial", 1), ("trial", 1)]
     assert all(row["key"].startswith("sha256:") and KEY not in row["key"] for row in view)
+    # a reset of one key's window (by the id the view shows) leaves the other's
+    first = next(row["key"] for row in view)
+    async with httpx.AsyncClient(base_url=gw.ops_url, headers={"authorization": f"Bearer {ADMIN}"}) as c:
+        r = await c.post("/admin/v1/tenants/acme/quotas/trial/reset", params={"key": first})
+        assert r.status_code == 200 and r.json() == {
+            "tenant": "acme",
+            "reset": "trial",
+            "forgotten": 1,
+            "unit": "requests",
+        }
+        view = (await c.get("/admin/v1/tenants/acme/quotas")).json()["quotas"]
+        assert sorted((row["key"] == first, row["used"]) for row in view) == [(False, 1), (True, 0)]
+        unknown = await c.post("/admin/v1/tenants/acme/quotas/trial/reset", params={"key": "key-nope"})
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "key_not_found"
+        r = await c.post("/admin/v1/tenants/acme/quotas/trial/reset")  # every key's
+        assert r.status_code == 200 and r.json()["forgotten"] == 1
