@@ -43,6 +43,30 @@ _NULLABLE_INT = {"type": ["integer", "null"], "minimum": 0}
 
 
 def document() -> dict[str, Any]:
+    quota_item: dict[str, Any] = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "tokens": {"type": "integer", "minimum": 1},
+            "requests": {"type": "integer", "minimum": 1},
+            "cost": {"type": "number", "exclusiveMinimum": 0, "description": "currency units"},
+            "window": {"type": "string", "description": "minute|hour|day|week|month or <n>[smhd]"},
+            "rolling": {"type": "boolean"},
+            "timezone": {"type": "string"},
+            "reset": {"type": "string", "description": "HH:MM local time (day/week/month)"},
+            "models": {"type": "array", "items": {"type": "string"}},
+            "per": {"type": "string", "enum": ["tenant", "key"]},
+            "enforce": {"type": "boolean", "description": "false: shadow mode, never refuses"},
+        },
+        "required": ["window"],
+    }
+    _quota = {
+        "name": "quota",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string"},
+        "description": "the quota's name",
+    }
     tenant_fields: dict[str, Any] = {
         "budget_tokens": {
             **_NULLABLE_INT,
@@ -67,23 +91,7 @@ def document() -> dict[str, Any]:
         "quotas": {
             "type": "array",
             "description": "token and cost quotas over time (docs/quotas.md); replaced as a whole",
-            "items": {
-                "type": "object",
-                "properties": {
-                    "name": {"type": "string"},
-                    "tokens": {"type": "integer", "minimum": 1},
-                    "requests": {"type": "integer", "minimum": 1},
-                    "cost": {"type": "number", "exclusiveMinimum": 0, "description": "currency units"},
-                    "window": {"type": "string", "description": "minute|hour|day|week|month or <n>[smhd]"},
-                    "rolling": {"type": "boolean"},
-                    "timezone": {"type": "string"},
-                    "reset": {"type": "string", "description": "HH:MM local time (day/week/month)"},
-                    "models": {"type": "array", "items": {"type": "string"}},
-                    "per": {"type": "string", "enum": ["tenant", "key"]},
-                    "enforce": {"type": "boolean", "description": "false: shadow mode, never refuses"},
-                },
-                "required": ["window"],
-            },
+            "items": quota_item,
         },
     }
     backend: dict[str, Any] = {
@@ -273,6 +281,42 @@ def document() -> dict[str, Any]:
             "get": {
                 "summary": "A tenant's quotas: each window now, used, reserved and remaining",
                 "responses": _ok({"type": "object"}),
+            },
+        },
+        "/admin/v1/tenants/{name}/quotas/{quota}": {
+            "parameters": [_name("tenant"), _quota],
+            "put": {
+                "summary": "Add the quota by this name or replace it (its use carries over while its window is the same)",
+                "requestBody": _body(quota_item),
+                "responses": _ok(_ref("Tenant")),
+            },
+            "delete": {"summary": "Remove the quota", "responses": _ok(_ref("Tenant"))},
+        },
+        "/admin/v1/tenants/{name}/quotas/{quota}/reset": {
+            "parameters": [
+                _name("tenant"),
+                _quota,
+                {
+                    "name": "key",
+                    "in": "query",
+                    "required": False,
+                    "schema": {"type": "string"},
+                    "description": "a per-key quota: the key id whose window to reset (default: every key's)",
+                },
+            ],
+            "post": {
+                "summary": "Forget what the quota's window used, on every replica (running requests keep their reservations)",
+                "responses": _ok(
+                    {
+                        "type": "object",
+                        "properties": {
+                            "tenant": {"type": "string"},
+                            "reset": {"type": "string"},
+                            "forgotten": {"type": "number"},
+                            "unit": {"type": "string"},
+                        },
+                    }
+                ),
             },
         },
         "/admin/v1/tenants/{name}/keys": {
