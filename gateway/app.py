@@ -35,7 +35,7 @@ from gateway.admin.api import AdminApi, AdminParts
 from gateway.admin.control import ConfigSource, Control, state_store_for
 from gateway.admin.tokens import Role, load_tokens
 from gateway.config.schema import GatewayConfig, TenantConfig
-from gateway.config.stores import build_store, quota_ledger
+from gateway.config.stores import build_store, quota_ledger, usage_log
 from gateway.live import LiveParts, build_live
 from gateway.observe import Observer, ReservationSources, ScrapeTarget, StatsSources, observe_routes
 from gateway.observe.accesslog import Record
@@ -44,6 +44,7 @@ from gateway.observe.quota_use import QuotaUse
 from gateway.observe.stats import BackendHealth, config_view
 from gateway.observe.tracing import Tracer
 from gateway.request.auth import visible_models
+from gateway.request.billing import UsageRecorder
 from gateway.request.errors import ApiError, error_body, show_value
 from gateway.request.exchange import CancelReason, Exchange, Phase, Receive, RouteKind, Scope, Send
 from gateway.request.leases import LeaseKeeper
@@ -92,6 +93,7 @@ def _header(scope: Scope, name: bytes) -> str | None:
 # Sections that shape the process itself: a reload keeps their running values until a restart.
 RESTART_ONLY = (
     "listen",
+    "usage_log",
     "tracing",
     "workers",
     "store",
@@ -156,6 +158,12 @@ class Gateway:
             self.quotas.ledger, lambda: self.live.current.tenants, label=self.metrics.tenant_label
         )
         self.metrics.registry.register(self.quota_use)
+        u = config.usage_log
+        self.billing = (
+            UsageRecorder(usage_log(self.store), keep_s=u.keep_days * 86_400, flush_s=u.flush_s)
+            if u.enabled
+            else None
+        )
         h = config.health
         self.health = HealthChecker(
             list(self.router.backends),
@@ -222,7 +230,14 @@ class Gateway:
         self.control = Control(self.apply, self.source, state_store_for(config), raw)
         self.admin_api = AdminApi(
             AdminParts(
-                self.control, self.tokens, self.live, self.router, self.store, self.exchanges, self.quotas
+                self.control,
+                self.tokens,
+                self.live,
+                self.router,
+                self.store,
+                self.exchanges,
+                self.quotas,
+                self.billing,
             )
         )
         self.request_hooks.append(self.admin_api.recent)
@@ -328,6 +343,8 @@ class Gateway:
         await self.store.start()
         await self.quotas.start()
         self.quota_use.start()
+        if self.billing is not None:
+            self.billing.start()
         await self.control.start()
         self.keeper.start()
         await self.health.start()
@@ -351,6 +368,7 @@ class Gateway:
             tracer=self.tracer,
             quotas=self.quotas,
             shadow=self.shadow,
+            billing=self.billing,
         )
         self._proxy = Proxy(parts, self.live, self.session)
 
@@ -364,6 +382,8 @@ class Gateway:
         if leaked:
             log.warning("released %d leases still held at shutdown", leaked)
         await self.quota_use.close()
+        if self.billing is not None:
+            await self.billing.close()
         await self.quotas.close()
         await self.health.close()
         await self.observer.close()

@@ -24,6 +24,8 @@ quota_settle       ``1`` settled | ``0`` not held
 quota_expire       ``[settled, more left 0/1]``
 quota_usage        ``used_1, reserved_1, used_2, ...``
 quota_reset        ``n``: the use forgotten
+usage_add          ``n``: the fields added to
+usage_read         per hour with counts: ``hour, n, field_1, value_1, ...``
 wake-up            ``G<SEP>seq<SEP>granted_at<SEP>queued_s`` granted |
                    ``F<SEP>seq<SEP>kind<SEP>name<SEP>limit`` failed: a new layout can never grant it
 =================  ===========================================================================
@@ -246,6 +248,23 @@ def quota_expire(reply: Sequence[Any]) -> tuple[int, bool]:
     """(reservations settled, more left)."""
     settled, more = reply
     return int(settled), bool(int(more))
+
+
+def usage_read(reply: Sequence[Any]) -> list[tuple[int, list[tuple[str, int]]]]:
+    """Per hour: its (field, count) pairs."""
+    out: list[tuple[int, list[tuple[str, int]]]] = []
+    i = 0
+    while i < len(reply):
+        hour, n = int(reply[i]), int(reply[i + 1])
+        flat = reply[i + 2 : i + 2 + 2 * n]
+        fields = [(_text(f), int(v)) for f, v in zip(flat[::2], flat[1::2], strict=True)]
+        out.append((hour, fields))
+        i += 2 + 2 * n
+    return out
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def quota_usage(reply: Sequence[Any]) -> list[tuple[int, int]]:

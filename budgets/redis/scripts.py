@@ -61,6 +61,8 @@ ENTRY_SCRIPTS: dict[str, tuple[str, ...]] = {
     "quota_expire": ("quota", "quota_expire"),
     "quota_usage": ("quota", "quota_usage"),
     "quota_reset": ("quota", "quota_reset"),
+    "usage_add": ("usage_add",),
+    "usage_read": ("usage_read",),
 }
 
 FUNCTIONS = "functions"

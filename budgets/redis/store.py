@@ -52,6 +52,7 @@ from budgets.redis.replies import Granted, Invalid, Outcome, Queued, QueueIsFull
 from budgets.redis.settle import SettleGate
 from budgets.redis.snapshot import held_snapshot, read_snapshot
 from budgets.redis.transport import Down, Transport
+from budgets.redis.usage_log import RedisUsageLog
 from budgets.types import (
     BudgetLayout,
     Demand,
@@ -163,6 +164,10 @@ class RedisStore:
             fail_open=self._opts.fail_mode == "open",
             replicas=self._opts.replicas,
         )
+
+    def usage_log(self) -> RedisUsageLog:
+        """Usage for billing in this store's Redis (budgets/redis/usage_log.py)."""
+        return RedisUsageLog(self._transport)
 
     @property
     def replica_id(self) -> str:

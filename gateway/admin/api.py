@@ -37,11 +37,13 @@ from gateway.admin.state import (
     redacted,
 )
 from gateway.admin.tokens import AdminTokens, Caller, Role
+from gateway.admin.usage_export import as_csv, export
 from gateway.config.fields import ConfigError
 from gateway.config.quotas import quota_section
 from gateway.config.schema import DEFAULT_TIERS, TENANT_KEYS
 from gateway.live import LiveParts
 from gateway.observe.accesslog import Record
+from gateway.request.billing import UsageRecorder
 from gateway.request.errors import ApiError, show_value
 from gateway.request.quotas import QuotaGate, quota_usage
 from gateway.upstream.pools import Router
@@ -105,6 +107,7 @@ class AdminParts:
     store: BudgetStore
     exchanges: Collection[object]  # the requests in the gateway now (counted in the live state)
     quotas: QuotaGate | None = None  # the tenants' quota windows (usage reads)
+    billing: UsageRecorder | None = None  # usage kept for billing (exports); None: usage_log off
 
 
 class AdminApi:
@@ -142,6 +145,7 @@ class AdminApi:
             ("/admin/v1/tiers", self.list_tiers, "GET", Role.READ),
             ("/admin/v1/tiers/{name}", self.put_tier, "PUT", Role.ADMIN),
             ("/admin/v1/tiers/{name}", self.delete_tier, "DELETE", Role.ADMIN),
+            ("/admin/v1/usage", self.usage, "GET", Role.READ),
             ("/admin/v1/state", self.live_state, "GET", Role.READ),
             ("/admin/v1/overrides", self.list_overrides, "GET", Role.READ),
             ("/admin/v1/overrides/{kind}/{name}", self.reset_override, "DELETE", Role.ADMIN),
@@ -624,6 +628,33 @@ class AdminApi:
             lambda s: self._with_default_tiers(s).with_override("tiers", name, None),
         )
         return await self.list_tiers(request, caller)
+
+    # ---- usage for billing ----
+
+    async def usage(self, request: Request, caller: Caller) -> Response:
+        """Usage per period, tenant, key and model over ``from``..``to`` (gateway/admin/usage_export.py)."""
+        billing = self.parts.billing
+        if billing is None:
+            raise ApiError(
+                404,
+                "Usage is not kept: usage_log.enabled is false in the gateway's config",
+                code="usage_log_off",
+            )
+        labels: dict[str, dict[str, str]] = {}
+
+        def key_label(tenant: str, key: str) -> str:
+            if tenant not in labels:
+                labels[tenant] = self._key_labels(tenant)
+            return labels[tenant].get(key) or f"sha256:{key[:12]}…"
+
+        try:
+            await billing.flush()  # this replica's last second too
+            data, fmt = await export(billing.log, request.query_params, key_label)
+        except StoreUnavailable as exc:
+            raise ApiError(503, exc.message, code="store_unavailable", retry_after_s=1.0) from None
+        if fmt == "csv":
+            return Response(as_csv(data), media_type="text/csv; charset=utf-8")
+        return _json(data)
 
     # ---- live state, overrides, reload ----
 

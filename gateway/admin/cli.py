@@ -23,6 +23,7 @@ import orjson
 
 from gateway.admin import render
 from gateway.admin.tokens import ADMIN_ENV, READONLY_ENV
+from gateway.admin.usage_export import as_csv
 
 URL_ENV = "TOKENGATE_ADMIN_URL"
 DEFAULT_URL = "http://127.0.0.1:9091"  # the ops listener (ops.host:ops.port)
@@ -35,6 +36,7 @@ examples:
   tokengate admin keys create newco --name ci
   tokengate admin quotas set newco daily --tokens 5000000 --window day
   tokengate admin quotas show newco
+  tokengate admin usage --from 2026-11-01 --to 2026-12-01 --by month --csv > november.csv
   tokengate admin pools drain default --url http://10.0.0.7:8000
   tokengate admin --json state | jq .pools
 
@@ -205,6 +207,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("tenant")
     p.add_argument("name")
     p.add_argument("--key", help="one key's window of a per-key quota (its id; default every key's)")
+
+    p = groups.add_parser(
+        "usage",
+        help="usage for billing over a time range, per tenant, key and model (table, --csv or --json)",
+        description="Usage for billing: requests, tokens and cost per period, tenant, key and model.",
+    )
+    _add_common(p)
+    p.add_argument(
+        "--from", dest="since", help="ISO date/time or epoch seconds (default: this month's start, UTC)"
+    )
+    p.add_argument("--to", dest="until", help="ISO date/time or epoch seconds, exclusive (default: now)")
+    p.add_argument("--tenant", help="one tenant's usage")
+    p.add_argument(
+        "--by", choices=["hour", "day", "month"], default="day", help="period of a row (default day)"
+    )
+    p.add_argument("--csv", action="store_true", help="print CSV (a header and a line per row)")
 
     pl = group("pools", "backend pools and their backends")
     action(pl, "list", "list pools and backends with their live load")
@@ -467,6 +485,12 @@ def _request(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None,
             }
             return "PUT", f"/tiers/{name}", body, None, lambda d: render.tiers(d["tiers"])
         return "DELETE", f"/tiers/{name}", None, None, lambda d: render.tiers(d["tiers"])
+    if g == "usage":
+        query = {"by": args.by}
+        for flag, name in (("since", "from"), ("until", "to"), ("tenant", "tenant")):
+            if getattr(args, flag, None):
+                query[name] = getattr(args, flag)
+        return "GET", "/usage", None, query, (lambda d: as_csv(d).rstrip("\n")) if args.csv else render.usage
     if g == "state":
         query = {"domain": args.domain} if getattr(args, "domain", None) else None
         return "GET", "/state", None, query, render.state

@@ -319,6 +319,58 @@ def document() -> dict[str, Any]:
                 ),
             },
         },
+        "/admin/v1/usage": {
+            "get": {
+                "summary": "Usage for billing over a time range: requests, prompt/cached/completion tokens and cost "
+                "per period, tenant, key and model",
+                "parameters": [
+                    {
+                        "name": "from",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "string"},
+                        "description": "ISO 8601 date/time or epoch seconds (default: this month's start, UTC); rounded down to the hour",
+                    },
+                    {
+                        "name": "to",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "string"},
+                        "description": "exclusive end, as from (default: now)",
+                    },
+                    {
+                        "name": "tenant",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "string"},
+                        "description": "one tenant's rows",
+                    },
+                    {
+                        "name": "by",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "string", "enum": ["hour", "day", "month"]},
+                        "description": "period of a row (default day, UTC)",
+                    },
+                    {
+                        "name": "format",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "string", "enum": ["json", "csv"]},
+                        "description": "json (default) or csv",
+                    },
+                ],
+                "responses": {
+                    "200": {
+                        "description": "OK",
+                        "content": {
+                            "application/json": {"schema": {"type": "object"}},
+                            "text/csv": {"schema": {"type": "string"}},
+                        },
+                    }
+                },
+            },
+        },
         "/admin/v1/tenants/{name}/keys": {
             "parameters": [_name("tenant")],
             "get": {

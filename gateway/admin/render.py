@@ -115,6 +115,43 @@ def quotas(d: Mapping[str, Any]) -> str:
     return f"tenant {d.get('tenant')}\n" + table(head, rows, empty="(no quotas)")
 
 
+def usage(d: Mapping[str, Any]) -> str:
+    rows = [
+        [
+            r["start"],
+            r["tenant"],
+            r["key"] or "-",
+            r["model"] or "-",
+            r["requests"],
+            r["prompt_tokens"],
+            r["cached_tokens"],
+            r["completion_tokens"],
+            f"{r['cost']:.4f}",
+            r["estimated_requests"],
+        ]
+        for r in d.get("rows") or []
+    ]
+    head = [
+        "START",
+        "TENANT",
+        "KEY",
+        "MODEL",
+        "REQUESTS",
+        "PROMPT",
+        "CACHED",
+        "COMPLETION",
+        "COST",
+        "ESTIMATED",
+    ]
+    t = d.get("totals") or {}
+    return (
+        f"usage by {d.get('by')} from {d.get('from')} to {d.get('to')}\n"
+        + table(head, rows, empty="(no usage in this range)")
+        + f"\ntotal: {t.get('requests', 0):,} requests, {t.get('prompt_tokens', 0):,} prompt + "
+        f"{t.get('completion_tokens', 0):,} completion tokens, cost {t.get('cost', 0):.4f}"
+    )
+
+
 # ---- keys ----
 
 

@@ -70,6 +70,7 @@ from gateway.config.schema import (
     TierConfig,
     TimeoutsConfig,
     UpstreamConfig,
+    UsageLogConfig,
 )
 from gateway.observe.settings import ObserveConfigError, ObserveSettings
 from gateway.observe.tracing import PROTOCOLS, Protocol, TracingSettings, otel_available
@@ -175,6 +176,7 @@ def parse_config(data: Any) -> GatewayConfig:
         tiers=tiers,
         fairness=_fairness(root.get("fairness")),
         leases=_leases(root.get("leases")),
+        usage_log=_usage_log(root.get("usage_log")),
         # Without pools, the embedded backends' pools are the ones a class may name.
         classes=parse_classes(root.get("classes"), {p.name for p in pools} or set(embedded.pool_names)),
         pools=pools,
@@ -236,6 +238,7 @@ _TOP_KEYS = (
     "tiers",
     "fairness",
     "leases",
+    "usage_log",
     "classes",
     "pools",
     "models",
@@ -317,6 +320,18 @@ def _fairness(v: Any) -> FairnessConfig:
         ),
         max_defer_s=number(m, "max_defer_s", "fairness", base.max_defer_s, minimum=0.0),
         defer_s_per_token=number(m, "defer_s_per_token", "fairness", base.defer_s_per_token, minimum=0.0),
+    )
+
+
+def _usage_log(v: Any) -> UsageLogConfig:
+    m = section(v, "usage_log", ("enabled", "keep_days", "flush_s"))
+    flush = number(m, "flush_s", "usage_log", 1.0, minimum=0.0)
+    if not 0.0 < flush <= 60.0:
+        raise ConfigError(f"usage_log.flush_s: expected a number of seconds in (0, 60], got {show(flush)}")
+    return UsageLogConfig(
+        enabled=boolean(m, "enabled", "usage_log", True),
+        keep_days=integer(m, "keep_days", "usage_log", 35, minimum=1),
+        flush_s=flush,
     )
 
 

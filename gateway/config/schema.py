@@ -92,6 +92,15 @@ class LeasesConfig:
     ttl_s: float = 10.0
 
 
+@dataclass(frozen=True, slots=True)
+class UsageLogConfig:
+    """Usage kept for billing (gateway/request/billing.py): per hour, tenant, key and model."""
+
+    enabled: bool = True
+    keep_days: int = 35  # how long an hour's rows are kept after its last request
+    flush_s: float = 1.0  # how often a replica adds what it counted to the store
+
+
 # The backend-side shapes are defined with the routing code (gateway.upstream.pools) and used
 # directly as the config sections.
 TimeoutsConfig = Timeouts
@@ -293,6 +302,7 @@ class GatewayConfig:
     tiers: tuple[TierConfig, ...] = DEFAULT_TIERS
     fairness: FairnessConfig = FairnessConfig()
     leases: LeasesConfig = LeasesConfig()
+    usage_log: UsageLogConfig = UsageLogConfig()
     classes: tuple[ClassRule, ...] = ()  # first match wins (gateway.config.class_rules)
     pools: tuple[PoolConfig, ...] = ()
     models: tuple[ModelConfig, ...] = ()

@@ -38,6 +38,7 @@ from budgets.redis import RedisOptions, RedisStore
 from budgets.redis.cluster import is_cluster_url, parse_cluster_url
 from budgets.redis.sentinel import is_sentinel_url, parse_sentinel_url
 from budgets.types import BudgetLayout, BudgetStore
+from budgets.usage_log import MemoryUsageLog, UsageLog
 from gateway.config.fields import (
     ConfigError,
     choice,
@@ -224,6 +225,15 @@ def quota_ledger(store: BudgetStore, ttl_s: float) -> QuotaLedger:
     return MemoryQuotas(ttl_s)
 
 
+def usage_log(store: BudgetStore) -> UsageLog:
+    """Where usage for billing is kept: beside the quota windows."""
+    if isinstance(store, DomainStore):
+        store = store.stores[DEFAULT_DOMAIN]
+    if isinstance(store, RedisStore):
+        return store.usage_log()
+    return MemoryUsageLog()
+
+
 def _one_store(
     kind: str, redis: RedisOptions | None, layout: BudgetLayout, clock: Callable[[], float] | None
 ) -> BudgetStore:
@@ -232,4 +242,12 @@ def _one_store(
     return MemoryStore(layout, clock=clock) if clock is not None else MemoryStore(layout)
 
 
-__all__ = ["KINDS", "build_store", "check_domain_pools", "is_shared", "parse_store", "quota_ledger"]
+__all__ = [
+    "KINDS",
+    "build_store",
+    "check_domain_pools",
+    "is_shared",
+    "parse_store",
+    "quota_ledger",
+    "usage_log",
+]

@@ -25,6 +25,7 @@ import aiohttp
 import orjson
 from yarl import URL
 
+from budgets.quota import cost_micros
 from budgets.types import AdmissionError, Demand, NeverFits, backend_pool, class_pool, tenant_pool
 from classifiers import Cost, InvalidRequest
 from classifiers.pricing import MAX_JSON_DEPTH
@@ -35,6 +36,7 @@ from gateway.observe.tracing import Tracer
 from gateway.process.signals import RequestSignals, request_signals
 from gateway.request import server_tools, slots, usage
 from gateway.request.auth import bearer_key, may_use, visible_models
+from gateway.request.billing import UsageRecorder
 from gateway.request.cache_salt import tenant_cache_salt
 from gateway.request.errors import AnswerCut, ApiError, from_admission, show_value
 from gateway.request.exchange import CancelReason, Exchange, Phase, Placement, Receive, RouteKind, Scope, Send
@@ -233,10 +235,25 @@ class ProxyParts:
     tracer: Tracer | None = None  # None: tracing off, and the request path reads no trace header
     quotas: QuotaGate | None = None  # None: no tenant has a quota, and the request path never asks
     shadow: ShadowLimits | None = None  # in-flight limits in shadow mode (watched, never enforced)
+    billing: UsageRecorder | None = None  # None: no usage kept for billing (usage_log.enabled false)
 
 
 # Read (and replaced by ours) while tracing is on; forwarded as they came while it is off.
 _TRACE_HEADERS = frozenset({b"traceparent", b"tracestate"})
+
+
+def _used(x: Exchange) -> Usage | None:
+    """What a request used, as its quotas and the usage log count it: nothing when it never ran,
+    None when it ran and its use is unknown, else the engine's usage."""
+    rec = x.record
+    if not rec.granted:
+        return NOT_RUN
+    if x.completion_tokens is None:
+        return None  # unknown: what it reserved is charged
+    prompt = rec.prompt_tokens
+    if prompt is None:  # no usage: the priced prompt, unless nothing reached an engine
+        prompt = 0 if x.completion_tokens == 0 and not x.started else rec.prefill
+    return Usage(prompt, rec.cached_tokens or 0, x.completion_tokens)
 
 
 class _CountFirst(Exception):
@@ -267,6 +284,7 @@ class Proxy:
         self.tracer = parts.tracer
         self.quotas = parts.quotas
         self.shadow = parts.shadow
+        self.billing = parts.billing
         self._drop = REQUEST_DROP if parts.tracer is None else REQUEST_DROP | _TRACE_HEADERS
         self._demand_pools: dict[tuple[str, str, str | None], tuple[str, ...]] = {}
         self._urls: dict[tuple[int, bytes], URL] = {}
@@ -843,17 +861,7 @@ class Proxy:
         """Exactly once per reservation: what the request used (nothing, if it never ran)."""
         hold, x.quota = x.quota, None
         assert hold is not None and self.quotas is not None
-        rec = x.record
-        used: Usage | None
-        if not rec.granted:
-            used = NOT_RUN
-        elif x.completion_tokens is None:
-            used = None  # unknown: what it reserved is charged
-        else:
-            prompt = rec.prompt_tokens
-            if prompt is None:  # no usage: the priced prompt, unless nothing reached an engine
-                prompt = 0 if x.completion_tokens == 0 and not x.started else rec.prefill
-            used = Usage(prompt, rec.cached_tokens or 0, x.completion_tokens)
+        used = _used(x)
         await self.quotas.settle(hold, used)
 
     async def admit(self, x: Exchange) -> None:
@@ -1181,12 +1189,31 @@ class Proxy:
                 await correction
         self.keeper.discard(lease.id)
         await self.store.release(lease.id, x.completion_tokens)
+        if self.billing is not None:
+            self._bill(x)
         if x.shadow is not None:
             hold, x.shadow = x.shadow, None
             assert self.shadow is not None
             await self.shadow.release(hold)
         if x.reserved is not None:
             self.reservations.observe(x.reserved, x.record.completion_tokens)
+
+    def _bill(self, x: Exchange) -> None:
+        """Count a request that ran into the usage log (once: from its release)."""
+        assert self.billing is not None
+        rec, tenant = x.record, x.tenant
+        if tenant is None:
+            return
+        used = _used(x)
+        estimated = used is None
+        if used is None:  # what its quotas settle to: the price and the reservation
+            used = Usage(rec.prefill, 0, max(0, rec.decode - rec.slot_tokens))
+        model = x.model or ""
+        price = self.quotas.price_of(model) if self.quotas is not None and model else None
+        cost = cost_micros(used.prompt, used.cached, used.output, price) if price is not None else 0
+        self.billing.record(
+            tenant.name, x.api_key, model, used.prompt, used.cached, used.output, cost, estimated
+        )
 
     # ---- answers and bookkeeping ----
 

@@ -85,6 +85,9 @@ class QuotaGate:
     def configured(self) -> bool:
         return bool(self._specs)
 
+    def price_of(self, model: str) -> ModelPrice | None:
+        return self._prices.get(model)
+
     def applying(self, tenant: str, model: str) -> tuple[QuotaSpec, ...]:
         specs = self._specs.get(tenant, ())
         return tuple(q for q in specs if not q.models or any(fnmatchcase(model, g) for g in q.models))
