@@ -76,8 +76,6 @@ class QuotaUse(Collector):
         return []
 
     def collect(self) -> Iterator[Any]:
-        if not self.rows:
-            return
         labels = ["tenant", "quota", "unit"]
         used = GaugeMetricFamily(
             "tokengate_quota_used",

@@ -2,7 +2,8 @@
 
 Chromium is Debian's ``chromium`` package, driven over the DevTools protocol (a websocket, with
 aiohttp) — no playwright, no browser download. The test checks that the page renders, that the
-charts fill and keep updating from /stats (the output reservations' tables too), and saves a screenshot to ``artifacts/dashboard.png``.
+charts fill and keep updating from /stats (the output reservations', quotas' and shadow limits' tables
+too), and saves a screenshot to ``artifacts/dashboard.png``.
 """
 
 from __future__ import annotations
@@ -133,6 +134,9 @@ async def test_dashboard_renders_and_updates_under_load() -> None:
     assert CHROMIUM is not None
     async with reference_backends(2) as backends, aiohttp.ClientSession() as session:
         config = gateway_config([b.url for b in backends], split=False)
+        # a quota and a shadow budget, for the page's quota and shadow-mode tables
+        config["tenants"]["chat"]["quotas"] = [{"name": "daily", "tokens": 100_000_000, "window": "day"}]
+        config["tenants"]["noisy"]["budget_enforce"] = False
         async with running_gateway(config) as (_gw, served, ops):
             # The load runs until the page has seen the charts grow and at least 14 s have passed
             # (the head-of-line finding needs that many windows): a page that fills late, on a busy
@@ -193,6 +197,18 @@ async def test_dashboard_renders_and_updates_under_load() -> None:
                         "document.querySelectorAll('#reservation-pools tbody tr').length"
                     )
                     assert pool_rows >= 1
+                    quota_rows = await b.eval(
+                        "[...document.querySelectorAll('#quotas tbody tr')].map(tr => [tr.cells[0].textContent, "
+                        "tr.cells[1].textContent, tr.cells[3].textContent])"
+                    )
+                    assert [r[:2] for r in quota_rows] == [["chat", "daily"]], quota_rows
+                    assert quota_rows[0][2].endswith("/ 100.0M tokens") and not quota_rows[0][2].startswith(
+                        "0 "
+                    )
+                    shadow_rows = await b.eval(
+                        "[...document.querySelectorAll('#shadow tbody tr')].map(tr => tr.cells[1].textContent)"
+                    )
+                    assert shadow_rows == ["noisy"], shadow_rows
                     status = await b.eval("document.getElementById('status').className")
                     assert status == "dot live"
                     findings = await b.eval("document.getElementById('findings').textContent")

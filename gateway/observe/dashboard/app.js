@@ -282,6 +282,22 @@ function render(st) {
     x.tenant, x.class, { text: String(x.prompt_bucket), cls: "num" },
     { text: fmtN(x.weight), cls: "num" }, { text: fmtN(x.estimate), cls: "num" },
   ]));
+  const limits = st.limits || { quotas: [], shadow: [] };
+  fillTable("quotas", (limits.quotas || []).map((q) => {
+    const held = (q.used || 0) + (q.reserved || 0);
+    const share = q.limit ? held / q.limit : 0;
+    const n = q.unit === "cost" ? (v) => v.toFixed(2) : fmtN;
+    return [
+      q.tenant, q.name, (q.rolling ? "rolling " : "") + q.window,
+      { text: n(held) + " / " + n(q.limit) + " " + q.unit, cls: "num " + (q.enforce && share >= 1 ? "bad" : "") },
+      bar(Math.min(share, 1)),
+      { text: q.enforce ? "yes" : "shadow", cls: q.enforce ? "" : "hint" },
+    ];
+  }));
+  fillTable("shadow", (limits.shadow || []).map((x) => [
+    x.kind, x.name, { text: (x.unit === "cost" ? x.limit.toFixed(2) : fmtN(x.limit)) + " " + x.unit, cls: "num" },
+    { text: fmtN(x.would_refuse), cls: "num " + (x.would_refuse ? "bad" : "") },
+  ]));
   fillTable("shape", (st.shape || []).map((s) => [
     s.pool, { text: fmtN(s.median_cost), cls: "num" }, { text: fmtN(s.max_cost), cls: "num" },
     { text: s.ratio === null ? "–" : s.ratio.toFixed(1) + "×", cls: "num" },
