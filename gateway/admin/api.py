@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import asdict, dataclass
+from fnmatch import fnmatchcase
 from typing import Any
 
 import orjson
@@ -145,6 +146,9 @@ class AdminApi:
             ("/admin/v1/tiers", self.list_tiers, "GET", Role.READ),
             ("/admin/v1/tiers/{name}", self.put_tier, "PUT", Role.ADMIN),
             ("/admin/v1/tiers/{name}", self.delete_tier, "DELETE", Role.ADMIN),
+            ("/admin/v1/prices", self.list_prices, "GET", Role.READ),
+            ("/admin/v1/prices", self.put_price, "PUT", Role.ADMIN),
+            ("/admin/v1/prices", self.delete_price, "DELETE", Role.ADMIN),
             ("/admin/v1/usage", self.usage, "GET", Role.READ),
             ("/admin/v1/state", self.live_state, "GET", Role.READ),
             ("/admin/v1/overrides", self.list_overrides, "GET", Role.READ),
@@ -628,6 +632,66 @@ class AdminApi:
             lambda s: self._with_default_tiers(s).with_override("tiers", name, None),
         )
         return await self.list_tiers(request, caller)
+
+    # ---- model prices (cost quotas, the usage export) ----
+
+    async def list_prices(self, request: Request, caller: Caller) -> Response:
+        """Every model glob of the config (first match wins) and its price, null when it has none."""
+        rows = []
+        for m in self.parts.live.current.config.models:
+            price = (
+                None
+                if m.price is None
+                else {"input": m.price.input, "output": m.price.output, "cached_input": m.price.cached_input}
+            )
+            rows.append({"model": m.pattern, "price": price, "source": self._source("models", m.pattern)})
+        return _json({"prices": rows})
+
+    async def put_price(self, request: Request, caller: Caller) -> Response:
+        """Price a model glob: its entry's ``price`` (currency per 1M tokens). A glob not in the
+        config is added after the others, so it is refused when one of those already matches it
+        (first match wins: it would never apply)."""
+        body = await self._body(request)
+        model = body.pop("model", None)
+        if not isinstance(model, str) or not model:
+            raise ApiError(
+                400,
+                "'model' must be a model name or glob, e.g. llama-3.1-8b*",
+                param="model",
+                code="invalid_type",
+            )
+        models = dict(self._raw().get("models") or {})
+        if model not in models:
+            shadowing = next((g for g in models if fnmatchcase(model, g)), None)
+            if shadowing is not None:
+                raise ApiError(
+                    400,
+                    f"Model glob {show_value(shadowing)} comes first and matches {show_value(model)}, so a price "
+                    f"on {show_value(model)} would never apply: price {show_value(shadowing)}, or change the config file's order",
+                    param="model",
+                    code="price_never_applies",
+                )
+        entry = dict(models.get(model) or {})
+        entry["price"] = body
+        await self.parts.control.change(
+            caller, "price.put", f"models/{model}", lambda s: s.with_override("models", model, entry)
+        )
+        return await self.list_prices(request, caller)
+
+    async def delete_price(self, request: Request, caller: Caller) -> Response:
+        model = request.query_params.get("model", "")
+        entry = (self._raw().get("models") or {}).get(model)
+        if not isinstance(entry, Mapping) or "price" not in entry:
+            raise ApiError(
+                404, f"No price on model glob {show_value(model)}", param="model", code="price_not_found"
+            )
+        rest: dict[str, Any] | None = {k: v for k, v in entry.items() if k != "price"}
+        if not rest and model not in ((self.parts.control.file_raw or {}).get("models") or {}):
+            rest = None  # a glob the admin API added for its price: gone with it
+        await self.parts.control.change(
+            caller, "price.delete", f"models/{model}", lambda s: s.with_override("models", model, rest)
+        )
+        return await self.list_prices(request, caller)
 
     # ---- usage for billing ----
 

@@ -208,6 +208,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("name")
     p.add_argument("--key", help="one key's window of a per-key quota (its id; default every key's)")
 
+    pr = group("prices", "model prices (currency per 1M tokens) for cost quotas and the usage export")
+    action(pr, "list", "every model glob and its price")
+    p = action(pr, "set", "price a model glob")
+    p.add_argument("model", help="a model glob of the config, or a new one (added last)")
+    p.add_argument("--input", type=float, required=True, help="per 1M prompt tokens")
+    p.add_argument("--output", type=float, required=True, help="per 1M output tokens")
+    p.add_argument("--cached-input", type=float, help="per 1M cached prompt tokens (default: --input)")
+    action(pr, "delete", "remove a model glob's price").add_argument("model")
+
     p = groups.add_parser(
         "usage",
         help="usage for billing over a time range, per tenant, key and model (table, --csv or --json)",
@@ -272,7 +281,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o = group("overrides", "what the admin API changed over the config file")
     action(o, "list", "list overrides (they win over the config file until reset)")
     p = action(o, "reset", "drop an override: the object follows the config file again")
-    p.add_argument("kind", choices=["tenants", "pools", "tiers"])
+    p.add_argument("kind", choices=["tenants", "pools", "tiers", "models"])
     p.add_argument("name")
     groups.add_parser("reload", help="re-read the config file (like SIGHUP)")
     _add_common(groups.choices["reload"])
@@ -485,6 +494,14 @@ def _request(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None,
             }
             return "PUT", f"/tiers/{name}", body, None, lambda d: render.tiers(d["tiers"])
         return "DELETE", f"/tiers/{name}", None, None, lambda d: render.tiers(d["tiers"])
+    if g == "prices":
+        if a == "list":
+            return "GET", "/prices", None, None, render.prices
+        if a == "set":
+            body = {"model": args.model, "input": args.input, "output": args.output}
+            body.update(_body(args, {"cached_input": "cached_input"}))
+            return "PUT", "/prices", body, None, render.prices
+        return "DELETE", "/prices", None, {"model": args.model}, render.prices
     if g == "usage":
         query = {"by": args.by}
         for flag, name in (("since", "from"), ("until", "to"), ("tenant", "tenant")):

@@ -319,6 +319,35 @@ def document() -> dict[str, Any]:
                 ),
             },
         },
+        "/admin/v1/prices": {
+            "get": {
+                "summary": "Every model glob of the config and its price (null: none)",
+                "responses": _ok({"type": "object"}),
+            },
+            "put": {
+                "summary": "Price a model glob (currency per 1M tokens); a new glob is added last",
+                "requestBody": _body(
+                    {
+                        "type": "object",
+                        "properties": {
+                            "model": {"type": "string"},
+                            "input": {"type": "number", "minimum": 0},
+                            "output": {"type": "number", "minimum": 0},
+                            "cached_input": {"type": "number", "minimum": 0},
+                        },
+                        "required": ["model", "input", "output"],
+                    }
+                ),
+                "responses": _ok({"type": "object"}),
+            },
+            "delete": {
+                "summary": "Remove a model glob's price",
+                "parameters": [
+                    {"name": "model", "in": "query", "required": True, "schema": {"type": "string"}}
+                ],
+                "responses": _ok({"type": "object"}),
+            },
+        },
         "/admin/v1/usage": {
             "get": {
                 "summary": "Usage for billing over a time range: requests, prompt/cached/completion tokens and cost "
@@ -484,7 +513,7 @@ def document() -> dict[str, Any]:
                     "name": "kind",
                     "in": "path",
                     "required": True,
-                    "schema": {"type": "string", "enum": ["tenants", "pools", "tiers"]},
+                    "schema": {"type": "string", "enum": ["tenants", "pools", "tiers", "models"]},
                 },
                 _name("object"),
             ],

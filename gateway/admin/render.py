@@ -115,6 +115,24 @@ def quotas(d: Mapping[str, Any]) -> str:
     return f"tenant {d.get('tenant')}\n" + table(head, rows, empty="(no quotas)")
 
 
+def prices(d: Mapping[str, Any]) -> str:
+    rows = []
+    for m in d.get("prices") or []:
+        price = m.get("price") or {}
+        rows.append(
+            [
+                m.get("model"),
+                price.get("input", "-"),
+                price.get("cached_input", "-"),
+                price.get("output", "-"),
+                m.get("source"),
+            ]
+        )
+    return table(
+        ["MODEL", "INPUT/1M", "CACHED/1M", "OUTPUT/1M", "SOURCE"], rows, empty="(no models configured)"
+    )
+
+
 def usage(d: Mapping[str, Any]) -> str:
     rows = [
         [

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-KINDS = ("tenants", "pools", "tiers")
+KINDS = ("tenants", "pools", "tiers", "models")
 
 
 @dataclass(frozen=True, slots=True)

@@ -115,3 +115,16 @@ def dead_then_live(live_url: str, **pool: object) -> dict[str, object]:
         {"url": live_url, "capacity_tokens": 100_000, "models": ["stub-model"], "name": "live"},
     ]
     return {"default": {"backends": backends, **pool}}
+
+
+async def cut_stream(url: str, key: str, max_tokens: int = 40) -> None:
+    """A streamed chat completion its client hangs up on after the first bytes (before any usage)."""
+    req = await RawRequest.post(
+        url,
+        "/v1/chat/completions",
+        chat(stream=True, max_tokens=max_tokens),
+        {"authorization": f"Bearer {key}", "x-stub-chunks": "200", "x-stub-interval": "0.01"},
+    )
+    status, _ = await req.read_head()
+    assert status == 200 and await req.read_some(64)
+    await req.close()

@@ -440,3 +440,22 @@ async def test_shadow_mode_flags_for_budgets_and_ceilings(gw: RunningGateway, ad
     assert r.code == 2 and "expected true or false" in r.err
     r = await admin(*g, "tenants", "update", "acme", "--budget-enforce", "true")
     assert r.code == 0 and await capacity(gw, "tenant:acme") == 1000
+
+
+async def test_price_commands_list_set_and_delete(gw: RunningGateway, admin: Any) -> None:
+    g = gateway_args(gw)
+    r = await admin(
+        *g, "prices", "set", "stub-*", "--input", "0.2", "--output", "0.6", "--cached-input", "0.1"
+    )
+    assert r.code == 0, r.err
+    row = next(line.split() for line in r.out.splitlines() if line.startswith("stub-*"))
+    assert row[1:4] == ["0.2", "0.1", "0.6"]
+    assert gw.app.quotas.price_of("stub-model") is not None
+    r = await admin(*g, "--json", "prices", "list")
+    assert r.json()["prices"] == [
+        {"model": "stub-*", "price": {"input": 0.2, "output": 0.6, "cached_input": 0.1}, "source": "admin"}
+    ]
+    r = await admin(*g, "prices", "delete", "stub-*")
+    assert r.code == 0 and "(no models configured)" in r.out  # the glob was the admin API's: gone
+    r = await admin(*g, "prices", "delete", "stub-*")
+    assert r.code == 1 and "No price on model glob" in r.err

@@ -15,7 +15,7 @@ import pytest
 from gateway.config.fields import ConfigError
 from gateway.config.loader import parse_config
 from tests.conftest import GatewayFactory, RunningGateway, StubBackend, stub_pools
-from tests.gateway.gw_support import RawRequest, chat
+from tests.gateway.gw_support import chat, cut_stream
 from tests.support import eventually
 
 KEY = "sk-quota"
@@ -102,15 +102,7 @@ async def test_every_path_settles_exactly_once(
     assert (await post(gw)).status_code == 200  # 11 + 3
     assert (await post(gw, **{"x-stub-status": "500"})).status_code == 502  # an engine error: nothing used
     # a stream cut by its client half way: the reservation is charged (no usage came)
-    req = await RawRequest.post(
-        gw.url,
-        "/v1/chat/completions",
-        chat(stream=True, max_tokens=40),
-        {"authorization": f"Bearer {KEY}", "x-stub-chunks": "200", "x-stub-interval": "0.01"},
-    )
-    status, _ = await req.read_head()
-    assert status == 200 and await req.read_some(64)
-    await req.close()
+    await cut_stream(gw.url, KEY)
     used, reserved = await eventually_settled(gw)
     assert reserved == 0
     assert PROMPT + CHUNKS < used <= PROMPT + CHUNKS + 200  # the cut stream: its priced prompt + 40
@@ -335,3 +327,32 @@ async def test_per_key_quotas_give_each_key_its_own_window(
         assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "key_not_found"
         r = await c.post("/admin/v1/tenants/acme/quotas/trial/reset")  # every key's
         assert r.status_code == 200 and r.json()["forgotten"] == 1
+
+
+async def test_admin_prices_a_model_live_for_cost_quotas(
+    stub_backend: tuple[StubBackend, str], gateway_factory: GatewayFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TOKENGATE_ADMIN_TOKEN", ADMIN)
+    _, url = stub_backend
+    cfg = config(url, [{"cost": 1, "window": "day"}])
+    cfg["models"] = {"stub-*": {"context_length": 4096}, "other-*": {"price": {"input": 1, "output": 1}}}
+    gw = await gateway_factory(cfg)
+    assert (await post(gw)).status_code == 403  # unpriced
+    async with httpx.AsyncClient(base_url=gw.ops_url, headers={"authorization": f"Bearer {ADMIN}"}) as c:
+        shadowed = await c.put("/admin/v1/prices", json={"model": "stub-model", "input": 1, "output": 1})
+        assert shadowed.status_code == 400 and "'stub-*' comes first" in shadowed.json()["error"]["message"]
+        bad = await c.put("/admin/v1/prices", json={"model": "stub-*", "input": -1, "output": 1})
+        assert bad.status_code == 400 and "models.stub-*.price.input" in bad.json()["error"]["message"]
+        r = await c.put("/admin/v1/prices", json={"model": "stub-*", "input": 1000, "output": 10_000})
+        assert r.status_code == 200, r.text
+        rows = {row["model"]: row for row in r.json()["prices"]}
+        assert rows["stub-*"]["price"] == {"input": 1000, "output": 10_000, "cached_input": 1000}
+        assert rows["stub-*"]["source"] == "admin (over the file)"
+        assert (await post(gw, max_tokens=5)).status_code == 200
+        assert (await settled(gw)) == [(41_000, 0)]  # 11 prompt at 1000/1M + 3 output at 10,000/1M
+        r = await c.delete("/admin/v1/prices", params={"model": "stub-*"})
+        assert r.status_code == 200
+        assert gw.app.live.current.config.models[0].context_length == 4096  # the rest of the entry kept
+        assert (await post(gw)).status_code == 403
+        missing = await c.delete("/admin/v1/prices", params={"model": "stub-*"})
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "price_not_found"

@@ -16,7 +16,7 @@ import pytest
 from gateway import cli
 from gateway.admin.tokens import ADMIN_ENV
 from tests.conftest import GatewayFactory, RunningGateway, StubBackend, stub_pools
-from tests.gateway.gw_support import RawRequest, chat
+from tests.gateway.gw_support import chat, cut_stream
 from tests.support import eventually
 
 ADMIN = "admin-secret"
@@ -65,15 +65,7 @@ async def test_every_request_that_ran_is_counted_once_and_adds_up(gw: RunningGat
     assert [a.status_code for a in answers] == [200] * 7
     assert (await post(gw, "sk-other-0123456789")).status_code == 413  # never ran: nothing counted
     # a stream cut by its client before its usage: counted at its reservation, marked estimated
-    req = await RawRequest.post(
-        gw.url,
-        "/v1/chat/completions",
-        chat(stream=True, max_tokens=40),
-        {"authorization": f"Bearer {KEYS[1]}", "x-stub-chunks": "200", "x-stub-interval": "0.01"},
-    )
-    status, _ = await req.read_head()
-    assert status == 200 and await req.read_some(64)
-    await req.close()
+    await cut_stream(gw.url, KEYS[1])
     await eventually(lambda: not gw.app.quotas._live and gw.app.billing.pending() == 0)
 
     r = await export(gw, by="hour")
