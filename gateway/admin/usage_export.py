@@ -151,5 +151,13 @@ def as_csv(data: Mapping[str, Any]) -> str:
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(COLUMNS)
     for r in data["rows"]:
-        w.writerow([f"{r['cost']:.6f}" if c == "cost" else r[c] for c in COLUMNS])
+        w.writerow([f"{r['cost']:.6f}" if c == "cost" else _cell(r[c]) for c in COLUMNS])
     return buf.getvalue()
+
+
+def _cell(v: object) -> object:
+    """A text a client chose (the model's name) opened in a spreadsheet must stay text: one that
+    starts like a formula is written with a leading quote (OWASP's CSV injection advice)."""
+    if isinstance(v, str) and v[:1] in ("=", "+", "-", "@", "\t", "\r"):
+        return "'" + v
+    return v

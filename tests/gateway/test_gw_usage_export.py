@@ -119,6 +119,18 @@ async def test_the_cli_prints_a_table_and_csv(
     assert code == 1 and "'from' must be an ISO 8601 date" in err
 
 
+async def test_a_model_name_like_a_formula_stays_text_in_the_csv(gw: RunningGateway) -> None:
+    """A hostile tenant names its model so that the billing CSV would run a formula in a spreadsheet."""
+    async with httpx.AsyncClient(base_url=gw.url) as c:
+        body = {**chat(max_tokens=5), "model": '=HYPERLINK("http://evil.example","x")'}
+        r = await c.post("/v1/chat/completions", json=body, headers={"authorization": f"Bearer {KEYS[0]}"})
+    assert r.status_code == 200, r.text
+    await eventually(lambda: gw.app.billing.pending() == 0)
+    lines = list(csv.DictReader(io.StringIO((await export(gw, format="csv")).text)))
+    assert [line["model"] for line in lines] == ['\'=HYPERLINK("http://evil.example","x")']
+    assert (await export(gw)).json()["rows"][0]["model"].startswith("=HYPERLINK")  # JSON: as it was
+
+
 @pytest.mark.parametrize(
     ("query", "message"),
     [
