@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from time import perf_counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
@@ -56,6 +56,9 @@ from gateway.request.shadow import ShadowLimits, shadow_view
 from gateway.upstream.client import make_session
 from gateway.upstream.health import HealthChecker, HealthSettings
 from gateway.upstream.pools import BreakerSettings, Router
+
+if TYPE_CHECKING:
+    from gateway.extproc.server import ExtprocServer
 
 log = logging.getLogger("tokengate")
 
@@ -94,6 +97,7 @@ def _header(scope: Scope, name: bytes) -> str | None:
 RESTART_ONLY = (
     "listen",
     "usage_log",
+    "extproc",
     "tracing",
     "workers",
     "store",
@@ -222,6 +226,7 @@ class Gateway:
         self._drained = False
         self.session: aiohttp.ClientSession | None = None
         self._proxy: Proxy | None = None
+        self.extproc: ExtprocServer | None = None  # Envoy's external processor, when enabled
         self._discovery: asyncio.Task[None] | None = None
         self._applying = asyncio.Lock()
         # Where `reload` reads the config from, and what `tokengate serve` adds to it; set by the server.
@@ -371,9 +376,24 @@ class Gateway:
             billing=self.billing,
         )
         self._proxy = Proxy(parts, self.live, self.session)
+        if self.config.extproc.enabled:
+            await self._start_extproc()
+
+    async def _start_extproc(self) -> None:
+        """Envoy's external processor on its own gRPC port, over this app (gateway.extproc)."""
+        try:
+            from gateway.extproc.server import ExtprocServer
+        except ImportError as exc:
+            raise RuntimeError(
+                f"extproc needs grpcio and protobuf ({exc.name} is missing): pip install 'tokengate[extproc]'"
+            ) from None
+        self.extproc = ExtprocServer(self.config.extproc, self, self.config.limits.max_body_bytes)
+        await self.extproc.start()
 
     async def shutdown(self) -> None:
         await self.drain(self.config.drain_timeout_s)
+        if self.extproc is not None:
+            await self.extproc.stop()
         if self._discovery is not None:
             self._discovery.cancel()
             with contextlib.suppress(asyncio.CancelledError):

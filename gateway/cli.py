@@ -1,14 +1,17 @@
-"""The ``tokengate`` command: ``serve`` (the gateway), and lazily-imported ``backend``, ``demo``,
+"""The ``tokengate`` command: ``serve`` (the gateway), ``extproc`` (the gateway as Envoy's external
+processor), and lazily-imported ``backend``, ``demo``,
 ``loadtest``, ``doctor`` and ``admin`` subcommands from their own packages.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import sys
 from types import ModuleType
+from typing import Any
 
 # subcommand -> (module with add_arguments/run, help)
 _DELEGATES = {
@@ -26,6 +29,20 @@ _DELEGATES = {
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="run the gateway", description="Run the tokengate gateway.")
+    _serve_arguments(p)
+    p = sub.add_parser(
+        "extproc",
+        help="run the gateway as Envoy's external processor (gRPC), beside its own API",
+        description="Run the gateway with Envoy's ext_proc gRPC server (extproc.host/port, default "
+        "127.0.0.1:9002): Envoy asks it to admit each request, and it shares budgets with proxy replicas "
+        "on the same store. The API, ops and admin listeners run as with serve. See docs/envoy.md.",
+    )
+    _serve_arguments(p)
+    p.add_argument("--grpc-host", help="ext_proc listen address (default: extproc.host, 127.0.0.1)")
+    p.add_argument("--grpc-port", type=int, help="ext_proc listen port (default: extproc.port, 9002)")
+
+
+def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="YAML config (default: embedded defaults)")
     p.add_argument("--host", help="listen address (default: listen.host, 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default: listen.port, 8080)")
@@ -62,6 +79,13 @@ def _run_serve(args: argparse.Namespace) -> int:
             raise ConfigError(
                 f"--workers {workers} needs configured pools: the embedded backend runs in one process only"
             )
+        if args.command == "extproc":
+            config = _with_extproc(config, args)
+            if workers > 1:
+                raise ConfigError(
+                    f"--workers {workers}: the external processor runs in one process (its gRPC port is one "
+                    "listener); run more replicas on one Redis instead"
+                )
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
@@ -84,10 +108,21 @@ def _run_serve(args: argparse.Namespace) -> int:
             log_format=args.log_format,
         )
     except (OSError, ValueError) as exc:
-        print(f"tokengate serve: {exc}", file=sys.stderr)
+        print(f"tokengate {args.command}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _with_extproc(config: Any, args: argparse.Namespace) -> Any:
+    from gateway.config.loader import ConfigError
+
+    ext = config.extproc
+    host = args.grpc_host or ext.host
+    port = args.grpc_port if args.grpc_port is not None else ext.port
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--grpc-port: expected a port in 0..65535, got {port}")
+    return dataclasses.replace(config, extproc=dataclasses.replace(ext, enabled=True, host=host, port=port))
 
 
 def _load(module: str) -> ModuleType | None:
@@ -107,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    if args.command == "serve":
+    if args.command in ("serve", "extproc"):
         return _run_serve(args)
     module, _ = _DELEGATES[args.command]
     mod = _load(module)

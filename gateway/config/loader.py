@@ -53,6 +53,7 @@ from gateway.config.schema import (
     AdminConfig,
     BackendConfig,
     EmbeddedBackendConfig,
+    ExtprocConfig,
     FairnessConfig,
     GatewayConfig,
     GcConfig,
@@ -177,6 +178,7 @@ def parse_config(data: Any) -> GatewayConfig:
         fairness=_fairness(root.get("fairness")),
         leases=_leases(root.get("leases")),
         usage_log=_usage_log(root.get("usage_log")),
+        extproc=_extproc(root.get("extproc")),
         # Without pools, the embedded backends' pools are the ones a class may name.
         classes=parse_classes(root.get("classes"), {p.name for p in pools} or set(embedded.pool_names)),
         pools=pools,
@@ -239,6 +241,7 @@ _TOP_KEYS = (
     "fairness",
     "leases",
     "usage_log",
+    "extproc",
     "classes",
     "pools",
     "models",
@@ -320,6 +323,41 @@ def _fairness(v: Any) -> FairnessConfig:
         ),
         max_defer_s=number(m, "max_defer_s", "fairness", base.max_defer_s, minimum=0.0),
         defer_s_per_token=number(m, "defer_s_per_token", "fairness", base.defer_s_per_token, minimum=0.0),
+    )
+
+
+def _extproc(v: Any) -> ExtprocConfig:
+    fields = (
+        "enabled",
+        "host",
+        "port",
+        "max_message_timeout_s",
+        "extend_after_s",
+        "pool_header",
+        "fairness_header",
+        "objective_header",
+    )
+    m = section(v, "extproc", fields)
+    d = ExtprocConfig()
+    headers = {}
+    for name in ("pool_header", "fairness_header", "objective_header"):
+        value = string(m, name, "extproc", getattr(d, name)).strip().lower()
+        if header_pattern_problem(value) is not None or value.endswith("*"):
+            raise ConfigError(f"extproc.{name}: {show(value)} is not a header name (letters, digits, '-')")
+        headers[name] = value
+    longest = number(m, "max_message_timeout_s", "extproc", d.max_message_timeout_s, minimum=0.001)
+    extend = number(m, "extend_after_s", "extproc", d.extend_after_s, minimum=0.0)
+    if extend >= longest:
+        raise ConfigError(
+            f"extproc.extend_after_s: {extend:g} must be below extproc.max_message_timeout_s ({longest:g})"
+        )
+    return ExtprocConfig(
+        enabled=boolean(m, "enabled", "extproc", d.enabled),
+        host=string(m, "host", "extproc", d.host),
+        port=integer(m, "port", "extproc", d.port, minimum=0, maximum=65535),
+        max_message_timeout_s=longest,
+        extend_after_s=extend,
+        **headers,
     )
 
 

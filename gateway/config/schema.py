@@ -101,6 +101,26 @@ class UsageLogConfig:
     flush_s: float = 1.0  # how often a replica adds what it counted to the store
 
 
+@dataclass(frozen=True, slots=True)
+class ExtprocConfig:
+    """Envoy's external processor (``tokengate extproc``, gateway/extproc): the same admission as the
+    proxy, for requests Envoy forwards. Off unless enabled here or by the command."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = 9002  # the gRPC listener Envoy's ext_proc filter calls
+    # How long Envoy is asked to wait for the answer to a request's body while it is priced and
+    # queued (its override_message_timeout); at most Envoy's max_message_timeout.
+    max_message_timeout_s: float = 60.0
+    # Sent to Envoy that long after the body came when no answer is ready yet (the request queues,
+    # or a long prompt is counted): under Envoy's message_timeout, which it extends.
+    extend_after_s: float = 0.1
+    pool_header: str = "x-tokengate-pool"  # the pool, for the route's cluster_header
+    # For an endpoint picker behind Envoy (llm-d's flow control): the tenant and the tier.
+    fairness_header: str = "x-llm-d-inference-fairness-id"
+    objective_header: str = "x-llm-d-inference-objective"
+
+
 # The backend-side shapes are defined with the routing code (gateway.upstream.pools) and used
 # directly as the config sections.
 TimeoutsConfig = Timeouts
@@ -303,6 +323,7 @@ class GatewayConfig:
     fairness: FairnessConfig = FairnessConfig()
     leases: LeasesConfig = LeasesConfig()
     usage_log: UsageLogConfig = UsageLogConfig()
+    extproc: ExtprocConfig = ExtprocConfig()
     classes: tuple[ClassRule, ...] = ()  # first match wins (gateway.config.class_rules)
     pools: tuple[PoolConfig, ...] = ()
     models: tuple[ModelConfig, ...] = ()

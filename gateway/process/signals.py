@@ -12,7 +12,10 @@ the request's ``scope["extensions"]`` under ``SIGNALS``:
 * ``on_disconnect``: the app sets a callback; the protocol calls it once when the connection is
   lost;
 * ``connection``: the `Connection` the request came on, one per client connection, which the app
-  marks with the tenant using it (gateway.request.tenant_connections) and the protocol closes when it goes.
+  marks with the tenant using it (gateway.request.tenant_connections) and the protocol closes when it goes;
+* ``forwarder``: set by a front end that forwards the admitted request itself (Envoy, through
+  tokengate's external processor: gateway.extproc): the proxy hands it the request as it would send
+  it, instead of sending it with its own client (``gateway.request.exchange.Forwarder``).
 
 Under any other ASGI server the key is absent and the app falls back to the timer and the task.
 """
@@ -48,12 +51,13 @@ class Connection:
 class RequestSignals:
     """One request's signals; written by the protocol, read (and ``on_disconnect`` set) by the app."""
 
-    __slots__ = ("body_complete", "connection", "on_disconnect")
+    __slots__ = ("body_complete", "connection", "forwarder", "on_disconnect")
 
-    def __init__(self, connection: Connection | None = None) -> None:
+    def __init__(self, connection: Connection | None = None, forwarder: Any = None) -> None:
         self.body_complete = False
         self.on_disconnect: Callable[[], None] | None = None
         self.connection = connection
+        self.forwarder = forwarder  # a gateway.request.exchange.Forwarder, or None: the proxy sends it
 
     def disconnected(self) -> None:
         """Called by the protocol when the connection is lost; runs the app's callback at most once."""

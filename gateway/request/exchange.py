@@ -12,7 +12,7 @@ import asyncio
 import enum
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from budgets.types import Lease
 from classifiers import Cost
@@ -25,6 +25,9 @@ from gateway.request.reservations import Reserved
 from gateway.request.shadow import ShadowHold
 from gateway.upstream.client import HeaderNames
 from gateway.upstream.gate import GatePass
+
+if TYPE_CHECKING:
+    from gateway.upstream.pools import Backend
 
 NO_HEADERS = HeaderNames()
 
@@ -53,6 +56,27 @@ class CancelReason(enum.Enum):
     DISCONNECT = "disconnect"
     DRAINING = "draining"
     SHUTDOWN = "shutdown"
+
+
+class Forwarder(Protocol):
+    """A front end that forwards an admitted request itself (Envoy, through the external processor:
+    gateway.extproc) instead of the proxy's own HTTP client.
+
+    ``forward`` gets the request as the proxy would send it to ``backend`` (the body's bytes and the
+    headers to forward) and ``grow``, the lease-growth hook of a stream (or None); it relays the
+    answer, filling the record as the proxy's relays do (status, TTFT, time upstream, ``started``,
+    ``sse``, ``streamed_tokens``, ``stream_complete``), and returns the usage object the answer
+    carried (None: none). An answer >= 500 raises an ``ApiError``, as the proxy's relay does.
+    """
+
+    async def forward(
+        self,
+        x: Exchange,
+        backend: Backend,
+        payload: bytes,
+        headers: list[tuple[str, str]],
+        grow: Callable[[Exchange], Awaitable[None]] | None,
+    ) -> Any: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +141,7 @@ class Exchange:
     ratelimit: list[tuple[bytes, bytes]] | None = None  # OpenAI's x-ratelimit-* headers of its quotas
     shadow: ShadowHold | None = None  # its place in the gauges of limits in shadow mode (given back once)
     # forward
+    forwarder: Forwarder | None = None  # another front end forwards it (None: the proxy's client)
     client_wants_usage: bool = True
     gate: GatePass | None = None  # in the backend's prefill gate: released at the first token or the end
     # Served output for fair share: as reported; 0 when nothing reached a backend or it answered an

@@ -382,8 +382,10 @@ class Proxy:
         tenant = x.tenant
         assert tenant is not None
         signals = request_signals(x.scope)
-        if signals is not None and signals.connection is not None and not self.open_mode:
-            self.connections.claim(signals.connection, tenant.name)
+        if signals is not None:
+            if signals.connection is not None and not self.open_mode:
+                self.connections.claim(signals.connection, tenant.name)
+            x.forwarder = signals.forwarder
         # The body's bytes are held from before it is read until the request ends: a 429 or 503 now,
         # while nothing is read or held, rather than a process out of memory.
         n = x.content_length
@@ -970,6 +972,13 @@ class Proxy:
         rec.upstream_at = t_up = perf_counter()
         if rec.trace is not None:
             rec.backend_url = backend.spec.url
+        if x.forwarder is not None:  # another front end sends it (Envoy): the same request, its client
+            headers = self._request_headers(x, backend)
+            answered = await x.forwarder.forward(x, backend, payload, headers, self._growth(x))
+            if answered is not None and not x.stream_complete:
+                usage.reported(x, answered)
+            usage.settle(x, backend)
+            return
         try:
             resp = await self.session.request(
                 x.scope["method"],

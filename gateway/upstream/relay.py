@@ -73,14 +73,14 @@ def _upstream_message(data: bytes) -> str:
 # (a long generation with logprobs runs to hundreds of MB) is relayed chunk by chunk as it arrives,
 # keeping only its last ``_TAIL_BYTES`` to find the usage object, so the gateway never holds it
 # whole, nor parses it on the event loop.
-_WHOLE_MAX_BYTES = 1 << 20
+WHOLE_MAX_BYTES = 1 << 20
 _TAIL_BYTES = 64 << 10
 # What is read of a failed (>= 500) answer: its message goes to the operator's log, cut anyway.
 _ERROR_BYTES = 64 << 10
 
 
 async def relay_whole(x: Exchange, resp: aiohttp.ClientResponse, backend: Backend, t_up: float) -> Any:
-    """A non-streamed answer (or any answer >= 500): up to ``_WHOLE_MAX_BYTES`` read whole and relayed
+    """A non-streamed answer (or any answer >= 500): up to ``WHOLE_MAX_BYTES`` read whole and relayed
     with a content-length; larger (or of unknown length and found larger), relayed as it arrives."""
     rec = x.record
     status = resp.status
@@ -93,14 +93,14 @@ async def relay_whole(x: Exchange, resp: aiohttp.ClientResponse, backend: Backen
             502, f"The backend for pool {rec.pool!r} failed with HTTP {status}", code="upstream_error"
         )
     length = resp.content_length
-    if length is not None and length <= _WHOLE_MAX_BYTES:
+    if length is not None and length <= WHOLE_MAX_BYTES:
         data = await resp.read()
     else:
-        data = await _read_upto(resp, backend, _WHOLE_MAX_BYTES)
-        if len(data) > _WHOLE_MAX_BYTES:
+        data = await _read_upto(resp, backend, WHOLE_MAX_BYTES)
+        if len(data) > WHOLE_MAX_BYTES:
             return await _relay_large(x, resp, backend, status, data, t_up)
     rec.backend_s = perf_counter() - t_up
-    usage = _usage(data, rec) if 200 <= status < 300 and "Content-Encoding" not in resp.headers else None
+    usage = whole_usage(data, rec) if 200 <= status < 300 and "Content-Encoding" not in resp.headers else None
     headers = _answer_headers(x, resp)
     headers.append((b"content-length", str(len(data)).encode()))
     _answered(x, status)
@@ -110,7 +110,7 @@ async def relay_whole(x: Exchange, resp: aiohttp.ClientResponse, backend: Backen
     return usage
 
 
-def _usage(data: bytes, rec: Record) -> Any:
+def whole_usage(data: bytes, rec: Record) -> Any:
     """The top-level usage object of a whole JSON answer, if it has one (and, while the request is
     traced, the answer's id, model and finish reasons for its span)."""
     if b'"usage"' not in data and rec.trace is None:
@@ -165,7 +165,7 @@ async def _read_upto(resp: aiohttp.ClientResponse, backend: Backend, limit: int)
 async def _relay_large(
     x: Exchange, resp: aiohttp.ClientResponse, backend: Backend, status: int, head: bytes, t_up: float
 ) -> Any:
-    """Relay an answer larger than ``_WHOLE_MAX_BYTES``: what was read so far, then the rest as it
+    """Relay an answer larger than ``WHOLE_MAX_BYTES``: what was read so far, then the rest as it
     arrives; the usage object is looked for in its last ``_TAIL_BYTES``."""
     headers = _answer_headers(x, resp)  # (no content-length: sent chunked, as a stream is)
     _answered(x, status)
@@ -254,14 +254,14 @@ async def relay_sse(
             # About one output token per event: count events (a C-level scan, no parsing).
             x.streamed_tokens += chunk.count(b"data:")
             if traced:
-                _stream_finish_reasons(rec, chunk)
+                stream_finish_reasons(rec, chunk)
             if x.streamed_tokens >= x.grow_at and grow is not None:
                 await grow(x)  # before the output outgrows what the lease holds
             out = relay.feed(chunk)
             if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})
             if relay.finished and not x.stream_complete:
-                _stream_ended(x, relay, t_up)
+                stream_ended(x, relay, t_up)
     except UPSTREAM_ERRORS as exc:
         if x.stream_complete:  # the engine dropped the connection after its last event: complete
             rec.backend_s = perf_counter() - t_up
@@ -275,7 +275,7 @@ async def relay_sse(
     rec.backend_s = perf_counter() - t_up
     tail = relay.flush()
     if relay.finished and not x.stream_complete:
-        _stream_ended(x, relay, t_up)
+        stream_ended(x, relay, t_up)
     x.done = True
     await send({"type": "http.response.body", "body": tail, "more_body": False})
     return relay.usage
@@ -285,7 +285,7 @@ async def relay_sse(
 _FINISH = re.compile(rb'"finish_reason":\s*"([^"\\]{1,64})"')
 
 
-def _stream_finish_reasons(rec: Record, chunk: bytes) -> None:
+def stream_finish_reasons(rec: Record, chunk: bytes) -> None:
     """A traced stream's finish reasons, read off the events' bytes (a regex scan, no parsing)."""
     found = _FINISH.findall(chunk)
     if found:
@@ -296,7 +296,7 @@ def _stream_finish_reasons(rec: Record, chunk: bytes) -> None:
         rec.finish_reasons = tuple(have)
 
 
-def _stream_ended(x: Exchange, relay: UsageRelay, t_up: float) -> None:
+def stream_ended(x: Exchange, relay: UsageRelay, t_up: float) -> None:
     """The stream's last event went out: the answer is whole from here on, and its usage (if the
     engine sent any) is recorded now, before a client that hangs up at [DONE] cancels the rest."""
     x.stream_complete = True
