@@ -21,8 +21,8 @@ ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 # Dependencies first (from pyproject.toml alone), so a code change does not reinstall them.
 COPY pyproject.toml ./
-# (with the otel extra: tracing over OTLP/gRPC works in the image as it is)
-RUN python3 -c "import tomllib; p = tomllib.load(open('pyproject.toml','rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['otel']))" > /tmp/requirements.txt \
+# (with the otel and extproc extras: tracing over OTLP/gRPC and `tokengate extproc` work in the image)
+RUN python3 -c "import tomllib; p = tomllib.load(open('pyproject.toml','rb'))['project']; x = p['optional-dependencies']; print('\n'.join(p['dependencies'] + x['otel'] + x['extproc']))" > /tmp/requirements.txt \
  && pip install -q -r /tmp/requirements.txt
 COPY README.md ./
 COPY gateway ./gateway

@@ -7,13 +7,18 @@ VENV := .venv
 BIN := $(VENV)/bin
 CONFIG ?=
 
-.PHONY: setup run test test-soak test-long lint typecheck unit demo bench clean deploy-tools compose-test real-test
+.PHONY: protos setup run test test-soak test-long lint typecheck unit demo bench clean deploy-tools compose-test real-test
 
 setup:
 	bash scripts/bootstrap.sh
 
 run: setup
 	$(BIN)/tokengate serve --log-format text $(if $(CONFIG),--config $(CONFIG),)
+
+# gateway/extproc/wire_pb2.py(i) from wire.proto (the part of Envoy's ext_proc protocol tokengate speaks).
+protos: setup
+	$(BIN)/python -m pip install -q 'grpcio-tools>=1.85'
+	$(BIN)/python -m grpc_tools.protoc -I gateway/extproc --python_out=gateway/extproc --pyi_out=gateway/extproc gateway/extproc/wire.proto
 
 lint: setup
 	$(BIN)/ruff check .

@@ -12,7 +12,7 @@ stamp=.venv/.tokengate-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   # torch is pinned: an unpinned torch pulls a multi-GB CUDA build.
-  .venv/bin/python -m pip install -q -e '.[dev,reference,otel]'
+  .venv/bin/python -m pip install -q -e '.[dev,reference,otel,extproc]'
   touch "$stamp"
 fi
 

@@ -193,7 +193,7 @@ async def spawn_extproc(config_path: Path, log: Path, grpc_port: int) -> asyncio
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if proc.returncode is not None:
-            raise RuntimeError(f"tokengate extproc exited: {log.read_text()[-3000:]}")
+            raise RuntimeError(f"tokengate extproc exited: {_tail(log)}")
         try:
             _, writer = await asyncio.open_connection("127.0.0.1", grpc_port)
             writer.close()
@@ -201,4 +201,8 @@ async def spawn_extproc(config_path: Path, log: Path, grpc_port: int) -> asyncio
         except OSError:
             await asyncio.sleep(0.1)
     proc.kill()
-    raise RuntimeError(f"tokengate extproc did not listen: {log.read_text()[-3000:]}")
+    raise RuntimeError(f"tokengate extproc did not listen: {_tail(log)}")
+
+
+def _tail(log: Path) -> str:
+    return log.read_text()[-3000:]

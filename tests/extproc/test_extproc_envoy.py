@@ -1,0 +1,276 @@
+"""tokengate as Envoy's external processor, with a real Envoy (deploy/envoy/envoy.yaml) in front of
+stub backends, the processor in the test's loop: admission, routing, refusals, queueing past
+Envoy's message timeout, streams, and every way a request can end releasing its tokens once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from gateway.observe.accesslog import Record
+from loadtest.processes import free_port
+from tests.budgets.support import assert_idle
+from tests.conftest import StubBackend, serve_asgi
+from tests.extproc.support import Envoy, Processor, envoy_config, in_process, running_envoy
+from tests.support import eventually
+
+pytestmark = pytest.mark.slow
+
+
+@dataclass
+class Stack:
+    envoy: Envoy
+    processor: Processor
+    stubs: dict[str, StubBackend]
+    records: list[Record]  # the access records of the requests that ended
+
+    @property
+    def url(self) -> str:
+        return self.envoy.url + "/v1/chat/completions"
+
+    @property
+    def store(self) -> Any:
+        return self.processor.gateway.store
+
+
+def chat(content: str = "hello", **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "stub-model",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 5,
+        **extra,
+    }
+
+
+def key(name: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer sk-{name}"}
+
+
+@contextlib.asynccontextmanager
+async def stack(
+    tmp_path: Path, raw: dict[str, Any], pools: tuple[str, ...] = ("chat",)
+) -> AsyncIterator[Stack]:
+    stubs = {name: StubBackend() for name in pools}
+    served = {name: await serve_asgi(stub) for name, stub in stubs.items()}
+    try:
+        raw = {
+            "pools": {
+                name: {"backends": [{"url": s.url, "capacity_tokens": 10_000}]} for name, s in served.items()
+            },
+            **raw,
+        }
+        async with in_process(raw) as processor:
+            config = envoy_config(
+                listen_port=free_port(),
+                admin_port=free_port(),
+                processor=("127.0.0.1", processor.grpc_port),
+                pools={name: ("127.0.0.1", int(s.url.rsplit(":", 1)[1])) for name, s in served.items()},
+            )
+            records: list[Record] = []
+            processor.gateway.request_hooks.append(lambda rec, _end: records.append(rec))
+            async with running_envoy(config, tmp_path) as envoy:
+                yield Stack(envoy, processor, stubs, records)
+    finally:
+        for s in served.values():
+            await s.stop()
+
+
+async def settled(s: Stack) -> None:
+    """Every lease released and every pool back at zero. The client has the answer's last bytes
+    when Envoy has the processor's answer to them, a moment before the release: waited for."""
+
+    async def idle() -> bool:
+        snap = await s.store.snapshot()
+        return snap.leases == 0 and not any(p.in_flight for p in snap.pools.values())
+
+    with contextlib.suppress(AssertionError):
+        await eventually(idle, timeout_s=5)
+    await assert_idle(s.store)
+
+
+TENANTS = {"a": {"keys": ["sk-a"], "budget_tokens": 5000}, "b": {"keys": ["sk-b"], "budget_tokens": 5000}}
+
+
+async def test_admitted_request_goes_to_its_pool_with_the_gateways_headers_and_body(tmp_path: Path) -> None:
+    async with stack(tmp_path, {"tenants": TENANTS}) as s, aiohttp.ClientSession() as http:
+        headers = {
+            **key("a"),
+            "x-tokengate-pool": "elsewhere",  # a client never picks the pool
+            "x-llm-d-inference-fairness-id": "b",  # nor whose queue it waits in
+            "x-gateway-destination-endpoint": "10.0.0.9:8000",  # nor the endpoint (private headers)
+            "x-custom": "kept",
+        }
+        async with http.post(s.url, data=orjson.dumps(chat()), headers=headers) as r:
+            assert r.status == 200, await r.text()
+            answer = await r.json()
+            assert r.headers["x-tokengate-class"] == "default"
+            assert int(r.headers["x-tokengate-cost"]) > 0
+            request_id = r.headers["x-request-id"]
+        assert answer["usage"]["completion_tokens"] == 3
+        (seen,) = s.stubs["chat"].requests
+        assert seen.headers["x-tokengate-pool"] == "chat"
+        assert seen.headers["x-llm-d-inference-fairness-id"] == "a"
+        assert seen.headers["x-llm-d-inference-objective"] == "standard"
+        assert seen.headers["x-custom"] == "kept"
+        assert seen.headers["x-request-id"] == request_id
+        assert "authorization" not in seen.headers  # the tenant's key never reaches a backend
+        assert "x-gateway-destination-endpoint" not in seen.headers
+        # The body as the proxy sends it: priced, with the output limit it was priced at.
+        assert seen.body == chat()
+        assert int(seen.headers["content-length"]) == len(seen.raw)
+        await settled(s)
+
+
+async def test_refusals_are_envoys_immediate_answers_in_openais_shape(tmp_path: Path) -> None:
+    tenants = {"a": {"keys": ["sk-a"], "budget_tokens": 100}}
+    async with stack(tmp_path, {"tenants": tenants}) as s, aiohttp.ClientSession() as http:
+        async with http.post(s.url, data=orjson.dumps(chat()), headers=key("nobody")) as r:
+            assert r.status == 401
+            assert (await r.json())["error"]["code"] == "invalid_api_key"
+            assert r.headers["content-type"] == "application/json"
+        big = chat(max_tokens=5000)  # more than the tenant's whole budget
+        async with http.post(s.url, data=orjson.dumps(big), headers=key("a")) as r:
+            body = await r.json()
+            assert r.status == 413, body
+            assert "budget" in body["error"]["message"]
+        async with http.post(s.url, data=b"{not json", headers=key("a")) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["code"] == "invalid_json"
+        async with http.get(s.envoy.url + "/v1/models", headers=key("a")) as r:
+            assert r.status == 200  # answered by the gateway itself
+            assert [m["id"] for m in (await r.json())["data"]] == ["stub-model"]
+        assert s.stubs["chat"].requests == []  # nothing refused reached the backend
+        await settled(s)
+
+
+async def test_classes_route_to_their_pools(tmp_path: Path) -> None:
+    raw = {
+        "tenants": TENANTS,
+        "classes": [
+            {"name": "long", "when": {"min_prompt_tokens": 200}, "pool": "batch"},
+            {"name": "short", "pool": "chat"},
+        ],
+    }
+    async with stack(tmp_path, raw, pools=("chat", "batch")) as s, aiohttp.ClientSession() as http:
+        async with http.post(s.url, data=orjson.dumps(chat("hi")), headers=key("a")) as r:
+            assert r.status == 200
+            assert r.headers["x-tokengate-class"] == "short"
+        async with http.post(s.url, data=orjson.dumps(chat("word " * 400)), headers=key("a")) as r:
+            assert r.status == 200
+            assert r.headers["x-tokengate-class"] == "long"
+        assert len(s.stubs["chat"].requests) == 1
+        assert len(s.stubs["batch"].requests) == 1
+        assert s.stubs["batch"].requests[0].headers["x-tokengate-pool"] == "batch"
+        await settled(s)
+
+
+async def test_stream_usage_is_read_and_cut_out_where_the_client_did_not_ask(tmp_path: Path) -> None:
+    async with stack(tmp_path, {"tenants": TENANTS}) as s, aiohttp.ClientSession() as http:
+        async with http.post(s.url, data=orjson.dumps(chat(stream=True)), headers=key("a")) as r:
+            assert r.status == 200
+            text = await r.text()
+        assert '"usage"' not in text  # the event the gateway asked for is not the client's
+        assert text.rstrip().endswith("data: [DONE]")
+        assert s.stubs["chat"].requests[0].body["stream_options"] == {"include_usage": True}
+        wants = chat(stream=True, stream_options={"include_usage": True})
+        async with http.post(s.url, data=orjson.dumps(wants), headers=key("a")) as r:
+            text = await r.text()
+        assert '"completion_tokens":3' in text.replace(" ", "")
+        await settled(s)
+        # Both streams' usage was the engine's count, not an estimate; read as they went by.
+        assert [(r.status, r.completion_tokens, r.usage_estimated) for r in s.records] == [
+            (200, 3, False)
+        ] * 2
+        assert all(r.ttft_s is not None and r.stream for r in s.records)
+
+
+async def test_a_request_queues_past_envoys_message_timeout_and_then_runs(tmp_path: Path) -> None:
+    """The budget holds one request at a time; the second waits ~1.5 s, longer than Envoy's 1 s
+    message timeout, which the processor extends while it queues."""
+    tenants = {"a": {"keys": ["sk-a"], "budget_tokens": 40}}
+    async with stack(tmp_path, {"tenants": tenants}) as s, aiohttp.ClientSession() as http:
+        slow = {**key("a"), "x-stub-delay": "1.5"}
+
+        async def one(headers: dict[str, str]) -> tuple[int, float]:
+            async with http.post(s.url, data=orjson.dumps(chat(max_tokens=20)), headers=headers) as r:
+                await r.read()
+                return r.status, float(r.headers.get("x-tokengate-queue-ms", "0"))
+
+        first = asyncio.create_task(one(slow))
+        await eventually(lambda: len(s.stubs["chat"].requests) == 1, timeout_s=5)
+        second = await one(key("a"))
+        assert await first == (200, pytest.approx(0.0, abs=50))
+        status, queued_ms = second
+        assert status == 200
+        assert queued_ms > 1000  # it waited for the first, beyond Envoy's message timeout
+        await settled(s)
+
+
+async def test_client_gone_mid_stream_releases_once_and_cancels_upstream(tmp_path: Path) -> None:
+    """Envoy closes the processor's stream when its client goes: the request is a 499, its lease
+    released once, and Envoy cancels the upstream call."""
+    async with stack(tmp_path, {"tenants": TENANTS}) as s:
+        headers = {**key("a"), "x-stub-chunks": "50", "x-stub-interval": "0.05"}
+        reader, writer = await asyncio.open_connection("127.0.0.1", s.envoy.port)
+        body = orjson.dumps(chat(stream=True, max_tokens=60))
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        writer.write(
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{head}"
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+        seen = await reader.readuntil(b"tok2 ")  # the stream is under way
+        assert b"200" in seen.split(b"\r\n", 1)[0]
+        assert (await s.store.snapshot()).pools["tenant:a"].in_flight > 0
+        writer.close()
+        await eventually(lambda: s.stubs["chat"].requests[0].cancelled_at is not None, timeout_s=5)
+        await settled(s)
+        await eventually(lambda: len(s.records) == 1, timeout_s=5)
+        assert (s.records[0].status, s.records[0].outcome) == (499, "client_disconnect")
+
+
+async def test_envoy_killed_mid_stream_releases_and_a_restarted_envoy_is_served(tmp_path: Path) -> None:
+    async with stack(tmp_path, {"tenants": TENANTS}) as s, aiohttp.ClientSession() as http:
+        headers = {**key("a"), "x-stub-chunks": "100", "x-stub-interval": "0.05"}
+
+        async def long_stream() -> None:
+            with contextlib.suppress(aiohttp.ClientError):
+                async with http.post(
+                    s.url, data=orjson.dumps(chat(stream=True, max_tokens=120)), headers=headers
+                ) as r:
+                    async for _ in r.content:
+                        pass
+
+        streams = [asyncio.create_task(long_stream()) for _ in range(3)]
+        await eventually(lambda: len(s.stubs["chat"].requests) == 3, timeout_s=5)
+        assert (await s.store.snapshot()).leases == 3
+        await s.envoy.stop(kill=True)
+        await asyncio.gather(*streams)
+        await settled(s)
+        await s.envoy.start()
+        async with http.post(s.url, data=orjson.dumps(chat()), headers=key("a")) as r:
+            assert r.status == 200
+        await settled(s)
+
+
+async def test_a_backend_failure_is_the_gateways_502_without_the_backends_words(tmp_path: Path) -> None:
+    async with stack(tmp_path, {"tenants": TENANTS}) as s, aiohttp.ClientSession() as http:
+        headers = {**key("a"), "x-stub-status": "500"}
+        async with http.post(s.url, data=orjson.dumps(chat()), headers=headers) as r:
+            assert r.status == 502
+            body = await r.json()
+        assert body["error"]["code"] == "upstream_error"
+        assert "stub error" not in orjson.dumps(body).decode()
+        headers = {**key("a"), "x-stub-status": "404"}
+        async with http.post(s.url, data=orjson.dumps(chat()), headers=headers) as r:
+            assert r.status == 404  # a backend's 4xx is the client's to read, as through the proxy
+        await settled(s)
