@@ -395,3 +395,33 @@ def test_the_annotated_reference_file_loads_and_names_every_section() -> None:
     raw = load_raw(str(Path(__file__).parents[2] / "examples" / "reference.yaml"))
     parse_config(raw)
     assert sorted(set(_TOP_KEYS) - set(raw)) == []
+
+
+def test_extproc_section_defaults_and_errors_name_the_field() -> None:
+    ext = parse_config({}).extproc
+    assert (ext.enabled, ext.host, ext.port, ext.pool_header) == (
+        False,
+        "127.0.0.1",
+        9002,
+        "x-tokengate-pool",
+    )
+    ext = parse_config(
+        {"extproc": {"enabled": True, "port": 9100, "fairness_header": "X-Gateway-Fair"}}
+    ).extproc
+    assert (ext.enabled, ext.port, ext.fairness_header) == (True, 9100, "x-gateway-fair")
+    with pytest.raises(ConfigError, match=r"extproc\.pool_header: 'x pool' is not a header name"):
+        parse_config({"extproc": {"pool_header": "x pool"}})
+    with pytest.raises(
+        ConfigError, match=r"extproc\.extend_after_s: 5 must be below extproc\.max_message_timeout_s"
+    ):
+        parse_config({"extproc": {"extend_after_s": 5, "max_message_timeout_s": 2}})
+    with pytest.raises(ConfigError, match=r"extproc\.port"):
+        parse_config({"extproc": {"port": 70000}})
+    with pytest.raises(ConfigError, match=r"extproc\.listen: unknown key"):
+        parse_config({"extproc": {"listen": 1}})
+
+
+def test_the_shipped_envoy_configs_processor_config_loads() -> None:
+    config = load_config(str(Path(__file__).resolve().parents[2] / "deploy" / "envoy" / "tokengate.yaml"))
+    assert [p.name for p in config.pools] == ["chat", "batch"]
+    assert config.extproc.max_message_timeout_s == 60
