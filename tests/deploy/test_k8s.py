@@ -4,13 +4,8 @@ the ConfigMap rendered with the image's template renderer and loaded by tokengat
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlparse
 
 import pytest
@@ -18,34 +13,12 @@ import yaml
 
 from gateway.config.loader import parse_config
 from gateway.config.schema import GatewayConfig
+from tests.deploy.kustomize import K8S, ROOT, Obj, gateway_raw_config, mounted_config_map, one, render
 
-ROOT = Path(__file__).resolve().parents[2]
-K8S = ROOT / "deploy" / "k8s"
 KUSTOMIZATIONS = sorted(p.parent for p in K8S.rglob("kustomization.yaml"))
 OVERLAYS = [p for p in KUSTOMIZATIONS if p.parent.name == "overlays"]
-Obj = dict[str, Any]
-
-
-def kubectl() -> str:
-    found = shutil.which("kubectl")
-    if found is None:
-        message = "kubectl not installed: make deploy-tools (scripts/container_setup.sh --tools-only)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
-    return found
-
-
-def render(path: Path) -> list[Obj]:
-    r = subprocess.run([kubectl(), "kustomize", str(path)], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    return [d for d in yaml.safe_load_all(r.stdout) if d]
-
-
-def one(objs: list[Obj], kind: str, name: str) -> Obj:
-    found = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
-    assert len(found) == 1, f"{kind}/{name}: {len(found)} found"
-    return found[0]
+# The gateway pods' command: the proxy, or Envoy's external processor behind an Envoy.
+COMMAND = {"overlays/envoy": "extproc"}
 
 
 def containers(objs: list[Obj]) -> Iterator[tuple[Obj, Obj]]:
@@ -57,22 +30,12 @@ def containers(objs: list[Obj]) -> Iterator[tuple[Obj, Obj]]:
 
 def gateway_config(objs: list[Obj]) -> GatewayConfig:
     """The ConfigMap's config.yaml as the container renders it at start, loaded by tokengate."""
-    deploy = one(objs, "Deployment", "tokengate")
-    pod = deploy["spec"]["template"]["spec"]
-    volume = next(v for v in pod["volumes"] if v["name"] == "config")
-    cm = one(objs, "ConfigMap", volume["configMap"]["name"])
-    spec = importlib.util.spec_from_file_location("render_config", ROOT / "deploy/docker/render_config.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    env = {e["name"]: e.get("value", f"from-secret-{e['name'].lower()}") for e in pod["containers"][0]["env"]}
-    env["TOKENGATE_REDIS_URL"] = "redis://redis.example:6379/0"
-    return parse_config(yaml.safe_load(mod.render(cm["data"]["config.yaml"], env)))
+    return parse_config(gateway_raw_config(objs))
 
 
 def test_every_kustomization_is_found() -> None:
     names = {p.relative_to(K8S).as_posix() for p in KUSTOMIZATIONS}
-    assert names == {"base", "overlays/reference", "overlays/vllm"}
+    assert names == {"base", "overlays/reference", "overlays/vllm", "overlays/envoy"}
 
 
 @pytest.mark.parametrize("path", KUSTOMIZATIONS, ids=lambda p: p.relative_to(K8S).as_posix())
@@ -93,7 +56,9 @@ def test_the_gateway_deployment_has_probes_drain_resources_and_a_non_root_securi
     sleep = int(c["lifecycle"]["preStop"]["exec"]["command"][1])
     assert pod["terminationGracePeriodSeconds"] > sleep + config.drain_timeout_s
     assert deploy["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
-    assert c["args"][:2] == ["serve", "--config"]
+    assert c["args"][:2] == [COMMAND.get(path.relative_to(K8S).as_posix(), "serve"), "--config"]
+    if c["args"][0] == "extproc":
+        assert (config.extproc.host, config.extproc.port) == ("0.0.0.0", ports["grpc"])
     env = {e["name"]: e for e in c["env"]}
     assert c["args"][2] == env["TOKENGATE_CONFIG_RENDERED"]["value"]
     assert Path(env["TOKENGATE_CONFIG_TEMPLATE"]["value"]).parent.as_posix() == next(
@@ -206,3 +171,95 @@ def test_the_vllm_overlay_forwards_priority_and_keeps_the_backend_key_in_a_secre
         for e in one(objs, "Deployment", "tokengate")["spec"]["template"]["spec"]["containers"][0]["env"]
     }
     assert env["VLLM_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "vllm-api-key", "key": "api-key"}
+
+
+ENVOY = K8S / "overlays" / "envoy"
+
+
+def _endpoint(cluster: Obj) -> tuple[str, int]:
+    (group,) = cluster["load_assignment"]["endpoints"]
+    (lb,) = group["lb_endpoints"]
+    address = lb["endpoint"]["address"]["socket_address"]
+    return address["address"], address["port_value"]
+
+
+def _without_endpoint(cluster: Obj) -> Obj:
+    cluster = yaml.safe_load(yaml.safe_dump(cluster))
+    cluster["name"] = cluster["load_assignment"]["cluster_name"] = "-"
+    cluster["load_assignment"]["endpoints"] = []
+    return cluster
+
+
+def test_the_envoy_overlays_envoy_config_is_the_shipped_one_at_this_overlays_addresses() -> None:
+    objs = render(ENVOY)
+    overlay = yaml.safe_load(mounted_config_map(objs, "envoy", "config")["data"]["envoy.yaml"])
+    shipped = yaml.safe_load((ROOT / "deploy" / "envoy" / "envoy.yaml").read_text())
+    config = gateway_config(objs)
+    listeners = {x["name"]: x for x in overlay["static_resources"]["listeners"]}
+    assert set(listeners) == {"api", "ready"}
+    # The API listener as shipped (filters, ext_proc modes and timeouts, routes), its fallback route
+    # (tokengate unreachable, failure_mode_allow) to one of this overlay's pools.
+    api = listeners["api"]
+    routes = api["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0][
+        "routes"
+    ]
+    assert routes[-1]["route"]["cluster"] in {p.name for p in config.pools}
+    (shipped_api,) = shipped["static_resources"]["listeners"]
+    shipped_routes = shipped_api["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]
+    shipped_routes["virtual_hosts"][0]["routes"][-1]["route"]["cluster"] = routes[-1]["route"]["cluster"]
+    assert api == shipped_api
+    assert overlay["admin"] == shipped["admin"]
+    # One cluster per pool, named as the pool, at the pool's backend; each set as the shipped ones.
+    clusters = {c["name"]: c for c in overlay["static_resources"]["clusters"]}
+    shipped_clusters = {c["name"]: c for c in shipped["static_resources"]["clusters"]}
+    assert set(clusters) == {"tokengate"} | {p.name for p in config.pools}
+    for pool in config.pools:
+        (backend,) = pool.backends
+        url = urlparse(backend.url)
+        assert _endpoint(clusters[pool.name]) == (url.hostname, url.port)
+        assert _without_endpoint(clusters[pool.name]) == _without_endpoint(shipped_clusters["chat"])
+    assert _without_endpoint(clusters["tokengate"]) == _without_endpoint(shipped_clusters["tokengate"])
+    # ext_proc's longest wait is the one tokengate extends to.
+    hcm = api["filter_chains"][0]["filters"][0]["typed_config"]
+    ext = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
+    assert ext["typed_config"]["max_message_timeout"] == f"{config.extproc.max_message_timeout_s:g}s"
+    assert ext["typed_config"]["failure_mode_allow"] is False
+
+
+def test_the_envoy_overlay_wires_envoy_to_every_ready_gateway_pod_and_clients_to_envoy() -> None:
+    objs = render(ENVOY)
+    overlay = yaml.safe_load(mounted_config_map(objs, "envoy", "config")["data"]["envoy.yaml"])
+    config = gateway_config(objs)
+    clusters = {c["name"]: c for c in overlay["static_resources"]["clusters"]}
+    listeners = {x["name"]: x for x in overlay["static_resources"]["listeners"]}
+    # Envoy reaches the processor through a headless Service: DNS names every ready gateway pod.
+    host, port = _endpoint(clusters["tokengate"])
+    assert clusters["tokengate"]["type"] == "STRICT_DNS"
+    svc = one(objs, "Service", host)
+    assert svc["spec"]["clusterIP"] == "None"
+    (svc_port,) = svc["spec"]["ports"]
+    assert svc_port["port"] == port
+    gateway = one(objs, "Deployment", "tokengate")["spec"]["template"]
+    assert svc["spec"]["selector"].items() <= gateway["metadata"]["labels"].items()
+    gateway_ports = {p["name"]: p["containerPort"] for p in gateway["spec"]["containers"][0]["ports"]}
+    assert gateway_ports[svc_port["targetPort"]] == config.extproc.port
+    # Envoy's pod: its config mounted where -c reads it, its ports the listeners', probes on the
+    # readiness listener, a grace period longer than its preStop pause; the Service to its API.
+    envoy = one(objs, "Deployment", "envoy")["spec"]["template"]
+    (c,) = envoy["spec"]["containers"]
+    path = Path(c["args"][c["args"].index("-c") + 1])
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert path.parent.as_posix() == mounts["config"] and path.name == "envoy.yaml"
+    envoy_ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert envoy_ports["http"] == listeners["api"]["address"]["socket_address"]["port_value"]
+    assert envoy_ports["ready"] == listeners["ready"]["address"]["socket_address"]["port_value"]
+    assert (
+        c["readinessProbe"]["httpGet"] == c["livenessProbe"]["httpGet"] == {"path": "/ready", "port": "ready"}
+    )
+    assert envoy["spec"]["terminationGracePeriodSeconds"] > c["lifecycle"]["preStop"]["sleep"]["seconds"]
+    front = one(objs, "Service", "envoy")
+    assert front["spec"]["selector"].items() <= envoy["metadata"]["labels"].items()
+    assert [p["targetPort"] for p in front["spec"]["ports"]] == ["http"]
+    assert one(objs, "PodDisruptionBudget", "envoy")["spec"]["selector"]["matchLabels"].items() <= (
+        envoy["metadata"]["labels"].items()
+    )

@@ -45,22 +45,26 @@ def envoy_config(
     processor: tuple[str, int],
     pools: Mapping[str, tuple[str, int]],
     failure_mode_allow: bool = False,
+    base: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The shipped config, its listener, admin, processor and pool clusters moved to these addresses
-    (pools: cluster name -> (host, port); the first one is the unadmitted fallback route's)."""
-    config = yaml.safe_load(SHIPPED.read_text())
+    """The shipped config (or ``base``), its API listener, admin, processor and pool clusters moved
+    to these addresses (pools: cluster name -> (host, port); the first one is the unadmitted
+    fallback route's), any other listener to a free port."""
+    config = yaml.safe_load(SHIPPED.read_text()) if base is None else yaml.safe_load(yaml.safe_dump(base))
     resources = config["static_resources"]
-    listener = resources["listeners"][0]
+    listener, *others = resources["listeners"]
     listener["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": listen_port}
+    for other in others:
+        other["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": free_port()}
     config["admin"]["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": admin_port}
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
     routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
     routes[-1]["route"]["cluster"] = next(iter(pools))
     ext = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
     ext["typed_config"]["failure_mode_allow"] = failure_mode_allow
-    shipped = {c["name"]: c for c in resources["clusters"]}
-    template = shipped["chat"]
-    clusters = [shipped["tokengate"]]
+    given = {c["name"]: c for c in resources["clusters"]}
+    template = next(c for name, c in given.items() if name != "tokengate")
+    clusters = [given["tokengate"]]
     _point(clusters[0], *processor)
     for name, (host, port) in pools.items():
         cluster = yaml.safe_load(yaml.safe_dump(template))
