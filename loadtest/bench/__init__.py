@@ -10,6 +10,9 @@ produced them: docs/benchmarks.md):
   waiting tenants and up to 1,000,000 waiting tickets, both stores (cycles/s, grant-pass and
   script-call p99, memory per tenant, ticket and lease).
 
+* ``python -m loadtest.bench.envoy``: tokengate behind Envoy (``tokengate extproc``) against Envoy
+  alone and ``tokengate serve``: CPU per request of every process on the path, added latency,
+  ext_proc messages per request.
 * ``python -m loadtest.bench.held_memory``: the gateway's memory against the request bodies it holds.
 * ``python -m loadtest.bench.vllm_closed_loop``: a real vLLM saturated, direct and through tokengate.
 

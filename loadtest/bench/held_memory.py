@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import orjson
 
-from loadtest.bench.overhead import _spawn_gateway, _wait_ready
+from loadtest.bench.overhead import spawn_gateway, wait_ready
 from loadtest.processes import free_port
 from loadtest.stub_backend import StubBackend, StubConfig
 
@@ -68,9 +68,9 @@ async def measure(
         )
         ops = "http://127.0.0.1:" + str(orjson.loads(cfg.read_text())["ops"]["port"])
         port = free_port()
-        gw = _spawn_gateway(cfg, port, access_log=False)
+        gw = spawn_gateway(cfg, port, access_log=False)
         try:
-            await asyncio.to_thread(_wait_ready, f"http://127.0.0.1:{port}/readyz")
+            await asyncio.to_thread(wait_ready, f"http://127.0.0.1:{port}/readyz")
             rng = random.Random(1)
             bodies = [(n, chat_body(rng, body_bytes)) for n in names for _ in range(per_tenant)]
             before = rss_mib(gw.pid)

@@ -73,13 +73,15 @@ PROMPT = "Hello! Could you tell me, in two short sentences, why the sky looks bl
 # ---- the load generator ----
 
 
-async def _load(url: str, concurrency: int, duration: float, warmup: float, stream: bool) -> dict[str, Any]:
+async def _load(
+    url: str, concurrency: int, duration: float, warmup: float, stream: bool, model: str = MODEL
+) -> dict[str, Any]:
     import aiohttp
     import orjson
 
     body = orjson.dumps(
         {
-            "model": MODEL,
+            "model": model,
             "messages": [{"role": "user", "content": PROMPT}],
             "max_tokens": CHUNKS,
             "stream": stream,
@@ -198,13 +200,28 @@ def _start_long_sender(url: str, args: argparse.Namespace, out: str) -> subproce
 # ---- orchestration ----
 
 
-def _cpu_seconds(pid: int) -> float:
+def load_run(
+    url: str, concurrency: int, stream: bool, duration: float, warmup: float, out: Path, model: str = MODEL
+) -> dict[str, Any]:
+    """One closed-loop load run from its own process (the load generator never shares a CPU
+    reading with a target): latencies of the measured window, errors, all requests completed."""
+    subprocess.run(
+        [sys.executable, "-m", "loadtest.bench.overhead", "--role", "load", "--url", url, "--c", str(concurrency),
+         "--duration", str(duration), "--warmup", str(warmup), "--stream", str(int(stream)), "--out", str(out),
+         "--model", model],
+        cwd=repo_root(), env=child_env(), check=True,
+    )  # fmt: skip
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     # fields[11], fields[12] are utime, stime (the 14th and 15th of the full line).
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _wait_ready(url: str, timeout: float = 30.0) -> None:
+def wait_ready(url: str, timeout: float = 30.0) -> None:
     import urllib.request
 
     deadline = time.monotonic() + timeout
@@ -218,7 +235,7 @@ def _wait_ready(url: str, timeout: float = 30.0) -> None:
             time.sleep(0.1)
 
 
-def _spawn(
+def spawn(
     args: Sequence[str], *, quiet_stdout: bool = True, tree: Path | None = None
 ) -> subprocess.Popen[bytes]:
     env = child_env()
@@ -232,11 +249,11 @@ def _spawn(
     )
 
 
-def _spawn_gateway(
+def spawn_gateway(
     cfg: Path, port: int, access_log: bool, tree: Path | None = None
 ) -> subprocess.Popen[bytes]:
     log_flag = "--access-log" if access_log else "--no-access-log"
-    return _spawn(
+    return spawn(
         ["-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(port),
          "--log-level", "warning", log_flag],
         tree=tree,
@@ -252,9 +269,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         stub_port, bare_port, gw_port = free_port(), free_port(), free_port()
         stub_url = f"http://127.0.0.1:{stub_port}"
-        procs.append(_spawn(["-m", "loadtest.bench.servers", "stub", "--port", str(stub_port)]))
+        procs.append(spawn(["-m", "loadtest.bench.servers", "stub", "--port", str(stub_port)]))
         procs.append(
-            _spawn(["-m", "loadtest.bench.servers", "bare", "--port", str(bare_port), "--upstream", stub_url])
+            spawn(["-m", "loadtest.bench.servers", "bare", "--port", str(bare_port), "--upstream", stub_url])
         )
         pools = (
             "ops: {port: 0}\n"  # two gateways side by side: each its own ops port
@@ -263,7 +280,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         cfg = Path(tmp.name) / "gw.yaml"
         cfg.write_text(pools)
-        gw = _spawn_gateway(cfg, gw_port, args.access_log)
+        gw = spawn_gateway(cfg, gw_port, args.access_log)
         procs.append(gw)
         targets = {
             "direct": (f"{stub_url}/v1/chat/completions", None),
@@ -277,7 +294,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             base_cfg = Path(tmp.name) / "gw-baseline.yaml"
             base_cfg.write_text(pools.removeprefix("ops: {port: 0}\n"))
             base_port = free_port()
-            base = _spawn_gateway(base_cfg, base_port, args.access_log, tree=args.baseline_tree.resolve())
+            base = spawn_gateway(base_cfg, base_port, args.access_log, tree=args.baseline_tree.resolve())
             procs.append(base)
             targets["baseline"] = (f"http://127.0.0.1:{base_port}/v1/chat/completions", base.pid)
         backgrounds = [""]
@@ -292,7 +309,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     pools.replace("ops: {port: 0}", f"ops: {{port: {estimate_ops}}}")
                     + f"pricing: {{estimate_above_chars: {args.estimate_above_chars}}}\n"
                 )
-                gwe = _spawn_gateway(cfg_est, est_port, args.access_log)
+                gwe = spawn_gateway(cfg_est, est_port, args.access_log)
                 procs.append(gwe)
                 targets["gateway-estimate"] = (f"http://127.0.0.1:{est_port}/v1/chat/completions", gwe.pid)
         if args.tracing:
@@ -306,7 +323,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 pools
                 + f"tracing: {{enabled: true, protocol: grpc, endpoint: '{sink.endpoint}', sample_ratio: {args.trace_sample_ratio}}}\n"
             )
-            gwt = _spawn_gateway(cfg_traced, gwt_port, args.access_log)
+            gwt = spawn_gateway(cfg_traced, gwt_port, args.access_log)
             procs.append(gwt)
             targets["gateway-traced"] = (f"http://127.0.0.1:{gwt_port}/v1/chat/completions", gwt.pid)
         if args.redis:
@@ -314,13 +331,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             gwr_port = free_port()
             cfg_redis = Path(tmp.name) / "gw-redis.yaml"
             cfg_redis.write_text(pools + f'store: {{kind: redis, url: "{redis.url}", key_prefix: bench}}\n')
-            gwr = _spawn_gateway(cfg_redis, gwr_port, args.access_log)
+            gwr = spawn_gateway(cfg_redis, gwr_port, args.access_log)
             procs.append(gwr)
             targets["gateway-redis"] = (f"http://127.0.0.1:{gwr_port}/v1/chat/completions", gwr.pid)
-        _wait_ready(f"{stub_url}/v1/models")
+        wait_ready(f"{stub_url}/v1/models")
         for name, (url, _) in targets.items():
             if name.startswith("gateway") or name == "baseline":
-                _wait_ready(url.replace("/v1/chat/completions", "/readyz"))
+                wait_ready(url.replace("/v1/chat/completions", "/readyz"))
         time.sleep(0.5)
         results: dict[str, Any] = {}
         # Rounds outermost: every scenario is measured once per round, interleaved across targets.
@@ -332,24 +349,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             sender = _start_long_sender(url, args, long_out) if background else None
             # Redis's CPU is charged to the one target that talks to it.
             meter = redis if name == "gateway-redis" else None
-            cpu0 = _cpu_seconds(pid) if pid else 0.0
+            cpu0 = cpu_seconds(pid) if pid else 0.0
             rcpu0 = meter.cpu_seconds() if meter else 0.0
-            result_path = os.path.join(tmp.name, "load.json")
-            subprocess.run(
-                [sys.executable, "-m", "loadtest.bench.overhead", "--role", "load", "--url", url, "--c", str(conc),
-                 "--duration", str(args.duration), "--warmup", str(args.warmup), "--stream", str(int(stream)),
-                 "--out", result_path],
-                cwd=repo_root(), env=child_env(), check=True,
-            )  # fmt: skip
-            cpu1 = _cpu_seconds(pid) if pid else 0.0
+            data = load_run(url, conc, stream, args.duration, args.warmup, Path(tmp.name) / "load.json")
+            cpu1 = cpu_seconds(pid) if pid else 0.0
             rcpu1 = meter.cpu_seconds() if meter else 0.0
             long_run: dict[str, Any] | None = None
             if sender is not None:
                 sender.wait(args.warmup + args.duration + 120)
                 with open(long_out) as f:
                     long_run = json.load(f)
-            with open(result_path) as f:
-                data = json.load(f)
             agg = results.setdefault(
                 key,
                 {
@@ -689,6 +698,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--c", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--stream", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--model", default=MODEL, help=argparse.SUPPRESS)
     p.add_argument("--duration", type=float, default=3.0, help="measured seconds per load run")
     p.add_argument("--warmup", type=float, default=0.5, help="unmeasured seconds before each run")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds over all targets")
@@ -749,7 +759,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "load":
         import uvloop
 
-        out = uvloop.run(_load(args.url, args.c, args.duration, args.warmup, bool(args.stream)))
+        out = uvloop.run(_load(args.url, args.c, args.duration, args.warmup, bool(args.stream), args.model))
         # The result goes to a file, not stdout: a large result read back through the stdout pipe
         # was twice seen cut short at a 32 KiB boundary while the machine was loaded.
         with open(args.out, "w") as f:

