@@ -16,10 +16,11 @@ import orjson
 import pytest
 
 from gateway.observe.accesslog import Record
+from loadtest.envoy import envoy_config
 from loadtest.processes import free_port
 from tests.budgets.support import assert_idle
 from tests.conftest import StubBackend, serve_asgi
-from tests.extproc.support import Envoy, Processor, envoy_config, in_process, running_envoy
+from tests.extproc.support import Envoy, Processor, in_process, running_envoy
 from tests.support import eventually
 
 pytestmark = pytest.mark.slow
@@ -212,6 +213,28 @@ async def test_a_request_queues_past_envoys_message_timeout_and_then_runs(tmp_pa
         assert status == 200
         assert queued_ms > 1000  # it waited for the first, beyond Envoy's message timeout
         await settled(s)
+
+
+async def test_the_lease_heartbeats_while_envoys_stream_lives(tmp_path: Path) -> None:
+    """A stream through Envoy outlives the lease TTL several times over: the processor's heartbeat
+    keeps the lease (expired leases reaped meanwhile), and the stream's end releases it."""
+    async with stack(tmp_path, {"tenants": TENANTS, "leases": {"ttl_s": 0.3}}) as s:
+        async with aiohttp.ClientSession() as http:
+            headers = {**key("a"), "x-stub-chunks": "100", "x-stub-interval": "0.01"}
+            async with http.post(
+                s.url, data=orjson.dumps(chat(stream=True, max_tokens=120)), headers=headers
+            ) as r:
+                assert r.status == 200
+                await r.content.readuntil(b"tok2 ")
+                await asyncio.sleep(0.8)  # well past the TTL: only heartbeats keep the lease
+                await s.store.reap_expired()
+                snap = await s.store.snapshot()
+                assert snap.leases == 1 and snap.pools["tenant:a"].in_flight > 0
+                text = (await r.read()).decode()
+        assert text.rstrip().endswith("data: [DONE]")
+        await settled(s)
+        await eventually(lambda: len(s.records) == 1, timeout_s=5)
+        assert s.records[0].status == 200 and s.records[0].completion_tokens == 100
 
 
 async def test_client_gone_mid_stream_releases_once_and_cancels_upstream(tmp_path: Path) -> None:

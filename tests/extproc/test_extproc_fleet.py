@@ -17,10 +17,11 @@ import orjson
 import pytest
 from redis.asyncio import Redis
 
+from loadtest.envoy import envoy_config
 from loadtest.processes import free_port
 from tests.budgets.redis_fixtures import RedisServer, unique_prefix
 from tests.conftest import StubBackend, serve_asgi
-from tests.extproc.support import ROOT, envoy_config, running_envoy, spawn_extproc
+from tests.extproc.support import ROOT, running_envoy, spawn_extproc
 
 pytestmark = pytest.mark.slow
 

@@ -13,11 +13,12 @@ import orjson
 import pytest
 import yaml
 
+from loadtest.envoy import envoy_config
 from loadtest.processes import free_port
 from tests.budgets.redis_fixtures import RedisServer
 from tests.conftest import StubBackend, serve_asgi
 from tests.deploy.kustomize import K8S, gateway_raw_config, mounted_config_map, render
-from tests.extproc.support import envoy_config, in_process, running_envoy
+from tests.extproc.support import in_process, running_envoy
 
 pytestmark = pytest.mark.slow
 
