@@ -25,6 +25,7 @@ benchmarks call the library directly: they measure it in-process. Instruments fo
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from gateway.observe.percentile import percentile
 
@@ -33,3 +34,16 @@ def percentile_ms(seconds: Iterable[float], p: float) -> float:
     """The p-th percentile of durations in seconds, in milliseconds; NaN when there are none."""
     value = percentile(seconds, p)
     return float("nan") if value is None else value * 1e3
+
+
+def latency_summary(agg: dict[str, Any]) -> dict[str, Any]:
+    """A target's load runs added up (``latencies`` of the measured windows, ``errors``,
+    ``seconds`` measured): requests, errors, p50/p99 in ms, requests/s."""
+    lat = agg["latencies"]
+    return {
+        "requests": len(lat),
+        "errors": agg["errors"],
+        "p50_ms": percentile_ms(lat, 50),
+        "p99_ms": percentile_ms(lat, 99),
+        "rps": len(lat) / agg["seconds"],
+    }

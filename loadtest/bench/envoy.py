@@ -39,7 +39,7 @@ from typing import Any
 
 import yaml
 
-from loadtest.bench import percentile_ms
+from loadtest.bench import latency_summary, percentile_ms
 from loadtest.bench.overhead import cpu_seconds, load_run, spawn, wait_ready
 from loadtest.bench.servers import MODEL, PACED_MODEL
 from loadtest.envoy import envoy_argv, envoy_binary, envoy_config
@@ -152,13 +152,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
         summary: dict[str, Any] = {}
         for key, agg in results.items():
-            lat = agg["latencies"]
             summary[key] = {
-                "requests": len(lat),
-                "errors": agg["errors"],
-                "p50_ms": percentile_ms(lat, 50),
-                "p99_ms": percentile_ms(lat, 99),
-                "rps": len(lat) / agg["seconds"],
+                **latency_summary(agg),
                 "cpu_ms_per_req": {p: s / agg["n_all"] * 1e3 for p, s in agg["cpu"].items()}
                 if agg["n_all"]
                 else {},

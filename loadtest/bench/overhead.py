@@ -60,7 +60,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from loadtest.bench import percentile_ms
+from loadtest.bench import latency_summary, percentile_ms
 from loadtest.bench.pricing import measure
 from loadtest.bench.servers import CHUNKS, MODEL
 from loadtest.processes import child_env, free_port
@@ -389,13 +389,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
         summary.clear()
         for key, agg in results.items():
-            lat = agg["latencies"]
             summary[key] = {
-                "requests": len(lat),
-                "errors": agg["errors"],
-                "p50_ms": percentile_ms(lat, 50),
-                "p99_ms": percentile_ms(lat, 99),
-                "rps": len(lat) / agg["seconds"],
+                **latency_summary(agg),
                 # CPU is read around the whole load run (warm-up included): divide by all requests.
                 "cpu_ms_per_req": (agg["cpu"] / agg["n_all"] * 1e3) if agg["n_all"] and agg["cpu"] else None,
             }
