@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,9 +22,9 @@ import yaml
 from gateway.app import Gateway, build_app
 from gateway.config.loader import parse_config
 from loadtest import envoy as loadtest_envoy
-from loadtest.envoy import envoy_argv
+from loadtest.envoy import envoy_argv, envoy_config
 from loadtest.processes import free_port
-from tests.conftest import Served, serve_asgi
+from tests.conftest import Served, StubBackend, serve_asgi
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -123,6 +123,35 @@ async def in_process(raw: dict[str, Any]) -> AsyncIterator[Processor]:
         yield Processor(gateway, served)
     finally:
         await served.stop()
+
+
+@contextlib.asynccontextmanager
+async def stub_backends(names: Iterable[str]) -> AsyncIterator[dict[str, tuple[StubBackend, Served]]]:
+    """A stub backend served on a free port per pool name; stopped at the end."""
+    served: dict[str, tuple[StubBackend, Served]] = {}
+    try:
+        for name in names:
+            stub = StubBackend()
+            served[name] = (stub, await serve_asgi(stub))
+        yield served
+    finally:
+        for _, s in served.values():
+            await s.stop()
+
+
+def envoy_for(
+    processor: Processor,
+    backends: Mapping[str, tuple[StubBackend, Served]],
+    base: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The Envoy config (shipped, or ``base``) asking ``processor``, one cluster per stub backend."""
+    return envoy_config(
+        listen_port=free_port(),
+        admin_port=free_port(),
+        processor=("127.0.0.1", processor.grpc_port),
+        pools={name: ("127.0.0.1", int(s.url.rsplit(":", 1)[1])) for name, (_, s) in backends.items()},
+        base=base,
+    )
 
 
 async def spawn_extproc(config_path: Path, log: Path, grpc_port: int) -> asyncio.subprocess.Process:

@@ -16,11 +16,9 @@ import orjson
 import pytest
 
 from gateway.observe.accesslog import Record
-from loadtest.envoy import envoy_config
-from loadtest.processes import free_port
 from tests.budgets.support import assert_idle
-from tests.conftest import StubBackend, serve_asgi
-from tests.extproc.support import Envoy, Processor, in_process, running_envoy
+from tests.conftest import StubBackend
+from tests.extproc.support import Envoy, Processor, envoy_for, in_process, running_envoy, stub_backends
 from tests.support import eventually
 
 pytestmark = pytest.mark.slow
@@ -59,29 +57,20 @@ def key(name: str) -> dict[str, str]:
 async def stack(
     tmp_path: Path, raw: dict[str, Any], pools: tuple[str, ...] = ("chat",)
 ) -> AsyncIterator[Stack]:
-    stubs = {name: StubBackend() for name in pools}
-    served = {name: await serve_asgi(stub) for name, stub in stubs.items()}
-    try:
+    async with stub_backends(pools) as backends:
         raw = {
             "pools": {
-                name: {"backends": [{"url": s.url, "capacity_tokens": 10_000}]} for name, s in served.items()
+                name: {"backends": [{"url": s.url, "capacity_tokens": 10_000}]}
+                for name, (_, s) in backends.items()
             },
             **raw,
         }
         async with in_process(raw) as processor:
-            config = envoy_config(
-                listen_port=free_port(),
-                admin_port=free_port(),
-                processor=("127.0.0.1", processor.grpc_port),
-                pools={name: ("127.0.0.1", int(s.url.rsplit(":", 1)[1])) for name, s in served.items()},
-            )
+            config = envoy_for(processor, backends)
             records: list[Record] = []
             processor.gateway.request_hooks.append(lambda rec, _end: records.append(rec))
             async with running_envoy(config, tmp_path) as envoy:
-                yield Stack(envoy, processor, stubs, records)
-    finally:
-        for s in served.values():
-            await s.stop()
+                yield Stack(envoy, processor, {name: stub for name, (stub, _) in backends.items()}, records)
 
 
 async def settled(s: Stack) -> None:

@@ -13,12 +13,10 @@ import orjson
 import pytest
 import yaml
 
-from loadtest.envoy import envoy_config
 from loadtest.processes import free_port
 from tests.budgets.redis_fixtures import RedisServer
-from tests.conftest import StubBackend, serve_asgi
 from tests.deploy.kustomize import K8S, gateway_raw_config, mounted_config_map, render
-from tests.extproc.support import in_process, running_envoy
+from tests.extproc.support import envoy_for, in_process, running_envoy, stub_backends
 
 pytestmark = pytest.mark.slow
 
@@ -34,22 +32,14 @@ async def test_the_envoy_overlay_routes_each_class_to_its_pool_and_reports_ready
     objs = render(K8S / "overlays" / "envoy")
     shipped_envoy = yaml.safe_load(mounted_config_map(objs, "envoy", "config")["data"]["envoy.yaml"])
     raw = gateway_raw_config(objs, redis_url=fresh_redis.url)
-    stubs = {name: StubBackend() for name in raw["pools"]}
-    served = {name: await serve_asgi(stub) for name, stub in stubs.items()}
-    try:
+    async with stub_backends(raw["pools"]) as backends:
         for name, pool in raw["pools"].items():
             (backend,) = pool["backends"]
-            backend["url"] = served[name].url
+            backend["url"] = backends[name][1].url
         raw["extproc"] = {**raw["extproc"], "host": "127.0.0.1", "port": free_port()}
         raw["ops"] = {"port": None}
         async with in_process(raw) as processor:
-            config = envoy_config(
-                listen_port=free_port(),
-                admin_port=free_port(),
-                processor=("127.0.0.1", processor.grpc_port),
-                pools={name: ("127.0.0.1", int(s.url.rsplit(":", 1)[1])) for name, s in served.items()},
-                base=shipped_envoy,
-            )
+            config = envoy_for(processor, backends, base=shipped_envoy)
             ready = next(x for x in config["static_resources"]["listeners"] if x["name"] == "ready")
             ready_url = f"http://127.0.0.1:{ready['address']['socket_address']['port_value']}/ready"
             async with running_envoy(config, tmp_path) as envoy, aiohttp.ClientSession() as http:
@@ -59,7 +49,7 @@ async def test_the_envoy_overlay_routes_each_class_to_its_pool_and_reports_ready
                     async with http.post(url, data=orjson.dumps(chat(words)), headers=key) as r:
                         assert r.status == 200, await r.text()
                         assert r.headers["x-tokengate-class"] == cls
-                    (seen,) = stubs[pool].requests
+                    (seen,) = backends[pool][0].requests
                     assert seen.headers["x-tokengate-pool"] == pool
                     assert seen.headers["x-llm-d-inference-fairness-id"] == "acme"
                     assert seen.headers["x-llm-d-inference-objective"] == "critical"
@@ -70,6 +60,3 @@ async def test_the_envoy_overlay_routes_each_class_to_its_pool_and_reports_ready
                     assert r.status == 200
                 async with http.get(ready_url) as r:
                     assert r.status == 503
-    finally:
-        for s in served.values():
-            await s.stop()
