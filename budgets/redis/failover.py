@@ -44,6 +44,13 @@ class Resync:
     new_lease_id: Callable[[], str]
 
 
+def _why(err: BaseException) -> str:
+    """What went wrong, for the log: a timeout's text is empty."""
+    if str(err):
+        return str(err)
+    return "no answer within the call timeout" if isinstance(err, TimeoutError) else type(err).__name__
+
+
 class Failover:
     def __init__(
         self,
@@ -78,12 +85,13 @@ class Failover:
         return self._down
 
     def mark_down(self, err: BaseException) -> None:
+        why = _why(err)
         if not self._down:
             self._down = True
-            _log.warning("budget store unreachable (%s); fail_mode=%s", err, self._opts.fail_mode)
+            _log.warning("budget store unreachable (%s); fail_mode=%s", why, self._opts.fail_mode)
         # Held-back calls try again (through the fallback in open mode) instead of waiting for a
         # settle that can no longer be observed.
-        self._settle.fail(Down(str(err)))
+        self._settle.fail(Down(why))
 
     def defer_release(self, lease_id: str, actual_decode: int | None) -> None:
         """A release Redis has not applied: the recovery applies it."""

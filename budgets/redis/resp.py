@@ -295,6 +295,10 @@ class RespConnection:
                 new.teardown(RespConnectionError(f"connect failed: {err!r}"))
                 if isinstance(err, ReplyError):
                     raise RespConnectionError(f"redis refused the connection: {err}") from err
+                if isinstance(err, TimeoutError) and not str(err):
+                    raise TimeoutError(
+                        f"redis did not accept a connection within {self._connect_timeout_s}s"
+                    ) from err
                 raise
             if self._closed:
                 new.teardown(RespConnectionError("connection closed"))

@@ -116,7 +116,12 @@ class Transport:
         try:
             async with asyncio.timeout(self._opts.call_timeout_s):
                 return await awaitable
-        except (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError) as err:
+        except TimeoutError as err:
+            # asyncio's timeout has no text: say which bound ran out.
+            timeout = TimeoutError(str(err) or f"redis did not answer within {self._opts.call_timeout_s}s")
+            self._on_down(timeout)
+            raise Down(str(timeout)) from err
+        except (RedisConnectionError, RedisTimeoutError, OSError) as err:
             self._on_down(err)
             raise Down(str(err)) from err
         except (ReadOnlyError, MovedError, AskError, TryAgainError, ClusterDownError) as err:

@@ -205,6 +205,7 @@ async def test_concurrent_reservations_never_exceed_and_all_settle(
     assert reserved == 0 and used == expected <= limit
 
 
+@pytest.mark.redis_outage
 async def test_a_redis_restart_loses_the_windows_and_settles_nothing(
     make_store: StoreMaker, fresh_redis: RedisServer
 ) -> None:

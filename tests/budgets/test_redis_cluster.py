@@ -16,7 +16,7 @@ from budgets.redis.cluster import ClusterSpec, migrate_slot, parse_cluster_url, 
 from budgets.redis.resp import Address
 from budgets.types import QueueTimeout, StoreUnavailable
 from loadtest.redis_server import RedisCluster
-from tests.budgets.redis_fixtures import FAST, unique_prefix
+from tests.budgets.redis_fixtures import STEADY, unique_prefix
 from tests.budgets.support import P, assert_idle, demand, eventually, in_flight, small_layout
 
 
@@ -30,7 +30,7 @@ def cluster() -> Iterator[RedisCluster]:
 
 
 def store_on(cluster: RedisCluster, prefix: str) -> RedisStore:
-    return RedisStore(small_layout(ttl=2.0), RedisOptions(url=cluster.url, key_prefix=prefix, **FAST))  # type: ignore[arg-type]
+    return RedisStore(small_layout(ttl=2.0), RedisOptions(url=cluster.url, key_prefix=prefix, **STEADY))  # type: ignore[arg-type]
 
 
 async def test_domains_spread_over_the_shards_each_store_on_its_slots_owner(cluster: RedisCluster) -> None:

@@ -41,6 +41,7 @@ from tests.budgets.support import (
 )
 
 __all__ = ["fresh_redis", "make_store"]  # fixtures used below
+pytestmark = pytest.mark.redis_outage  # stores notice an outage within tenths of a second
 
 CAPACITY = 100
 

@@ -40,6 +40,7 @@ from tests.budgets.support import (
 )
 
 __all__ = ["fresh_redis", "make_store", "redis_server"]  # fixtures used below
+pytestmark = pytest.mark.redis_outage  # stores notice an outage within tenths of a second
 
 
 async def test_fail_closed_answers_fast_while_redis_is_down_and_recovers(
@@ -90,13 +91,34 @@ async def acquire_while_hung(server: RedisServer, store: RedisStore, d: Demand) 
 
 
 async def test_fail_closed_times_out_on_a_hung_redis(
-    fresh_redis: RedisServer, make_store: StoreMaker
+    fresh_redis: RedisServer, make_store: StoreMaker, caplog: pytest.LogCaptureFixture
 ) -> None:
     store = make_store(fresh_redis, small_layout())
     await store.start()
     # The acquire reaches Redis and runs when it resumes: its lease must not hold tokens until
     # the TTL, nobody will release it.
     await acquire_while_hung(fresh_redis, store, demand("a", 10, P))
+    assert "budget store unreachable (redis did not answer within 0.2s)" in caplog.text
+    lease = await store.acquire(demand("a", 10, P), 1)
+    assert await store.release(lease.id)
+    await assert_idle(store)
+
+
+async def test_a_store_started_on_a_hung_redis_says_what_timed_out(
+    fresh_redis: RedisServer, make_store: StoreMaker, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The kernel accepts the connection; the handshake is never answered. asyncio's timeouts carry
+    # no text, and "unreachable ()" told the operator nothing.
+    store = make_store(fresh_redis, small_layout())
+    assert fresh_redis.proc is not None
+    os.kill(fresh_redis.proc.pid, signal.SIGSTOP)
+    try:
+        await store.start()
+        assert not await store.healthy()
+    finally:
+        os.kill(fresh_redis.proc.pid, signal.SIGCONT)
+    assert "budget store unreachable (redis did not " in caplog.text
+    await eventually(store.healthy, timeout_s=5)
     lease = await store.acquire(demand("a", 10, P), 1)
     assert await store.release(lease.id)
     await assert_idle(store)

@@ -246,9 +246,7 @@ async def test_what_the_library_keeps_across_calls_does_not_grow_with_the_tenant
     n = 5000
     names = [f"t{i}" for i in range(n)]
     big = layout([shared(P, 100), *(private(f"tenant:{t}", 100) for t in names)], names, lease_ttl_s=10.0)
-    # Calls may take seconds: this is about memory, not outages, and a hundred acquires at once on
-    # a loaded 2-core machine once took past FAST's 0.2 s connect timeout (a "Redis is down").
-    store = make_store(fresh_redis, big, connect_timeout_s=5.0, op_timeout_s=5.0)
+    store = make_store(fresh_redis, big)
     await store.start()
     raw = Redis.from_url(fresh_redis.url, decode_responses=True)
     try:

@@ -17,6 +17,7 @@ from tests.budgets.redis_fixtures import StoreMaker, make_store
 from tests.budgets.support import P, assert_idle, demand, eventually, in_flight, small_layout
 
 __all__ = ["make_store"]  # a fixture used below
+pytestmark = pytest.mark.redis_outage  # stores notice an outage within tenths of a second
 
 
 @pytest.fixture
