@@ -77,6 +77,9 @@ class EnvoyStream:
         self._pending = False  # a message of Envoy's waits for its answer
         self._pending_kind = "request_headers"
         self._gone = asyncio.Event()
+        # Envoy sent the response's last message: its stream closing from then on is the exchange
+        # done, not the client gone (Envoy closes it as soon as it has that message's answer).
+        self._response_ended = False
         self.signals = RequestSignals(forwarder=self)
         self.signals.body_complete = True  # Envoy buffered it whole: the first receive() returns it
         self._headers: list[tuple[bytes, bytes]] = []
@@ -194,6 +197,8 @@ class EnvoyStream:
         try:
             async for msg in self._incoming:
                 self._inbox.put_nowait(msg)
+                if _ends_response(msg):
+                    self._response_ended = True
         except Exception:
             pass  # a reset stream: the same as its end
         finally:
@@ -203,7 +208,8 @@ class EnvoyStream:
         if not self._gone.is_set():
             self._gone.set()
             self._inbox.put_nowait(None)
-            self.signals.disconnected()
+            if not self._response_ended:
+                self.signals.disconnected()
 
     async def _receive(self) -> MutableMapping[str, Any]:
         body, self._body_unread = self._body_unread, None
@@ -405,6 +411,16 @@ class EnvoyStream:
         private = x.private_headers
         remove = [n for n in names if n.encode("latin-1") in private]
         return messages.mutation(set_headers, remove)
+
+
+def _ends_response(msg: ProcessingRequest) -> bool:
+    """Whether Envoy's message is the response's last (nothing follows it on the stream)."""
+    which = msg.WhichOneof("request")
+    if which == "response_body":
+        return msg.response_body.end_of_stream
+    if which == "response_headers":
+        return msg.response_headers.end_of_stream
+    return which == "response_trailers"
 
 
 def _response_facts(headers: HttpHeaders) -> tuple[int, str, bool, list[str]]:

@@ -974,7 +974,12 @@ class Proxy:
             rec.backend_url = backend.spec.url
         if x.forwarder is not None:  # another front end sends it (Envoy): the same request, its client
             headers = self._request_headers(x, backend)
-            answered = await x.forwarder.forward(x, backend, payload, headers, self._growth(x))
+            try:
+                answered = await x.forwarder.forward(x, backend, payload, headers, self._growth(x))
+            except BaseException:
+                if x.stream_complete:  # the client hung up after the stream's end: complete
+                    usage.settle(x, backend)
+                raise
             if answered is not None and not x.stream_complete:
                 usage.reported(x, answered)
             usage.settle(x, backend)

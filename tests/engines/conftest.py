@@ -9,18 +9,26 @@ engine fails the run where CI=true and skips the test elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
+from budgets.types import BudgetStore
+from gateway.app import Gateway
+from loadtest.envoy import envoy_config
 from loadtest.processes import die_with_parent, free_port
+from tests.budgets.support import assert_idle
 from tests.conftest import RunningGateway
+from tests.extproc.support import in_process, running_envoy
 from tests.support import eventually
 
 REAL_ENV = "TOKENGATE_REAL_TEST"
@@ -205,3 +213,46 @@ async def idle(gw: RunningGateway) -> None:
         return not any((await gw.in_flight()).values())
 
     await eventually(zero, timeout_s=10, message="tokens still in flight")
+
+
+@dataclass
+class ThroughEnvoy:
+    """A real Envoy (deploy/envoy/envoy.yaml) asking ``tokengate extproc``'s processor, served in
+    the test's loop, with one cluster per pool at the pool's (one) engine."""
+
+    url: str  # Envoy's listener: what clients call
+    gateway: Gateway
+
+    async def settled(self) -> None:
+        """Every lease released, every pool at zero. The client has an answer's last bytes when
+        Envoy has the processor's answer to them, a moment before the release: waited for."""
+        store: BudgetStore = self.gateway.store
+
+        async def zero() -> bool:
+            snap = await store.snapshot()
+            return snap.leases == 0 and not any(p.in_flight for p in snap.pools.values())
+
+        with contextlib.suppress(AssertionError):
+            await eventually(zero, timeout_s=10)
+        await assert_idle(store)
+
+
+@contextlib.asynccontextmanager
+async def behind_envoy(raw: dict[str, Any], workdir: Path) -> AsyncIterator[ThroughEnvoy]:
+    """The gateway of ``raw`` as Envoy's external processor, Envoy in front of the engines its
+    pools name."""
+    pools = {}
+    for name, pool in raw["pools"].items():
+        [backend] = pool["backends"]
+        url = urlsplit(backend["url"])
+        assert url.hostname is not None and url.port is not None
+        pools[name] = (url.hostname, url.port)
+    async with in_process(raw) as processor:
+        config = envoy_config(
+            listen_port=free_port(),
+            admin_port=free_port(),
+            processor=("127.0.0.1", processor.grpc_port),
+            pools=pools,
+        )
+        async with running_envoy(config, workdir) as envoy:
+            yield ThroughEnvoy(envoy.url, processor.gateway)

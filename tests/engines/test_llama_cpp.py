@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,7 +20,7 @@ import openai
 import pytest
 
 from tests.conftest import GatewayFactory
-from tests.engines.conftest import Engine, LlamaFactory, idle
+from tests.engines.conftest import Engine, LlamaFactory, behind_envoy, idle
 from tests.engines.support import MESSAGES, access_lines, client
 from tests.support import eventually
 
@@ -274,3 +275,49 @@ async def test_a_quota_charges_llama_cpps_usage_and_the_streams_estimate(
     window = [(quota.key, quota.window.oldest(time.time()))]
     assert await gw.app.quotas.ledger.usage(window) == [(spent, 0)]
     await idle(gw)
+
+
+async def test_through_envoy_and_the_external_processor_answers_are_llama_cpps(
+    llama: Engine, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A real Envoy with tokengate as its external processor in front of the engine: the request id
+    the gateway sets is one the engine accepts, the answers are the engine's own, and the stream
+    (no usage from this engine) is charged the gateway's estimate, once."""
+    caplog.set_level(logging.INFO, logger="tokengate.access")
+    async with behind_envoy(config(llama), tmp_path) as s:
+        direct, through = client(llama.url, "none"), client(s.url)
+        await chat_text(direct, max_tokens=24)  # the engine's first answer to a prompt differs (above)
+        assert await chat_text(through, max_tokens=24) == await chat_text(direct, max_tokens=24)
+        assert await stream_text(through, max_tokens=24) == await stream_text(direct, max_tokens=24)
+        await s.settled()
+        answer, stream = access_lines(caplog)
+        assert (answer["status"], answer["outcome"], stream["status"], stream["outcome"]) == (200, "ok") * 2
+        assert answer["usage_estimated"] is None and answer["completion_tokens"]
+        assert stream["usage_estimated"] and stream["completion_tokens"]
+        [backend] = list(s.gateway.router.backends)
+        assert (backend.usage_reported, backend.usage_missing) == (1, 1)
+
+
+async def test_through_envoy_a_client_that_hangs_up_stops_llama_cpps_generation(
+    llama: Engine, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="tokengate.access")
+    async with behind_envoy(config(llama), tmp_path) as s:
+        before = llama.log_text().count("Disconnected from client")
+        stream = await client(s.url).chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=400, stream=True
+        )
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == 3:
+                break
+        await stream.close()
+        await eventually(
+            lambda: llama.log_text().count("Disconnected from client") > before,
+            timeout_s=10,
+            message="engine went on",
+        )
+        await s.settled()
+        [line] = access_lines(caplog)
+        assert (line["status"], line["outcome"]) == (499, "client_disconnect")

@@ -21,7 +21,7 @@ import pytest
 
 from loadtest.bench import vllm_closed_loop as loop
 from tests.conftest import GatewayFactory
-from tests.engines.conftest import Engine, VllmFactory, idle
+from tests.engines.conftest import Engine, VllmFactory, behind_envoy, idle
 from tests.engines.support import MESSAGES, access_lines, client
 from tests.support import eventually
 
@@ -301,3 +301,60 @@ async def test_a_daily_quota_is_settled_to_the_engines_usage(
     used, reserved = (await gw.app.quotas.ledger.usage(window))[0]
     assert reserved == 0 and used <= 2000
     await idle(gw)
+
+
+async def test_through_envoy_and_the_external_processor_answers_and_usage_are_vllms(
+    vllm: Engine, tiny_llama_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same requests through a real Envoy with tokengate as its external processor: the SDK gets
+    vLLM's own answers, a stream's usage only where it asked, and the access log vLLM's usage for
+    every request (the processor asked for the streams' usage the clients did not)."""
+    caplog.set_level(logging.INFO, logger="tokengate.access")
+    async with behind_envoy(config(vllm, tiny_llama_dir), tmp_path) as s:
+        direct, through = client(vllm.url, "none"), client(s.url)
+        kw: dict[str, Any] = {"model": MODEL, "messages": MESSAGES, "temperature": 0, "max_tokens": 16}
+        a, b = await direct.chat.completions.create(**kw), await through.chat.completions.create(**kw)
+        assert a.choices[0].message.content == b.choices[0].message.content
+        assert a.usage == b.usage
+        for usage in (True, False):
+            options = {"stream_options": {"include_usage": True}} if usage else {}
+            d = await stream_events(direct, max_tokens=16, **options)
+            t = await stream_events(through, max_tokens=16, **options)
+            assert d == t  # event by event; the usage event only where the client asked for it
+            assert (t[1] is not None) == usage
+        n = 20
+        for i in range(n):
+            await stream_events(through, max_tokens=2 + i % 4, extra_body={"ignore_eos": True})
+        await s.settled()
+        lines = access_lines(caplog)
+        assert len(lines) == 3 + n and {(line["status"], line["outcome"]) for line in lines} == {(200, "ok")}
+        assert all(line["usage_estimated"] is None and line["prompt_tokens"] for line in lines)
+        assert lines[0]["completion_tokens"] == a.usage.completion_tokens
+        assert [line["completion_tokens"] for line in lines[3:]] == [2 + i % 4 for i in range(n)]
+        [backend] = list(s.gateway.router.backends)
+        assert (backend.usage_reported, backend.usage_missing) == (3 + n, 0)
+
+
+async def test_through_envoy_a_client_that_hangs_up_aborts_vllms_request(
+    vllm: Engine, tiny_llama_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="tokengate.access")
+    async with behind_envoy(config(vllm, tiny_llama_dir), tmp_path) as s:
+        stream = await client(s.url).chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=1900, stream=True, extra_body={"ignore_eos": True}
+        )
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == 3:
+                break
+        assert await metric(vllm, "vllm:num_requests_running") == 1
+        await stream.close()  # Envoy resets the processor's stream and the engine's
+
+        async def engine_stopped() -> bool:
+            return await metric(vllm, "vllm:num_requests_running") == 0
+
+        await eventually(engine_stopped, timeout_s=5, message="vLLM went on generating")
+        await s.settled()
+        [line] = access_lines(caplog)
+        assert (line["status"], line["outcome"]) == (499, "client_disconnect")
