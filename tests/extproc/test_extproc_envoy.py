@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import httpx
 import orjson
 import pytest
 
@@ -286,3 +287,34 @@ async def test_a_backend_failure_is_the_gateways_502_without_the_backends_words(
         async with http.post(s.url, data=orjson.dumps(chat()), headers=headers) as r:
             assert r.status == 404  # a backend's 4xx is the client's to read, as through the proxy
         await settled(s)
+
+
+async def test_every_api_over_http2_is_admitted_and_its_usage_read(tmp_path: Path) -> None:
+    """What docs/envoy.md says is supported: chat, completions, embeddings and the Responses API,
+    streamed or not, from an HTTP/2 client (h2c) as from HTTP/1.1; /v1/models is the gateway's own
+    answer. Each request's usage is the backend's count, read as it went by."""
+    calls: list[tuple[str, dict[str, Any], int]] = [
+        ("/v1/chat/completions", chat(), 3),
+        ("/v1/chat/completions", chat(stream=True), 3),
+        ("/v1/completions", {"model": "stub-model", "prompt": "hi", "max_tokens": 5}, 3),
+        ("/v1/completions", {"model": "stub-model", "prompt": "hi", "max_tokens": 5, "stream": True}, 3),
+        ("/v1/embeddings", {"model": "stub-model", "input": "hi"}, 0),
+        ("/v1/responses", {"model": "stub-model", "input": "hi", "max_output_tokens": 5}, 3),
+        ("/v1/responses", {"model": "stub-model", "input": "hi", "max_output_tokens": 5, "stream": True}, 3),
+    ]
+    async with (
+        stack(tmp_path, {"tenants": TENANTS}) as s,
+        httpx.AsyncClient(http1=False, http2=True, timeout=10) as h2,
+    ):
+        for path, body, _ in calls:
+            r = await h2.post(s.envoy.url + path, json=body, headers=key("a"))
+            assert (r.status_code, r.http_version) == (200, "HTTP/2"), r.text
+        models = await h2.get(s.envoy.url + "/v1/models", headers=key("a"))
+        assert models.status_code == 200 and models.json()["object"] == "list"
+        await settled(s)
+        metered = [r for r in s.records if r.path != "/v1/models"]
+        assert [(r.path, r.status, r.completion_tokens or 0, r.usage_estimated) for r in metered] == [
+            (path, 200, tokens, False) for path, _, tokens in calls
+        ]
+        assert all(r.prompt_tokens for r in metered)
+        assert sum(len(stub.requests) for stub in s.stubs.values()) == len(calls)  # /v1/models: not sent on
