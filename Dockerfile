@@ -11,6 +11,8 @@ ARG BASE_IMAGE=debian:bookworm-slim
 
 # ---- build: a venv with the project's dependencies, then the project itself ----
 FROM ${BASE_IMAGE} AS build
+# Marks every stage's images: those a rebuild leaves dangling are pruned by the compose test.
+LABEL org.tokengate.project=tokengate
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
  && rm -rf /var/lib/apt/lists/*
@@ -34,6 +36,7 @@ RUN pip install -q --no-deps .
 
 # ---- the runtime every target shares: python3, the venv, the user, entrypoint and health check ----
 FROM ${BASE_IMAGE} AS runtime
+LABEL org.tokengate.project=tokengate
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 \
  && rm -rf /var/lib/apt/lists/* \

@@ -136,6 +136,10 @@ def image_exists(engine: Engine, image: str) -> bool:
     return _ok([engine.cli, "image", "inspect", image])
 
 
+IMAGE_LABEL = "org.tokengate.project=tokengate"  # every stage of the Dockerfile carries it
+_SESSION_START = time.time()
+
+
 def build_tokengate(engine: Engine, target: str = "gateway") -> str:
     """Builds (or reuses) the image of ``target``; returns its content-addressed tag."""
     name = "tokengate" if target == "gateway" else f"tokengate-{target}"
@@ -158,7 +162,15 @@ def build_tokengate(engine: Engine, target: str = "gateway") -> str:
 
 def _drop_older_builds(engine: Engine, name: str, keep: str) -> None:
     """Remove the images of earlier build contexts: every change builds a new ctx- tag (1-2 GB with
-    torch), and a developer's disk filled up with them."""
+    torch), and a developer's disk filled up with them. So did the images a build leaves dangling
+    (Podman keeps the builder stages', ~1.4 GB each, and an untagged old image): those from before
+    this test session go, this session's stay as the next build's cache."""
+    _run(
+        [engine.cli, "image", "prune", "-f", "--filter", f"label={IMAGE_LABEL}",
+         "--filter", f"until={int(_SESSION_START)}"],
+        timeout=300,
+        check=False,
+    )  # fmt: skip
     listed = _run(
         [engine.cli, "images", "--format", "{{.Repository}}:{{.Tag}}", f"localhost/{name}"],
         timeout=60,

@@ -148,3 +148,12 @@ def test_the_healthcheck_fails_when_nothing_answers(url: str) -> None:
         [sys.executable, str(ROOT / "deploy/docker/healthcheck.py"), url], capture_output=True, text=True
     )
     assert r.returncode == 1 and "unhealthy" in r.stderr
+
+
+def test_every_stage_carries_the_label_the_compose_test_prunes_by() -> None:
+    """The compose test prunes this project's dangling images (earlier builds' stages, ~1.4 GB
+    each) by their label; a stage without it would fill the disk build after build."""
+    for name, body in stages().items():
+        head = body.splitlines()[0]
+        inherited = head.split()[0] in stages()  # FROM <another stage>: its labels come along
+        assert inherited or f"LABEL {st.IMAGE_LABEL}" in body, f"stage {name} lacks LABEL {st.IMAGE_LABEL}"
