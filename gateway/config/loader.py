@@ -49,6 +49,7 @@ from gateway.config.quotas import model_price, tenant_quotas
 from gateway.config.schema import (
     DEFAULT_CONTEXT_LENGTH,
     DEFAULT_TIERS,
+    EXTPROC_HEADROOM,
     TENANT_KEYS,
     AdminConfig,
     BackendConfig,
@@ -201,7 +202,19 @@ def parse_config(data: Any) -> GatewayConfig:
         observability=_observability(root.get("observability")),
         tracing=_tracing(root.get("tracing")),
     )
+    _check_extproc_message(cfg)
     return cfg
+
+
+def _check_extproc_message(cfg: GatewayConfig) -> None:
+    """A body the gateway would refuse must reach it: past the gRPC limit, Envoy answers 500 itself."""
+    given = cfg.extproc.max_message_bytes
+    if given is not None and given - cfg.limits.max_body_bytes < EXTPROC_HEADROOM:
+        raise ConfigError(
+            f"extproc.max_message_bytes: {given} must exceed limits.max_body_bytes "
+            f"({cfg.limits.max_body_bytes}) by at least {EXTPROC_HEADROOM} (the request's headers), or a "
+            "body the gateway would refuse with a 413 fails in Envoy as a 500"
+        )
 
 
 def _observability(v: Any) -> ObserveSettings:
@@ -333,6 +346,7 @@ def _extproc(v: Any) -> ExtprocConfig:
         "port",
         "max_message_timeout_s",
         "extend_after_s",
+        "max_message_bytes",
         "pool_header",
         "fairness_header",
         "objective_header",
@@ -357,6 +371,11 @@ def _extproc(v: Any) -> ExtprocConfig:
         port=integer(m, "port", "extproc", d.port, minimum=0, maximum=65535),
         max_message_timeout_s=longest,
         extend_after_s=extend,
+        max_message_bytes=(
+            integer(m, "max_message_bytes", "extproc", 0, minimum=1 << 20)
+            if m.get("max_message_bytes") is not None
+            else None
+        ),
         **headers,
     )
 

@@ -101,6 +101,9 @@ class UsageLogConfig:
     flush_s: float = 1.0  # how often a replica adds what it counted to the store
 
 
+EXTPROC_HEADROOM = 1 << 20  # room for a request's headers beside its body in one ext_proc message
+
+
 @dataclass(frozen=True, slots=True)
 class ExtprocConfig:
     """Envoy's external processor (``tokengate extproc``, gateway/extproc): the same admission as the
@@ -115,6 +118,18 @@ class ExtprocConfig:
     # Sent to Envoy that long after the body came when no answer is ready yet (the request queues,
     # or a long prompt is counted): under Envoy's message_timeout, which it extends.
     extend_after_s: float = 0.1
+    # The largest message taken from Envoy (the request's body buffered whole, and its headers): at
+    # least Envoy's buffer limit (per_connection_buffer_limit_bytes, 32 MiB in deploy/envoy), so a
+    # body past limits.max_body_bytes still reaches the gateway and gets its 413; a larger message
+    # fails the stream, and Envoy answers 500 itself. None: the larger of 34 MiB and
+    # limits.max_body_bytes + 1 MiB (``message_limit``).
+    max_message_bytes: int | None = None
+
+    def message_limit(self, max_body_bytes: int) -> int:
+        if self.max_message_bytes is not None:
+            return self.max_message_bytes
+        return max(34 << 20, max_body_bytes + EXTPROC_HEADROOM)
+
     pool_header: str = "x-tokengate-pool"  # the pool, for the route's cluster_header
     # For an endpoint picker behind Envoy (llm-d's flow control): the tenant and the tier.
     fairness_header: str = "x-llm-d-inference-fairness-id"

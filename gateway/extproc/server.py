@@ -33,7 +33,8 @@ class ExtprocServer:
     def __init__(self, settings: ExtprocConfig, app: App, max_body_bytes: int) -> None:
         self.settings = settings
         self.app = app
-        self.max_message = max_body_bytes + (1 << 20)  # the body buffered whole, and its headers
+        # As much as Envoy buffers: a body past limits.max_body_bytes reaches the gateway's 413.
+        self.max_message = settings.message_limit(max_body_bytes)
         self.port = 0  # bound, once started
         self._server: grpc.aio.Server | None = None
 

@@ -56,12 +56,12 @@ def key(name: str) -> dict[str, str]:
 
 @contextlib.asynccontextmanager
 async def stack(
-    tmp_path: Path, raw: dict[str, Any], pools: tuple[str, ...] = ("chat",)
+    tmp_path: Path, raw: dict[str, Any], pools: tuple[str, ...] = ("chat",), capacity: int = 10_000
 ) -> AsyncIterator[Stack]:
     async with stub_backends(pools) as backends:
         raw = {
             "pools": {
-                name: {"backends": [{"url": s.url, "capacity_tokens": 10_000}]}
+                name: {"backends": [{"url": s.url, "capacity_tokens": capacity}]}
                 for name, (_, s) in backends.items()
             },
             **raw,
@@ -318,3 +318,37 @@ async def test_every_api_over_http2_is_admitted_and_its_usage_read(tmp_path: Pat
         ]
         assert all(r.prompt_tokens for r in metered)
         assert sum(len(stub.requests) for stub in s.stubs.values()) == len(calls)  # /v1/models: not sent on
+
+
+async def test_big_prompts_are_admitted_or_refused_in_openais_shape(tmp_path: Path) -> None:
+    """A prompt of megabytes goes to the processor whole (one gRPC message) and on to the backend;
+    one over limits.max_body_bytes, or priced past the pool, gets the gateway's answer in OpenAI's
+    shape (a body past limits.max_body_bytes once failed the gRPC stream: Envoy's empty 500). One
+    past Envoy's own buffer gets Envoy's 413, in the same shape."""
+    tenants = {"a": {"keys": ["sk-a"], "budget_tokens": 300_000}}
+    raw = {
+        "tenants": tenants,
+        "limits": {"max_body_bytes": 3 << 20},
+        "models": {"stub-model": {"context_length": 1_000_000}},
+    }
+    async with stack(tmp_path, raw, capacity=300_000) as s, aiohttp.ClientSession() as http:
+        words = "lorem ipsum dolor sit amet " * 40_000  # ~1 MB, ~200k tokens
+        async with http.post(s.url, data=orjson.dumps(chat(words)), headers=key("a")) as r:
+            assert r.status == 200, await r.text()
+        [seen] = s.stubs["chat"].requests
+        assert seen.body["messages"][0]["content"] == words
+        too_long = chat(words * 2 + "x" * 200_000)  # ~2.3 MB: under the body limit, past the pool
+        async with http.post(s.url, data=orjson.dumps(too_long), headers=key("a")) as r:
+            body = await r.json()
+            assert r.status == 413 and body["error"]["type"] == "invalid_request_error", body
+        too_big = chat(words * 4)  # ~4 MB: past limits.max_body_bytes
+        async with http.post(s.url, data=orjson.dumps(too_big), headers=key("a")) as r:
+            body = await r.json()
+            assert r.status == 413, body
+            assert "limits.max_body_bytes" in body["error"]["message"]
+        huge = b"x" * (33 << 20)  # past Envoy's own buffer (per_connection_buffer_limit_bytes)
+        async with http.post(s.url, data=huge, headers=key("a")) as r:
+            body = await r.json()  # Envoy's own answer, in OpenAI's shape (its local_reply_config)
+            assert (r.status, body["error"]["code"]) == (413, "request_too_large"), body
+        assert len(s.stubs["chat"].requests) == 1
+        await settled(s)

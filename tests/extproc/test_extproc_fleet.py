@@ -86,6 +86,8 @@ async def test_processor_killed_envoy_fails_closed_or_open_as_configured(tmp_pat
                 await proc.wait()
                 async with http.post(closed.url + "/v1/chat/completions", data=chat(), headers=auth) as r:
                     assert r.status == 500  # fail closed: nothing unadmitted reaches a backend
+                    error = (await r.json())["error"]  # Envoy's own answer, in OpenAI's shape
+                    assert (error["type"], error["code"]) == ("server_error", "gateway_unavailable")
                 assert len(stub.requests) == 2
                 async with http.post(opened.url + "/v1/chat/completions", data=chat(), headers=auth) as r:
                     assert r.status == 200  # fail open: through, unadmitted, on the fallback route

@@ -421,6 +421,21 @@ def test_extproc_section_defaults_and_errors_name_the_field() -> None:
         parse_config({"extproc": {"listen": 1}})
 
 
+def test_extprocs_message_limit_lets_every_body_the_gateway_refuses_reach_it() -> None:
+    """Envoy sends the body whole in one gRPC message: past the processor's limit the stream fails
+    and Envoy answers 500 itself, where the gateway would have said 413."""
+    assert parse_config({}).extproc.message_limit(4 << 20) == 34 << 20  # Envoy's 32 MiB buffer, and headers
+    big = parse_config({"limits": {"max_body_bytes": 64 << 20}})
+    assert big.extproc.message_limit(big.limits.max_body_bytes) == 65 << 20
+    given = parse_config({"extproc": {"max_message_bytes": 40 << 20}}).extproc
+    assert given.message_limit(4 << 20) == 40 << 20
+    with pytest.raises(
+        ConfigError,
+        match=r"extproc\.max_message_bytes: 4718592 must exceed limits\.max_body_bytes \(4194304\)",
+    ):
+        parse_config({"extproc": {"max_message_bytes": 4608 << 10}})
+
+
 def test_the_shipped_envoy_configs_processor_config_loads() -> None:
     config = load_config(str(Path(__file__).resolve().parents[2] / "deploy" / "envoy" / "tokengate.yaml"))
     assert [p.name for p in config.pools] == ["chat", "batch"]
