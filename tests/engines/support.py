@@ -17,3 +17,12 @@ def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
 
 def client(base: str, key: str = "sk-acme") -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+async def read_some(stream: Any, events: int = 3) -> None:
+    """Read a stream's first ``events`` events and stop (the caller then hangs up)."""
+    seen = 0
+    async for _ in stream:
+        seen += 1
+        if seen == events:
+            return

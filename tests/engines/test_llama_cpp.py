@@ -21,7 +21,7 @@ import pytest
 
 from tests.conftest import GatewayFactory
 from tests.engines.conftest import Engine, LlamaFactory, behind_envoy, idle
-from tests.engines.support import MESSAGES, access_lines, client
+from tests.engines.support import MESSAGES, access_lines, client, read_some
 from tests.support import eventually
 
 pytestmark = pytest.mark.engine
@@ -230,27 +230,28 @@ async def test_a_busy_engine_is_not_marked_down_by_probes_that_wait_behind_its_s
     assert again
 
 
-async def test_a_client_that_hangs_up_mid_stream_stops_the_engines_generation(
-    llama: Engine, gateway_factory: GatewayFactory, caplog: pytest.LogCaptureFixture
-) -> None:
-    caplog.set_level(logging.INFO, logger="tokengate.access")
-    gw = await gateway_factory(config(llama))
+async def hang_up_and_see_the_engine_stop(llama: Engine, url: str) -> None:
+    """A stream through ``url`` read for three events, then closed: the engine's own log says it
+    stopped generating for a client that went away."""
     before = llama.log_text().count("Disconnected from client")
-    stream = await client(gw.url).chat.completions.create(
+    stream = await client(url).chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=400, stream=True
     )
-    seen = 0
-    async for _ in stream:
-        seen += 1
-        if seen == 3:
-            break
+    await read_some(stream)
     await stream.close()
-    # The engine's own log says it stopped generating for a client that went away.
     await eventually(
         lambda: llama.log_text().count("Disconnected from client") > before,
         timeout_s=10,
         message="engine went on",
     )
+
+
+async def test_a_client_that_hangs_up_mid_stream_stops_the_engines_generation(
+    llama: Engine, gateway_factory: GatewayFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="tokengate.access")
+    gw = await gateway_factory(config(llama))
+    await hang_up_and_see_the_engine_stop(llama, gw.url)
     await idle(gw)
     [line] = access_lines(caplog)
     assert (line["status"], line["outcome"]) == (499, "client_disconnect")
@@ -303,21 +304,7 @@ async def test_through_envoy_a_client_that_hangs_up_stops_llama_cpps_generation(
 ) -> None:
     caplog.set_level(logging.INFO, logger="tokengate.access")
     async with behind_envoy(config(llama), tmp_path) as s:
-        before = llama.log_text().count("Disconnected from client")
-        stream = await client(s.url).chat.completions.create(
-            model=MODEL, messages=MESSAGES, max_tokens=400, stream=True
-        )
-        seen = 0
-        async for _ in stream:
-            seen += 1
-            if seen == 3:
-                break
-        await stream.close()
-        await eventually(
-            lambda: llama.log_text().count("Disconnected from client") > before,
-            timeout_s=10,
-            message="engine went on",
-        )
+        await hang_up_and_see_the_engine_stop(llama, s.url)
         await s.settled()
         [line] = access_lines(caplog)
         assert (line["status"], line["outcome"]) == (499, "client_disconnect")

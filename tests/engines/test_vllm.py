@@ -22,7 +22,7 @@ import pytest
 from loadtest.bench import vllm_closed_loop as loop
 from tests.conftest import GatewayFactory
 from tests.engines.conftest import Engine, VllmFactory, behind_envoy, idle
-from tests.engines.support import MESSAGES, access_lines, client
+from tests.engines.support import MESSAGES, access_lines, client, read_some
 from tests.support import eventually
 
 pytestmark = pytest.mark.engine
@@ -76,13 +76,11 @@ async def stream_events(c: openai.AsyncOpenAI, **kw: Any) -> tuple[list[str], An
     return parts, usage
 
 
-async def test_answers_through_tokengate_are_the_engines_own(
-    vllm: Engine, tiny_llama_dir: Path, gateway_factory: GatewayFactory, caplog: pytest.LogCaptureFixture
-) -> None:
-    caplog.set_level(logging.INFO, logger="tokengate.access")
-    gw = await gateway_factory(config(vllm, tiny_llama_dir))
-    direct, through = client(vllm.url, "none"), client(gw.url)
-    kw: dict[str, Any] = {"model": MODEL, "messages": MESSAGES, "temperature": 0, "max_tokens": 16}
+async def answers_and_streams_are_the_same(
+    direct: openai.AsyncOpenAI, through: openai.AsyncOpenAI, kw: dict[str, Any]
+) -> Any:
+    """A chat answer, and streams with and without usage, the same straight and through; the
+    direct answer."""
     a, b = await direct.chat.completions.create(**kw), await through.chat.completions.create(**kw)
     assert a.choices[0].message.content == b.choices[0].message.content
     assert a.usage == b.usage
@@ -92,6 +90,17 @@ async def test_answers_through_tokengate_are_the_engines_own(
         t = await stream_events(through, max_tokens=16, **options)
         assert d == t  # event by event; the usage event only where the client asked for it
         assert (t[1] is not None) == usage
+    return a
+
+
+async def test_answers_through_tokengate_are_the_engines_own(
+    vllm: Engine, tiny_llama_dir: Path, gateway_factory: GatewayFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="tokengate.access")
+    gw = await gateway_factory(config(vllm, tiny_llama_dir))
+    direct, through = client(vllm.url, "none"), client(gw.url)
+    kw: dict[str, Any] = {"model": MODEL, "messages": MESSAGES, "temperature": 0, "max_tokens": 16}
+    a = await answers_and_streams_are_the_same(direct, through, kw)
     done = await through.completions.create(model=MODEL, prompt="The sky is", max_tokens=8, temperature=0)
     same = await direct.completions.create(model=MODEL, prompt="The sky is", max_tokens=8, temperature=0)
     assert done.choices[0].text == same.choices[0].text
@@ -146,11 +155,7 @@ async def test_a_client_that_hangs_up_aborts_the_engines_request(
     stream = await client(gw.url).chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=1900, stream=True, extra_body={"ignore_eos": True}
     )
-    seen = 0
-    async for _ in stream:
-        seen += 1
-        if seen == 3:
-            break
+    await read_some(stream)
     assert await metric(vllm, "vllm:num_requests_running") == 1
     await stream.close()
 
@@ -313,15 +318,7 @@ async def test_through_envoy_and_the_external_processor_answers_and_usage_are_vl
     async with behind_envoy(config(vllm, tiny_llama_dir), tmp_path) as s:
         direct, through = client(vllm.url, "none"), client(s.url)
         kw: dict[str, Any] = {"model": MODEL, "messages": MESSAGES, "temperature": 0, "max_tokens": 16}
-        a, b = await direct.chat.completions.create(**kw), await through.chat.completions.create(**kw)
-        assert a.choices[0].message.content == b.choices[0].message.content
-        assert a.usage == b.usage
-        for usage in (True, False):
-            options = {"stream_options": {"include_usage": True}} if usage else {}
-            d = await stream_events(direct, max_tokens=16, **options)
-            t = await stream_events(through, max_tokens=16, **options)
-            assert d == t  # event by event; the usage event only where the client asked for it
-            assert (t[1] is not None) == usage
+        a = await answers_and_streams_are_the_same(direct, through, kw)
         n = 20
         for i in range(n):
             await stream_events(through, max_tokens=2 + i % 4, extra_body={"ignore_eos": True})
@@ -343,11 +340,7 @@ async def test_through_envoy_a_client_that_hangs_up_aborts_vllms_request(
         stream = await client(s.url).chat.completions.create(
             model=MODEL, messages=MESSAGES, max_tokens=1900, stream=True, extra_body={"ignore_eos": True}
         )
-        seen = 0
-        async for _ in stream:
-            seen += 1
-            if seen == 3:
-                break
+        await read_some(stream)
         assert await metric(vllm, "vllm:num_requests_running") == 1
         await stream.close()  # Envoy resets the processor's stream and the engine's
 
