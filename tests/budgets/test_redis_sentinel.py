@@ -17,7 +17,9 @@ from tests.budgets.redis_fixtures import StoreMaker, make_store
 from tests.budgets.support import P, assert_idle, demand, eventually, in_flight, small_layout
 
 __all__ = ["make_store"]  # a fixture used below
-pytestmark = pytest.mark.redis_outage  # stores notice an outage within tenths of a second
+# No redis_outage mark: a killed primary refuses at once and a demoted one answers READONLY at once,
+# so the store needs no short timeouts to notice; short ones made a slow healthy call right after a
+# failover (the new primary busy syncing, on a loaded machine) read as one more outage.
 
 
 @pytest.fixture
@@ -82,9 +84,9 @@ async def test_the_store_follows_the_primarys_death_to_the_new_primary_over_admi
     assert resolver is not None and resolver.resolved >= 2  # the old primary, then the new one
     described = store.describe()
     assert (described["topology"], described["node"]) == ("sentinel", f"127.0.0.1:{sentinels.primary_port()}")
-    await store.release(held.id, 0)
+    assert await store.release(held.id, 0)
     lease = await store.acquire(demand("b", 50, P), 2)  # fits now
-    await store.release(lease.id, 0)
+    assert await store.release(lease.id, 0)
     await assert_idle(store)
 
 
@@ -105,7 +107,7 @@ async def test_a_demoted_primary_that_answers_readonly_sends_the_store_to_the_ne
         lambda: grants(store), timeout_s=10, message="the store kept writing to the demoted primary"
     )
     assert await in_flight(store, P) == 30
-    await store.release(before.id, 0)
+    assert await store.release(before.id, 0)
     await assert_idle(store)
 
 
@@ -131,7 +133,7 @@ async def test_sentinels_and_data_nodes_that_ask_for_passwords_are_given_theirs(
             message="the store did not follow the failover with passwords",
         )
         assert await in_flight(store, P) == 30
-        await store.release(held.id, 0)
+        assert await store.release(held.id, 0)
         await assert_idle(store)
 
         wrong = make_store(group.primary, small_layout(), url=group.url.replace("s%26p%3D1", "not-it"))
