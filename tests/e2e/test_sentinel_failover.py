@@ -7,8 +7,9 @@ restart. The backend counts the requests it serves at every moment (one request'
 that count is the tokens in flight):
 
 - ``fail_mode: closed``: never more than the pool's capacity, before, during and after;
-- ``fail_mode: open``: during the outage at most what was admitted before it plus each replica's
-  local share (docs/redis.md, "Failure modes"), after it never more than the capacity;
+- ``fail_mode: open``: during the outage at most what Redis had admitted (at most the capacity)
+  plus each replica's local share (docs/redis.md, "Failure modes"), after it never more than the
+  capacity;
 
 and serving again within 10 s of the kill, nothing leaked on the new primary afterwards.
 """
@@ -86,7 +87,11 @@ async def test_a_failover_mid_load_over_admits_nothing_and_serves_again_within_s
         if fail_mode == "closed":
             assert outage_peak <= CAPACITY and set(load.statuses) <= {200, 429, 503}, load.statuses
         else:
-            assert outage_peak <= before_outage + REPLICAS * (CAPACITY // REPLICAS)
+            # What Redis had admitted when it died, still running (U), plus each replica's local
+            # share. U is not what the backend ran at the kill: requests granted a moment before
+            # reach the backend after it (it once ran 2 at the kill, Redis had granted 9); under a
+            # closed loop the pool is full, so U is the capacity (the worst case docs/redis.md names).
+            assert outage_peak <= CAPACITY + REPLICAS * (CAPACITY // REPLICAS)
             assert set(load.statuses) <= {200, 429}, load.statuses
         assert after[200] > 20, after
     finally:
