@@ -124,16 +124,16 @@ class ExtprocConfig:
     # fails the stream, and Envoy answers 500 itself. None: the larger of 34 MiB and
     # limits.max_body_bytes + 1 MiB (``message_limit``).
     max_message_bytes: int | None = None
-
-    def message_limit(self, max_body_bytes: int) -> int:
-        if self.max_message_bytes is not None:
-            return self.max_message_bytes
-        return max(34 << 20, max_body_bytes + EXTPROC_HEADROOM)
-
     pool_header: str = "x-tokengate-pool"  # the pool, for the route's cluster_header
     # For an endpoint picker behind Envoy (llm-d's flow control): the tenant and the tier.
     fairness_header: str = "x-llm-d-inference-fairness-id"
     objective_header: str = "x-llm-d-inference-objective"
+
+    def message_limit(self, max_body_bytes: int) -> int:
+        """The gRPC receive limit: ``max_message_bytes``, or what its comment says when unset."""
+        if self.max_message_bytes is not None:
+            return self.max_message_bytes
+        return max(34 << 20, max_body_bytes + EXTPROC_HEADROOM)
 
 
 # The backend-side shapes are defined with the routing code (gateway.upstream.pools) and used
