@@ -34,6 +34,8 @@ from time import perf_counter
 from typing import Any
 from urllib.parse import unquote
 
+import grpc.aio
+
 from gateway.config.schema import ExtprocConfig
 from gateway.extproc import messages
 from gateway.extproc.wire_pb2 import HttpHeaders, ProcessingRequest, ProcessingResponse
@@ -178,19 +180,22 @@ class EnvoyStream:
             await app(scope, self._receive, self._send)
         except AnswerCut:
             pass  # the answer was under way through Envoy: the stream's end cuts it
+        except ClientGone:
+            pass  # Envoy reset the stream while the gateway's own answer was going
         except Exception:
             log.exception("ext_proc: the request failed outside the request path")
         if self._pending and not self._gone.is_set():
             # Never end the stream with a message unanswered: Envoy would take a stream closed
             # cleanly as "go on without the processor" and send the request on unadmitted.
-            await self._answer(
-                messages.immediate(
-                    500,
-                    [("content-type", b"application/json")],
-                    ApiError(500, "Internal gateway error", code="internal_error").body(),
-                    "tokengate_internal_error",
+            with contextlib.suppress(ClientGone):  # (Envoy reset it meanwhile: nobody to answer)
+                await self._answer(
+                    messages.immediate(
+                        500,
+                        [("content-type", b"application/json")],
+                        ApiError(500, "Internal gateway error", code="internal_error").body(),
+                        "tokengate_internal_error",
+                    )
                 )
-            )
 
     async def _pump(self) -> None:
         """Envoy's messages after the request's body, into the inbox; its end is the client's."""
@@ -243,7 +248,11 @@ class EnvoyStream:
             self._extension.cancel()
             self._extension = None
         async with self._lock:
-            await self._write(response)
+            try:
+                await self._write(response)
+            except grpc.aio.BaseError:
+                # Envoy reset the stream before the answer could go (the client went): a hang-up.
+                raise ClientGone from None
 
     def _extend_soon(self) -> None:
         self._extension = None

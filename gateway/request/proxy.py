@@ -341,7 +341,8 @@ class Proxy:
         except ApiError as exc:
             await self._fail(x, exc)
         except ClientGone:
-            rec.status, rec.outcome, rec.reason = 499, "client_disconnect", "client_disconnect"
+            if not x.stream_complete:  # (after the stream's end it is the client's business)
+                rec.status, rec.outcome, rec.reason = 499, "client_disconnect", "client_disconnect"
         except asyncio.CancelledError:
             reason = x.cancel_reason
             if reason is None:

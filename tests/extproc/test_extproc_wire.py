@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 import grpc.aio
 import orjson
+import pytest
 
 from gateway.extproc.server import METHOD, SERVICE
 from gateway.extproc.wire_pb2 import (
@@ -164,3 +165,19 @@ async def test_a_stream_reset_after_its_done_line_is_a_completed_request_with_it
         else:
             assert rec.prompt_tokens == rec.prefill and rec.completion_tokens == 2  # one per output event
             assert (backend.usage_reported, backend.usage_missing) == (0, 1)
+
+
+async def test_a_reset_after_the_responses_last_message_before_its_answer_ends_the_request_cleanly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The client goes while the processor reads the response's last message: Envoy resets the
+    stream before the answer can be written. The backend's work is done and counted; the failed
+    write is no error of the gateway's."""
+    async with processor_and_envoy() as (p, records, process):
+        envoy = await admitted(process)
+        last = ProcessingRequest(response_body=HttpBody(body=orjson.dumps(ANSWER), end_of_stream=True))
+        await envoy.call.write(last)
+        envoy.call.cancel()
+        rec = await ended(p, records)
+    assert rec.status in (200, 499) and rec.outcome in ("ok", "client_disconnect")
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], caplog.text
