@@ -335,6 +335,9 @@ class _Call:
                 self.done.set_exception(failure)
 
 
+_FRAME_HEADER = 9  # an HTTP/2 frame: 3 bytes of payload length, type, flags, stream id
+
+
 class _H2:
     """One HTTP/2 connection to the receiver, read by a task of its own: the receiver's pings,
     settings and window updates are answered as they come, and one that says goodbye (GOAWAY)
@@ -351,13 +354,23 @@ class _H2:
         from h2 import events
         from h2.exceptions import H2Error
 
+        buffered = b""
         try:
             while self.open:
                 data = await self.reader.read(65536)
                 if not data:
                     break
-                for ev in self.h2.receive_data(data):
-                    self._event(ev, events)
+                # Frame by frame: h2 raises on the first frame it refuses and returns none of the
+                # events before it, and a receiver that shuts down sends the call's answer, GOAWAY
+                # and a PING in one write (a PING after GOAWAY is refused): the answer must count.
+                buffered += data
+                while len(buffered) >= _FRAME_HEADER:
+                    end = _FRAME_HEADER + int.from_bytes(buffered[:3], "big")
+                    if len(buffered) < end:
+                        break
+                    frame, buffered = buffered[:end], buffered[end:]
+                    for ev in self.h2.receive_data(frame):
+                        self._event(ev, events)
                 self.writer.write(self.h2.data_to_send())
         except (OSError, H2Error):
             pass

@@ -228,13 +228,56 @@ async def test_gzip_over_grpc_and_http(collector: GrpcCollector, http_collector:
         assert sorted(got) == list(range(50)), protocol
 
 
+async def test_an_answer_sent_with_goodbye_and_a_ping_in_one_write_counts() -> None:
+    """A receiver shutting down writes the call's answer, GOAWAY and a PING at once; h2 refuses the
+    PING after GOAWAY and, given the write whole, drops the answer before it too: the exporter
+    counted a delivered batch as failed. Read frame by frame, the answer counts."""
+    from h2.config import H2Configuration
+    from h2.connection import H2Connection
+    from h2.events import RequestReceived, StreamEnded
+
+    async def answer_and_leave(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = H2Connection(H2Configuration(client_side=False, header_encoding=None))
+        conn.initiate_connection()
+        writer.write(conn.data_to_send())
+        sid = None
+        while (data := await reader.read(65536)) != b"":
+            for ev in conn.receive_data(data):
+                if isinstance(ev, RequestReceived):
+                    sid = ev.stream_id
+                elif isinstance(ev, StreamEnded) and sid is not None:
+                    conn.send_headers(sid, [(b":status", b"200"), (b"content-type", b"application/grpc")])
+                    conn.send_data(sid, b"\x00\x00\x00\x00\x00")
+                    conn.send_headers(sid, [(b"grpc-status", b"0")], end_stream=True)
+                    conn.close_connection()
+                    ping = (
+                        b"\x00\x00\x08\x06\x00\x00\x00\x00\x00" + b"12345678"
+                    )  # (h2 sends none after GOAWAY)
+                    writer.write(conn.data_to_send() + ping)  # the answer, GOAWAY and PING: one write
+                    await writer.drain()
+                    writer.close()
+                    return
+            writer.write(conn.data_to_send())
+
+    server = await asyncio.start_server(answer_and_leave, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    exp = exporter(settings("grpc", f"http://127.0.0.1:{port}"))
+    try:
+        await add_all(exp, range(10))
+        await exp.close()
+        assert (exp.exported, exp.failed) == (10, 0)
+    finally:
+        server.close()
+
+
 async def test_a_collector_that_restarts_between_batches_costs_no_batch() -> None:
     first = GrpcCollector()
     port = first.port
     exp = exporter(settings("grpc", first.endpoint))
     try:
         await add_all(exp, range(10))
-        await eventually(lambda: len(first.got) == 10, timeout_s=10)
+        # Answered, not just received: a collector stopped before its answer is out fails the call.
+        await eventually(lambda: exp.exported == 10, timeout_s=10)
         first.stop()  # the kept connection is closed under the exporter while it is idle
         second = GrpcCollector(port)
         try:
